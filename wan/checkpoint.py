@@ -1,0 +1,139 @@
+"""Model weights on disk: a diffusers-format folder or the project's own orbax checkpoint.
+
+Both load straight into given shardings: `abstract` trees of `jax.ShapeDtypeStruct` carry the
+target sharding of every parameter, and each device receives only its shards. Flax-free, so the
+runtime loads weights without model code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from wan import weights
+from wan.configs import ModelConfig
+from wan.weights import text_encoder as text_encoder_rules
+from wan.weights import transformer as transformer_rules
+from wan.weights import vae as vae_rules
+
+MARKER = "wan_checkpoint.json"
+FORMAT_VERSION = 1
+# Component folder -> weight rule, named as in a diffusers WanPipeline folder.
+RULES: dict[str, weights.Rule] = {
+    "transformer": transformer_rules.rule,
+    "transformer_2": transformer_rules.rule,
+    "vae": vae_rules.rule,
+    "text_encoder": text_encoder_rules.rule,
+}
+Tree = dict[str, Any]
+
+
+def is_checkpoint(folder: str | Path) -> bool:
+    return (Path(folder) / MARKER).is_file()
+
+
+def read_config(folder: str | Path) -> ModelConfig:
+    """The model config of a project checkpoint or a diffusers folder."""
+    folder = Path(folder)
+    if is_checkpoint(folder):
+        return model_config_from_dict(json.loads((folder / MARKER).read_text())["model"])
+    return ModelConfig.from_diffusers(folder)
+
+
+def model_config_from_dict(raw: Mapping[str, Any]) -> ModelConfig:
+    from wan.configs import SchedulerConfig, TextEncoderConfig, TransformerConfig, VAEConfig
+
+    return ModelConfig(
+        name=raw["name"],
+        transformer=TransformerConfig.from_dict(raw["transformer"]),
+        vae=VAEConfig.from_dict(raw["vae"]),
+        text_encoder=TextEncoderConfig.from_dict(raw["text_encoder"]),
+        scheduler=SchedulerConfig(**raw["scheduler"]),
+        boundary_ratio=raw.get("boundary_ratio"),
+        dtype=raw.get("dtype", "bfloat16"),
+    )
+
+
+def save_checkpoint(
+    folder: str | Path,
+    config: ModelConfig,
+    components: Mapping[str, Tree],
+    tokenizer_dir: str | Path | None = None,
+) -> Path:
+    """Write `components` (component name -> nested dict of arrays) atomically: the folder
+    appears complete or not at all."""
+    folder = Path(folder).absolute()
+    unknown = set(components) - set(RULES)
+    if unknown:
+        raise ValueError(f"unknown components {sorted(unknown)}; expected some of {sorted(RULES)}")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            for name, tree in components.items():
+                ckptr.save(tmp / name, tree)
+        if tokenizer_dir is not None:
+            shutil.copytree(tokenizer_dir, tmp / "tokenizer")
+        meta = {"format": FORMAT_VERSION, "model": config.to_dict(), "components": sorted(components)}
+        (tmp / MARKER).write_text(json.dumps(meta, indent=2))
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.rename(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
+def load_component(folder: str | Path, component: str, abstract: Tree) -> Tree:
+    """Load one component into the shardings of `abstract` (nested dict of ShapeDtypeStruct).
+
+    A diffusers folder is imported tensor by tensor on the host, then each parameter is placed
+    shard by shard; a checkpoint is restored by orbax directly into the shardings.
+    """
+    folder = Path(folder)
+    if is_checkpoint(folder):
+        path = folder / component
+        if not path.is_dir():
+            raise weights.WeightError(f"checkpoint {folder} has no {component}/")
+        _check_checkpoint_shapes(path, abstract)
+        with ocp.StandardCheckpointer() as ckptr:
+            return ckptr.restore(path.absolute(), abstract)
+    source = folder / component
+    if not source.is_dir():
+        raise weights.WeightError(f"{folder} has no {component}/ (expected a diffusers-format folder)")
+    flat_abstract = weights.flatten(abstract)
+    expected = {p: (tuple(a.shape), np.dtype(a.dtype)) for p, a in flat_abstract.items()}
+    host = weights.import_folder(source, expected, RULES[component])
+    placed = {p: _place(host.pop(p), a) for p, a in flat_abstract.items()}
+    return weights.unflatten(placed)
+
+
+def _place(value: np.ndarray, target: jax.ShapeDtypeStruct) -> jax.Array:
+    sharding = getattr(target, "sharding", None)
+    if sharding is None:
+        return jax.device_put(value)
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+def _check_checkpoint_shapes(path: Path, abstract: Tree) -> None:
+    """Name the first missing or mis-shaped parameter instead of orbax's generic error."""
+    with ocp.StandardCheckpointer() as ckptr:
+        meta = ckptr.metadata(path.absolute()).item_metadata
+        stored = weights.flatten(getattr(meta, "tree", meta))
+    for p, want in weights.flatten(abstract).items():
+        name = ".".join(p)
+        if p not in stored:
+            raise weights.WeightError(f"missing weight for {name}, expected shape {tuple(want.shape)}")
+        got = tuple(stored[p].shape)
+        if got != tuple(want.shape):
+            raise weights.WeightError(f"{name} has shape {got}, expected {tuple(want.shape)}")

@@ -1,0 +1,174 @@
+"""Model configurations: one frozen dataclass per model, mirroring diffusers' config.json.
+
+Flax-free on purpose: the runtime reads configs and presets without importing model code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Self
+
+# Wan 2.1 VAE latent statistics (diffusers' AutoencoderKLWan defaults).
+WAN21_LATENTS_MEAN = (
+    -0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
+    0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921,
+)  # fmt: skip
+WAN21_LATENTS_STD = (
+    2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
+    3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160,
+)  # fmt: skip
+
+
+def _from_dict(cls, raw: dict[str, Any]):
+    """Build `cls` from a config.json dict: known fields only, lists become tuples."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items() if k in names}
+    return cls(**kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """diffusers `WanTransformer3DModel` config (text-to-video subset)."""
+
+    patch_size: tuple[int, int, int] = (1, 2, 2)
+    num_attention_heads: int = 40
+    attention_head_dim: int = 128
+    in_channels: int = 16
+    out_channels: int = 16
+    text_dim: int = 4096
+    freq_dim: int = 256
+    ffn_dim: int = 13824
+    num_layers: int = 40
+    cross_attn_norm: bool = True
+    qk_norm: str | None = "rms_norm_across_heads"
+    eps: float = 1e-6
+    rope_max_seq_len: int = 1024
+
+    @property
+    def inner_dim(self) -> int:
+        return self.num_attention_heads * self.attention_head_dim
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Self:
+        return _from_dict(cls, raw)
+
+
+@dataclasses.dataclass(frozen=True)
+class VAEConfig:
+    """diffusers `AutoencoderKLWan` config (Wan 2.1 VAE)."""
+
+    base_dim: int = 96
+    z_dim: int = 16
+    dim_mult: tuple[int, ...] = (1, 2, 4, 4)
+    num_res_blocks: int = 2
+    attn_scales: tuple[float, ...] = ()
+    temperal_downsample: tuple[bool, ...] = (False, True, True)
+    latents_mean: tuple[float, ...] = WAN21_LATENTS_MEAN
+    latents_std: tuple[float, ...] = WAN21_LATENTS_STD
+    in_channels: int = 3
+    out_channels: int = 3
+
+    @property
+    def spatial_factor(self) -> int:
+        return 2 ** (len(self.dim_mult) - 1)
+
+    @property
+    def temporal_factor(self) -> int:
+        return 2 ** sum(self.temperal_downsample)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Self:
+        return _from_dict(cls, raw)
+
+
+@dataclasses.dataclass(frozen=True)
+class TextEncoderConfig:
+    """transformers `UMT5Config`, encoder side."""
+
+    vocab_size: int = 256384
+    d_model: int = 4096
+    d_kv: int = 64
+    d_ff: int = 10240
+    num_layers: int = 24
+    num_heads: int = 64
+    relative_attention_num_buckets: int = 32
+    relative_attention_max_distance: int = 128
+    layer_norm_epsilon: float = 1e-6
+    max_length: int = 512  # diffusers' WanPipeline pads prompt embeddings to this
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Self:
+        return _from_dict(cls, raw)
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """Sampler settings. `kind` is 'unipc' (diffusers UniPCMultistepScheduler) or 'euler'."""
+
+    kind: str = "unipc"
+    num_train_timesteps: int = 1000
+    flow_shift: float = 5.0
+    solver_order: int = 2
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Self:
+        kind = "euler" if raw.get("_class_name") == "FlowMatchEulerDiscreteScheduler" else "unipc"
+        shift = raw.get("flow_shift", raw.get("shift", 5.0))
+        return cls(
+            kind=kind,
+            num_train_timesteps=raw.get("num_train_timesteps", 1000),
+            flow_shift=float(shift if shift is not None else 1.0),
+            solver_order=raw.get("solver_order", 2),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A whole text-to-video model. `boundary_ratio` set means two experts (Wan 2.2 A14B):
+    the first transformer serves timesteps >= boundary_ratio * num_train_timesteps."""
+
+    name: str
+    transformer: TransformerConfig
+    vae: VAEConfig
+    text_encoder: TextEncoderConfig
+    scheduler: SchedulerConfig
+    boundary_ratio: float | None = None
+    dtype: str = "bfloat16"  # weights and activations of the transformer and text encoder
+
+    @property
+    def num_experts(self) -> int:
+        return 1 if self.boundary_ratio is None else 2
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def hash(self) -> str:
+        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    @classmethod
+    def from_diffusers(cls, folder: str | Path, dtype: str = "bfloat16") -> Self:
+        """Read the config.json files of a diffusers-format model folder."""
+        root = Path(folder)
+
+        def read(sub: str) -> dict[str, Any]:
+            path = root / sub / "config.json"
+            if not path.is_file():
+                raise FileNotFoundError(f"{path} is missing: not a diffusers-format WAN folder")
+            return json.loads(path.read_text())
+
+        pipeline = json.loads((root / "model_index.json").read_text()) if (root / "model_index.json").is_file() else {}
+        sched_path = root / "scheduler" / "scheduler_config.json"
+        sched = json.loads(sched_path.read_text()) if sched_path.is_file() else {}
+        return cls(
+            name=root.name,
+            transformer=TransformerConfig.from_dict(read("transformer")),
+            vae=VAEConfig.from_dict(read("vae")),
+            text_encoder=TextEncoderConfig.from_dict(read("text_encoder")),
+            scheduler=SchedulerConfig.from_dict(sched),
+            boundary_ratio=pipeline.get("boundary_ratio"),
+            dtype=dtype,
+        )

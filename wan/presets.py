@@ -1,0 +1,59 @@
+"""Named model presets with the values of diffusers' Wan conversion configs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from wan.configs import ModelConfig, SchedulerConfig, TextEncoderConfig, TransformerConfig, VAEConfig
+
+_UMT5_XXL = TextEncoderConfig()
+_WAN21_VAE = VAEConfig()
+
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(
+        name="tiny",
+        transformer=TransformerConfig(
+            num_attention_heads=2, attention_head_dim=16, text_dim=32, freq_dim=32,
+            ffn_dim=64, num_layers=2, rope_max_seq_len=1024,
+        ),
+        vae=VAEConfig(base_dim=8, dim_mult=(1, 2, 2, 2), num_res_blocks=1),
+        text_encoder=TextEncoderConfig(
+            vocab_size=256, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+        ),
+        scheduler=SchedulerConfig(flow_shift=3.0),
+        dtype="float32",
+    ),
+    "wan2.1-t2v-1.3b": ModelConfig(
+        name="wan2.1-t2v-1.3b",
+        transformer=TransformerConfig(num_attention_heads=12, ffn_dim=8960, num_layers=30),
+        vae=_WAN21_VAE,
+        text_encoder=_UMT5_XXL,
+        scheduler=SchedulerConfig(flow_shift=3.0),
+    ),
+    "wan2.1-t2v-14b": ModelConfig(
+        name="wan2.1-t2v-14b",
+        transformer=TransformerConfig(num_attention_heads=40, ffn_dim=13824, num_layers=40),
+        vae=_WAN21_VAE,
+        text_encoder=_UMT5_XXL,
+        scheduler=SchedulerConfig(flow_shift=5.0),
+    ),
+    "wan2.2-t2v-a14b": ModelConfig(
+        name="wan2.2-t2v-a14b",
+        transformer=TransformerConfig(num_attention_heads=40, ffn_dim=13824, num_layers=40),
+        vae=_WAN21_VAE,
+        text_encoder=_UMT5_XXL,
+        scheduler=SchedulerConfig(flow_shift=12.0),
+        boundary_ratio=0.875,
+    ),
+}
+
+
+def resolve_model(spec: str) -> ModelConfig:
+    """A preset name, or a diffusers-format folder whose config.json files are read."""
+    if spec in PRESETS:
+        return PRESETS[spec]
+    if Path(spec).is_dir():
+        return ModelConfig.from_diffusers(spec)
+    raise ValueError(
+        f"unknown model {spec!r}: use one of {', '.join(PRESETS)} or a diffusers-format folder"
+    )

@@ -1,0 +1,167 @@
+"""Import diffusers-format safetensors into the project's parameter trees.
+
+Flax-free: the runtime uses it too. A parameter tree is a nested dict of arrays (the pure
+dict of an NNX state); here it is handled flat, keyed by path tuples. Each model has a rule
+module (`wan.weights.transformer`, `.vae`, `.text_encoder`) mapping a diffusers tensor name to
+a `Target`. Tensors are read through a memory map and written straight into one preallocated
+host array per parameter (stacked layers filled slice by slice), so a 14B import holds one
+copy of the weights in host memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+Path_ = tuple[str, ...]
+
+_SAFETENSORS_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+    "BOOL": np.bool_,
+}  # fmt: skip
+
+
+def identity(w: np.ndarray) -> np.ndarray:
+    return w
+
+
+def linear(w: np.ndarray) -> np.ndarray:
+    """torch Linear (out, in) -> flax (in, out)."""
+    return w.T
+
+
+def conv3d(w: np.ndarray) -> np.ndarray:
+    """torch Conv3d (out, in, t, h, w) -> flax (t, h, w, in, out)."""
+    return w.transpose(2, 3, 4, 1, 0)
+
+
+def conv2d(w: np.ndarray) -> np.ndarray:
+    """torch Conv2d (out, in, h, w) -> flax (h, w, in, out)."""
+    return w.transpose(2, 3, 1, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Where one diffusers tensor lands: `path` in the flat tree, `layer` the index on the
+    leading stacked-layers axis (None for unstacked parameters), `transform` the layout change."""
+
+    path: Path_
+    layer: int | None = None
+    transform: Callable[[np.ndarray], np.ndarray] = identity
+
+
+Rule = Callable[[str], Target | None]  # None: the tensor has no parameter here (a buffer)
+
+
+class WeightError(ValueError):
+    """A weight file does not fit the model: names the parameter and the expected shape."""
+
+
+def flatten(tree: Mapping[str, Any], prefix: Path_ = ()) -> dict[Path_, Any]:
+    out: dict[Path_, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            out.update(flatten(value, (*prefix, str(key))))
+        else:
+            out[(*prefix, str(key))] = value
+    return out
+
+
+def unflatten(flat: Mapping[Path_, Any]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for path, value in flat.items():
+        node = tree
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return tree
+
+
+def read_safetensors(path: str | Path) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield (name, array) from one .safetensors file as read-only memory-mapped views."""
+    path = Path(path)
+    with path.open("rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_len))
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in _SAFETENSORS_DTYPES:
+            raise WeightError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
+        start, end = info["data_offsets"]
+        dtype = np.dtype(_SAFETENSORS_DTYPES[info["dtype"]])
+        yield name, data[start:end].view(dtype).reshape(info["shape"])
+
+
+def safetensors_files(folder: str | Path) -> list[Path]:
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise WeightError(f"no .safetensors files in {folder}")
+    return files
+
+
+def import_tensors(
+    tensors: Iterator[tuple[str, np.ndarray]],
+    expected: Mapping[Path_, tuple[tuple[int, ...], Any]],
+    rule: Rule,
+) -> dict[Path_, np.ndarray]:
+    """Fill a flat parameter tree of the `expected` (shape, dtype) from diffusers tensors.
+
+    Every expected parameter (every layer of a stacked one) must be written exactly once.
+    """
+    out: dict[Path_, np.ndarray] = {}
+    filled: dict[Path_, set[int | None]] = {}
+    for name, tensor in tensors:
+        target = rule(name)
+        if target is None:
+            continue
+        if target.path not in expected:
+            raise WeightError(f"{name} maps to {'.'.join(target.path)}, which the model does not have")
+        shape, dtype = expected[target.path]
+        value = target.transform(np.asarray(tensor))
+        want = tuple(shape[1:]) if target.layer is not None else tuple(shape)
+        if value.shape != want:
+            raise WeightError(
+                f"{name}: shape {value.shape} does not fit {'.'.join(target.path)}, expected {want}"
+            )
+        if target.path not in out:
+            out[target.path] = np.empty(shape, dtype=dtype)
+        if target.layer is None:
+            out[target.path][...] = value
+        else:
+            if not 0 <= target.layer < shape[0]:
+                raise WeightError(f"{name}: layer {target.layer} out of range for {shape[0]} layers")
+            out[target.path][target.layer] = value
+        filled.setdefault(target.path, set()).add(target.layer)
+    for path, (shape, _) in expected.items():
+        got = filled.get(path, set())
+        need = {None} if not _is_stacked(path, got) else set(range(shape[0]))
+        missing = need - got
+        if missing:
+            where = "" if missing == {None} else f" (layers {sorted(missing)})"
+            raise WeightError(f"missing weight for {'.'.join(path)}{where}, expected shape {tuple(shape)}")
+    return out
+
+
+def _is_stacked(path: Path_, filled: set[int | None]) -> bool:
+    return bool(filled) and None not in filled
+
+
+def import_folder(
+    folder: str | Path, expected: Mapping[Path_, tuple[tuple[int, ...], Any]], rule: Rule
+) -> dict[Path_, np.ndarray]:
+    """Import every .safetensors file of a diffusers component folder (e.g. `transformer/`)."""
+
+    def tensors() -> Iterator[tuple[str, np.ndarray]]:
+        for file in safetensors_files(folder):
+            yield from read_safetensors(file)
+
+    return import_tensors(tensors(), expected, rule)
