@@ -13,14 +13,13 @@ import pytest
 import torch
 from diffusers.pipelines.wan.pipeline_wan import WanPipeline, prompt_clean
 from flax import nnx
-from tokenizer_fixture import make_tokenizer
 from transformers import UMT5Config, UMT5EncoderModel
 from transformers.models.umt5.modeling_umt5 import UMT5Attention
 
 from wan.configs import TextEncoderConfig
 from wan.presets import PRESETS
 from wan.text_encoder import UMT5Encoder, prompt_embeddings, relative_position_buckets
-from wan.tokenizer import TokenizerError, load_tokenizer, tokenize
+from wan.tokenizer import TokenizerError, build_word_tokenizer, load_tokenizer, tokenize
 from wan.weights import WeightError, flatten, import_folder, unflatten
 from wan.weights.text_encoder import rule
 
@@ -66,7 +65,7 @@ def reference(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tokenizer")
-    make_tokenizer(folder, vocab_size=CFG.vocab_size)
+    build_word_tokenizer(folder, vocab_size=CFG.vocab_size)
     return load_tokenizer(folder)
 
 
