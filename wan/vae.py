@@ -1,0 +1,393 @@
+"""The Wan 2.1 video VAE (diffusers' `AutoencoderKLWan`) in Flax NNX, channels-last.
+
+Video is (B, T, H, W, C). Every 3-D conv is causal in time: it sees the last CACHE_T frames of
+its own input from earlier chunks as left context (zeros before the video starts). Like
+diffusers, video runs through the network chunk by chunk (decode: one latent frame at a time;
+encode: the first frame, then 4 frames at a time). The first chunk behaves differently (temporal
+up/down-sampling is skipped) and runs alone; it returns the feature cache, a pytree of
+fixed-shape arrays, which the remaining chunks carry through one `jax.lax.scan`, so the compiled
+program holds a single body for all later chunks.
+
+Cache convention: a block's `__call__(x, cache)` takes the cache of its own layers (None on the
+first chunk) and returns `(y, new_cache)`.
+
+Sharding: every 5-D activation, every cache tensor and the scan carry is pinned to
+`wan.sharding.VIDEO`; conv kernels name their output-channel axis "vae_conv_out". Nearest
+upsampling is a broadcast + reshape, so a sharded height or width axis stays local.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from wan.configs import VAEConfig
+from wan.sharding import VIDEO, constrain
+
+CACHE_T = 2  # left context of a causal conv with temporal kernel 3
+ENCODE_CHUNK = 4  # video frames per encoder chunk after the first (diffusers' value)
+RMS_EPS = 1e-12  # F.normalize's eps
+
+Cache = Any  # a pytree of (B, t, H, W, C) arrays, None on the first chunk
+Block = Callable[[jax.Array, Cache], tuple[jax.Array, Cache]]
+
+
+def _video(x: jax.Array) -> jax.Array:
+    return constrain(x, VIDEO)
+
+
+def _pin(cache: Cache) -> Cache:
+    return jax.tree.map(_video, cache)
+
+
+def _parts(cache: Cache, n: int) -> tuple[Cache, ...]:
+    """The caches of n sub-blocks: all None on the first chunk."""
+    return (None,) * n if cache is None else tuple(cache)
+
+
+def _named(init: Any, axes: tuple[str | None, ...]) -> Any:
+    """An initializer whose params carry logical axis names for wan.sharding (not sharded
+    eagerly by flax)."""
+    return nnx.with_partitioning(init, axes, eager_sharding=False)
+
+
+class Conv3d(nnx.Conv):
+    """Conv over (B, T, H, W, C), unpadded in time (the causal context is the caller's) and
+    zero-padded in space by `pad` (low, high) on H and W. Input and output are pinned."""
+
+    def __init__(
+        self,
+        cin: int,
+        cout: int,
+        kernel: tuple[int, int, int],
+        *,
+        stride: tuple[int, int, int] = (1, 1, 1),
+        pad: tuple[int, int] | None = None,
+        dtype: Any,
+        param_dtype: Any,
+        rngs: nnx.Rngs,
+    ):
+        pad = (kernel[1] // 2, kernel[1] // 2) if pad is None else pad
+        super().__init__(
+            cin,
+            cout,
+            kernel,
+            strides=stride,
+            padding=((0, 0), pad, pad),
+            dtype=dtype,
+            param_dtype=param_dtype,
+            kernel_init=_named(
+                nnx.initializers.lecun_normal(), (None, None, None, None, "vae_conv_out")
+            ),
+            bias_init=_named(nnx.initializers.zeros_init(), ("vae_conv_out",)),
+            rngs=rngs,
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return _video(super().__call__(_video(x)))
+
+
+def causal(conv: Conv3d, x: jax.Array, cache: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """A temporal-kernel-3 conv of one chunk, continuing the stream: the cache holds the last
+    CACHE_T input frames of the previous chunks (zeros before the first), which is what
+    diffusers' left padding plus its cache of up to two frames amounts to."""
+    if cache is None:
+        cache = jnp.zeros((x.shape[0], CACHE_T, *x.shape[2:]), x.dtype)
+    window = jnp.concatenate([cache, x], axis=1)
+    return conv(window), _video(window[:, -CACHE_T:])
+
+
+def upsample_nearest_2x(x: jax.Array) -> jax.Array:
+    """Nearest-neighbour x2 on H and W (diffusers' nearest-exact at scale 2), shard-local."""
+    b, t, h, w, c = x.shape
+    x = jnp.broadcast_to(x[:, :, :, None, :, None, :], (b, t, h, 2, w, 2, c))
+    return _video(x.reshape(b, t, 2 * h, 2 * w, c))
+
+
+def interleave_time(x: jax.Array) -> jax.Array:
+    """(B, T, H, W, 2C) -> (B, 2T, H, W, C): channel half s of step t becomes frame 2t + s."""
+    b, t, h, w, c2 = x.shape
+    x = x.reshape(b, t, h, w, 2, c2 // 2).transpose(0, 1, 4, 2, 3, 5)
+    return _video(x.reshape(b, 2 * t, h, w, c2 // 2))
+
+
+@dataclasses.dataclass(frozen=True)
+class Make:
+    """Builds the layers with one set of dtypes and rngs."""
+
+    dtype: Any
+    param_dtype: Any
+    rngs: nnx.Rngs
+
+    def conv(self, cin: int, cout: int, kernel: int | tuple[int, int, int], **kw: Any) -> Conv3d:
+        kernel = (kernel,) * 3 if isinstance(kernel, int) else kernel
+        return Conv3d(
+            cin, cout, kernel, dtype=self.dtype, param_dtype=self.param_dtype, rngs=self.rngs, **kw
+        )
+
+    def norm(self, dim: int) -> RMSNorm:
+        return RMSNorm(dim, dtype=self.dtype, param_dtype=self.param_dtype)
+
+
+class RMSNorm(nnx.Module):
+    """WanRMS_norm: L2-normalise over channels (in fp32), times sqrt(C) and a learned gain."""
+
+    def __init__(self, dim: int, *, dtype: Any, param_dtype: Any):
+        self.gamma = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.scale = dim**0.5
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        norm = jnp.sqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True))
+        normalized = (x32 / jnp.maximum(norm, RMS_EPS)).astype(self.dtype)
+        return normalized * self.scale * self.gamma[...].astype(self.dtype)
+
+
+class ResidualBlock(nnx.Module):
+    """norm -> SiLU -> causal conv, twice, plus a (1x1x1 conv) shortcut."""
+
+    def __init__(self, in_dim: int, out_dim: int, make: Make):
+        self.norm1 = make.norm(in_dim)
+        self.conv1 = make.conv(in_dim, out_dim, 3)
+        self.norm2 = make.norm(out_dim)
+        self.conv2 = make.conv(out_dim, out_dim, 3)
+        self.conv_shortcut = make.conv(in_dim, out_dim, 1) if in_dim != out_dim else None
+
+    def __call__(self, x: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
+        c1, c2 = _parts(cache, 2)
+        h = x if self.conv_shortcut is None else self.conv_shortcut(x)
+        x, c1 = causal(self.conv1, nnx.silu(self.norm1(x)), c1)
+        x, c2 = causal(self.conv2, nnx.silu(self.norm2(x)), c2)
+        return x + h, (c1, c2)
+
+
+class AttentionBlock(nnx.Module):
+    """Single-head self-attention over the pixels of each frame. Stateless in time: its
+    cache is always None (the signature matches the other blocks)."""
+
+    def __init__(self, dim: int, make: Make):
+        self.norm = make.norm(dim)
+        self.to_qkv = make.conv(dim, 3 * dim, 1)
+        self.proj = make.conv(dim, dim, 1)
+
+    def __call__(self, x: jax.Array, cache: Cache = None) -> tuple[jax.Array, Cache]:
+        b, t, h, w, c = x.shape
+        qkv = self.to_qkv(self.norm(x)).reshape(b, t, h * w, 3 * c)
+        q, k, v = jnp.split(qkv, 3, axis=-1)
+        logits = jnp.einsum("btqc,btkc->btqk", q, k) * c**-0.5
+        weights = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(v.dtype)
+        out = jnp.einsum("btqk,btkc->btqc", weights, v).reshape(b, t, h, w, c)
+        return x + self.proj(_video(out)), None
+
+
+class MidBlock(nnx.Module):
+    """resnet -> attention -> resnet at the lowest resolution."""
+
+    def __init__(self, dim: int, make: Make):
+        self.resnets = nnx.List([ResidualBlock(dim, dim, make) for _ in range(2)])
+        self.attentions = nnx.List([AttentionBlock(dim, make)])
+
+    def __call__(self, x: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
+        c0, c1 = _parts(cache, 2)
+        x, c0 = self.resnets[0](x, c0)
+        x, _ = self.attentions[0](x)
+        x, c1 = self.resnets[1](x, c1)
+        return x, (c0, c1)
+
+
+class Upsample(nnx.Module):
+    """x2 in space (nearest, then a per-frame 3x3 conv to dim // 2 channels); with `temporal`,
+    first x2 in time by a causal conv to 2 * dim channels split into two frames."""
+
+    def __init__(self, dim: int, temporal: bool, make: Make):
+        self.resample = make.conv(dim, dim // 2, (1, 3, 3))
+        self.time_conv = make.conv(dim, 2 * dim, (3, 1, 1)) if temporal else None
+
+    def __call__(self, x: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
+        if self.time_conv is not None:
+            if cache is None:
+                # diffusers skips the time conv on the first chunk and starts the next one from
+                # zero padding: the first chunk leaves a zero cache.
+                cache = jnp.zeros((x.shape[0], CACHE_T, *x.shape[2:]), x.dtype)
+            else:
+                y, cache = causal(self.time_conv, x, cache)
+                x = interleave_time(y)
+        return self.resample(upsample_nearest_2x(x)), cache
+
+
+class Downsample(nnx.Module):
+    """/2 in space (zero pad right and bottom, 3x3 conv with stride 2); with `temporal`, then
+    /2 in time by a stride-2 conv over the previous chunk's last frame and this chunk."""
+
+    def __init__(self, dim: int, temporal: bool, make: Make):
+        self.resample = make.conv(dim, dim, (1, 3, 3), stride=(1, 2, 2), pad=(0, 1))
+        self.time_conv = make.conv(dim, dim, (3, 1, 1), stride=(2, 1, 1)) if temporal else None
+
+    def __call__(self, x: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
+        x = self.resample(x)
+        if self.time_conv is None:
+            return x, None
+        last = _video(x[:, -1:])
+        if cache is None:  # diffusers: the first chunk is not downsampled in time
+            return x, last
+        return self.time_conv(jnp.concatenate([cache, x], axis=1)), last
+
+
+def _chain(blocks: Iterable[Block], x: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
+    """Run blocks in order, each on its own part of the cache."""
+    blocks = list(blocks)
+    new = []
+    for block, c in zip(blocks, _parts(cache, len(blocks)), strict=True):
+        x, c = block(x, c)
+        new.append(c)
+    return x, tuple(new)
+
+
+class UpBlock(nnx.Module):
+    """num_res_blocks + 1 residual blocks, then an optional upsampler."""
+
+    def __init__(self, in_dim: int, out_dim: int, num_res_blocks: int, up: str | None, make: Make):
+        dims = [in_dim] + [out_dim] * num_res_blocks
+        self.resnets = nnx.List([ResidualBlock(d, out_dim, make) for d in dims])
+        self.upsamplers = None if up is None else nnx.List([Upsample(out_dim, up == "3d", make)])
+
+    def __call__(self, x: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
+        return _chain([*self.resnets, *(self.upsamplers or ())], x, cache)
+
+
+class Encoder(nnx.Module):
+    """conv_in -> per level: residual (+ attention) blocks, downsampling -> mid -> head.
+    `down_blocks` is one flat list as in diffusers (its indices name the weights)."""
+
+    def __init__(self, cfg: VAEConfig, make: Make):
+        dims = [cfg.base_dim * m for m in (1, *cfg.dim_mult)]
+        self.conv_in = make.conv(cfg.in_channels, dims[0], 3)
+        blocks: list[nnx.Module] = []
+        scale = 1.0
+        for i, (in_dim, out_dim) in enumerate(zip(dims[:-1], dims[1:], strict=True)):
+            for _ in range(cfg.num_res_blocks):
+                blocks.append(ResidualBlock(in_dim, out_dim, make))
+                if scale in cfg.attn_scales:
+                    blocks.append(AttentionBlock(out_dim, make))
+                in_dim = out_dim
+            if i != len(cfg.dim_mult) - 1:
+                blocks.append(Downsample(out_dim, cfg.temperal_downsample[i], make))
+                scale /= 2.0
+        self.down_blocks = nnx.List(blocks)
+        self.mid_block = MidBlock(dims[-1], make)
+        self.norm_out = make.norm(dims[-1])
+        self.conv_out = make.conv(dims[-1], 2 * cfg.z_dim, 3)
+
+    def __call__(self, x: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
+        c_in, c_down, c_mid, c_out = _parts(cache, 4)
+        x, c_in = causal(self.conv_in, x, c_in)
+        x, c_down = _chain(self.down_blocks, x, c_down)
+        x, c_mid = self.mid_block(x, c_mid)
+        x, c_out = causal(self.conv_out, nnx.silu(self.norm_out(x)), c_out)
+        return x, (c_in, c_down, c_mid, c_out)
+
+
+class Decoder(nnx.Module):
+    """conv_in -> mid -> up blocks (the Wan 2.1 upsamplers halve the channels, so each block
+    after the first takes half its predecessor's width) -> head."""
+
+    def __init__(self, cfg: VAEConfig, make: Make):
+        mult = cfg.dim_mult
+        dims = [cfg.base_dim * m for m in (mult[-1], *mult[::-1])]
+        temporal = cfg.temperal_downsample[::-1]
+        self.conv_in = make.conv(cfg.z_dim, dims[0], 3)
+        self.mid_block = MidBlock(dims[0], make)
+        blocks = []
+        for i, (in_dim, out_dim) in enumerate(zip(dims[:-1], dims[1:], strict=True)):
+            up = None if i == len(mult) - 1 else "3d" if temporal[i] else "2d"
+            in_dim = in_dim if i == 0 else in_dim // 2
+            blocks.append(UpBlock(in_dim, out_dim, cfg.num_res_blocks, up, make))
+        self.up_blocks = nnx.List(blocks)
+        self.norm_out = make.norm(dims[-1])
+        self.conv_out = make.conv(dims[-1], cfg.out_channels, 3)
+
+    def __call__(self, x: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
+        c_in, c_mid, c_up, c_out = _parts(cache, 4)
+        x, c_in = causal(self.conv_in, x, c_in)
+        x, c_mid = self.mid_block(x, c_mid)
+        x, c_up = _chain(self.up_blocks, x, c_up)
+        x, c_out = causal(self.conv_out, nnx.silu(self.norm_out(x)), c_out)
+        return x, (c_in, c_mid, c_up, c_out)
+
+
+def stream(net: Block, first: jax.Array, chunks: jax.Array) -> jax.Array:
+    """`net` over the first chunk alone, then over `chunks` (B, N, t, H, W, C) in one scan
+    whose carry is the cache; the outputs joined along time."""
+    y0, cache = net(_video(first), None)
+
+    def step(cache: Cache, chunk: jax.Array) -> tuple[Cache, jax.Array]:
+        y, cache = net(_video(chunk), _pin(cache))
+        return _pin(cache), y
+
+    _, ys = jax.lax.scan(step, _pin(cache), jnp.moveaxis(chunks, 1, 0))
+    n, b, t, *rest = ys.shape
+    ys = jnp.moveaxis(ys, 0, 1).reshape(b, n * t, *rest)
+    return _video(jnp.concatenate([y0, ys], axis=1))
+
+
+class WanVAE(nnx.Module):
+    """AutoencoderKLWan: `encode` video -> posterior, `decode` raw latents -> video in [-1, 1]."""
+
+    def __init__(
+        self,
+        cfg: VAEConfig,
+        *,
+        dtype: Any = jnp.float32,
+        param_dtype: Any = jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        make = Make(dtype, param_dtype, rngs)
+        self.dtype = dtype
+        self.encoder = Encoder(cfg, make)
+        self.quant_conv = make.conv(2 * cfg.z_dim, 2 * cfg.z_dim, 1)
+        self.post_quant_conv = make.conv(cfg.z_dim, cfg.z_dim, 1)
+        self.decoder = Decoder(cfg, make)
+
+    def encode(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Video (B, F, H, W, C_in) -> posterior (mean, logvar), each (B, 1 + (F-1)//4 * 4/r,
+        H/s, W/s, z_dim) for temporal factor r and spatial factor s. Trailing frames that do not
+        fill a chunk of 4 are dropped, as in diffusers."""
+        b, f, *frame = x.shape
+        n = (f - 1) // ENCODE_CHUNK
+        x = x.astype(self.dtype)
+        chunks = x[:, 1 : 1 + n * ENCODE_CHUNK].reshape(b, n, ENCODE_CHUNK, *frame)
+        moments = self.quant_conv(stream(self.encoder, x[:, :1], chunks))
+        mean, logvar = jnp.split(moments, 2, axis=-1)
+        return mean, jnp.clip(logvar, -30.0, 20.0)
+
+    def decode(self, z: jax.Array) -> jax.Array:
+        """Raw latents (B, T, h, w, z_dim) -> video (B, 1 + k(T-1), s*h, s*w, C_out) in [-1, 1]
+        for temporal factor k and spatial factor s; one latent frame per chunk."""
+        b, t, *frame = z.shape
+        x = self.post_quant_conv(z.astype(self.dtype))
+        video = stream(self.decoder, x[:, :1], x[:, 1:].reshape(b, t - 1, 1, *frame))
+        return _video(jnp.clip(video, -1.0, 1.0))
+
+
+def _stats(cfg: VAEConfig) -> tuple[jax.Array, jax.Array]:
+    """Channel mean and 1/std as diffusers' WanPipeline holds them (fp32)."""
+    mean = jnp.asarray(cfg.latents_mean, jnp.float32)
+    return mean, 1.0 / jnp.asarray(cfg.latents_std, jnp.float32)
+
+
+def denormalize_latents(latents: jax.Array, cfg: VAEConfig) -> jax.Array:
+    """Diffusion latents -> raw VAE latents (channels-last): latents / (1/std) + mean."""
+    mean, inv_std = _stats(cfg)
+    return (latents.astype(jnp.float32) / inv_std + mean).astype(latents.dtype)
+
+
+def normalize_latents(z: jax.Array, cfg: VAEConfig) -> jax.Array:
+    """Raw VAE latents -> diffusion latents: (z - mean) * (1/std)."""
+    mean, inv_std = _stats(cfg)
+    return ((z.astype(jnp.float32) - mean) * inv_std).astype(z.dtype)
