@@ -1,0 +1,418 @@
+"""Lower, compile, analyse and serialise one build: the four programs of one (model, video
+shape, target, mesh). Abstract inputs only: no weights, no arrays, no target hardware."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import gzip
+import importlib.metadata
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from aot import hlo
+from aot.targets import Target, devices
+from runtime.artifact import (
+    MANIFEST,
+    SCHEMA_VERSION,
+    ArraySpec,
+    ArtifactError,
+    BuildKey,
+    Manifest,
+    ProgramEntry,
+    dump_executable,
+    file_entry,
+    read_manifest,
+)
+from wan import programs as wan_programs
+from wan import sharding
+from wan.configs import ModelConfig
+
+# Test hook: kill the process right after this program's files are written.
+KILL_AFTER_ENV = "AOT_TEST_KILL_AFTER"
+BLOCKWISE_MIN_TOKENS = 8192  # above this, naive attention's temporaries dominate memory
+
+
+class BuildError(ValueError):
+    """A build request that cannot be satisfied; the message says what to change."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildPlan:
+    """Everything one build is made from; `key` names its folder."""
+
+    config: ModelConfig
+    shape: wan_programs.VideoShape
+    target: Target
+    mesh: sharding.MeshShape
+    vae_mesh: tuple[int, int]
+    vae_layout: sharding.VaeLayout
+    attention: str
+    key: BuildKey
+
+
+@dataclasses.dataclass
+class BuildResult:
+    plan: BuildPlan
+    folder: Path
+    manifest: Manifest
+    skipped: bool
+
+
+def plan_build(
+    model_name: str,
+    config: ModelConfig,
+    shape: wan_programs.VideoShape,
+    target: Target,
+    num_devices: int,
+    mesh: sharding.MeshShape | None = None,
+    vae_spatial: int | None = None,
+    attention: str | None = None,
+) -> BuildPlan:
+    """Validate a request and resolve its defaults (mesh, VAE mesh and axis, attention)."""
+    factor = config.vae.spatial_factor * config.transformer.patch_size[1]
+    if shape.width % factor or shape.height % factor or shape.width <= 0 or shape.height <= 0:
+        raise BuildError(
+            f"resolution {shape.width}x{shape.height}: width and height must be positive multiples of {factor}"
+        )
+    tf = config.vae.temporal_factor
+    if shape.frames < 1 or (shape.frames - 1) % tf:
+        raise BuildError(f"--frames {shape.frames}: frames must be {tf}k+1 (e.g. 9, 17, 81)")
+    if shape.batch < 1:
+        raise BuildError(f"--batch {shape.batch}: batch must be >= 1")
+    if mesh is None:
+        mesh = sharding.default_mesh(
+            num_devices, shape.step_batch, transformer_bytes(config), target.hbm_bytes
+        )
+    if mesh.size != num_devices:
+        raise BuildError(
+            f"mesh {_mesh_text(mesh)} has {mesh.size} devices but target {target.name} has {num_devices}"
+        )
+    if shape.step_batch % (mesh.data * mesh.fsdp):
+        raise BuildError(
+            f"step batch {shape.step_batch} ({'2 x ' if shape.cfg else ''}--batch {shape.batch}) is not "
+            f"divisible by data x fsdp = {mesh.data * mesh.fsdp}: change --batch or --mesh"
+        )
+    try:
+        vae_mesh = sharding.vae_mesh_shape(num_devices, shape.batch, vae_spatial)
+    except ValueError as e:
+        raise BuildError(str(e)) from None
+    _, _, lat_h, lat_w, _ = shape.latent_shape(config)
+    layout = sharding.choose_vae_layout(lat_h, lat_w, vae_mesh[1])
+    if attention is None:
+        t, h, w = shape.latent_shape(config)[1:4]
+        p = config.transformer.patch_size
+        tokens = (t // p[0]) * (h // p[1]) * (w // p[2])
+        attention = "blockwise" if tokens > BLOCKWISE_MIN_TOKENS else "dot"
+    key = BuildKey(
+        model=model_name,
+        width=shape.width,
+        height=shape.height,
+        frames=shape.frames,
+        batch=shape.batch,
+        cfg=shape.cfg,
+        target=target.name,
+        mesh=mesh.items(),
+        vae_mesh=vae_mesh,
+        vae_axis=layout.axis,
+        attention=attention,
+    )
+    return BuildPlan(config, shape, target, mesh, vae_mesh, layout, attention, key)
+
+
+def _mesh_text(mesh: sharding.MeshShape) -> str:
+    return ",".join(f"{a}={n}" for a, n in mesh.items())
+
+
+def transformer_bytes(config: ModelConfig) -> int:
+    tc = config.transformer
+    per_layer = 4 * tc.inner_dim**2 * 2 + 2 * tc.inner_dim * tc.ffn_dim  # self + cross attn, ffn
+    itemsize = 2 if config.dtype == "bfloat16" else 4
+    return per_layer * tc.num_layers * itemsize
+
+
+def compiler_fingerprint(target: Target) -> str:
+    return "|".join(f"{k}={v}" for k, v in sorted(versions().items())) + f"|{target.name}"
+
+
+def versions() -> dict[str, str]:
+    out = {"jax": jax.__version__, "jaxlib": importlib.metadata.version("jaxlib")}
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        out["libtpu"] = importlib.metadata.version("libtpu")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def build(
+    plan: BuildPlan,
+    out_root: Path,
+    force: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> BuildResult:
+    """Make (or reuse) the build folder of `plan`. Atomic: the folder appears complete or not
+    at all; a lock keeps two builds of one key apart."""
+    out_root.mkdir(parents=True, exist_ok=True)
+    folder = out_root / plan.key.folder_name()
+    fingerprint = compiler_fingerprint(plan.target)
+    with _lock(out_root / ".locks" / f"{folder.name}.lock"):
+        if not force and (existing := _reusable(folder, plan.key, fingerprint)) is not None:
+            return BuildResult(plan, folder, existing, skipped=True)
+        for stale in out_root.glob(f".tmp-{folder.name}-*"):
+            shutil.rmtree(stale, ignore_errors=True)  # left by a killed build of this key
+        tmp = out_root / f".tmp-{folder.name}-{os.getpid()}"
+        tmp.mkdir()
+        try:
+            manifest = _compile_all(plan, tmp, fingerprint, progress)
+            manifest.write(tmp)
+            if folder.exists():
+                shutil.rmtree(folder)
+            os.rename(tmp, folder)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return BuildResult(plan, folder, manifest, skipped=False)
+
+
+def _reusable(folder: Path, key: BuildKey, fingerprint: str) -> Manifest | None:
+    if not (folder / MANIFEST).is_file():
+        return None
+    try:
+        manifest = read_manifest(folder)
+    except ArtifactError:
+        return None
+    ok = manifest.key == key and manifest.compiler_fingerprint == fingerprint
+    return manifest if ok else None
+
+
+@contextlib.contextmanager
+def _lock(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def compile_plan(
+    plan: BuildPlan,
+    progress: Callable[[str], None] | None = None,
+    frames_dtype: str = "uint8",
+) -> Iterator[tuple[wan_programs.Program, Any, jax.sharding.Mesh, float, int]]:
+    """Compile the programs of `plan` one by one: (program, compiled, mesh, seconds, peak RSS)."""
+    devs = devices(plan.target)
+    meshes = {
+        "transformer": sharding.make_mesh(devs, plan.mesh.items()),
+        "vae": sharding.make_mesh(devs, tuple(zip(sharding.VAE_AXES, plan.vae_mesh, strict=True))),
+    }
+    rules = {
+        "transformer": (sharding.TRANSFORMER_RULES, frozenset()),
+        "vae": (plan.vae_layout.rules(), plan.vae_layout.uneven),
+    }
+    progs = wan_programs.programs(plan.config, plan.shape, plan.attention, frames_dtype)
+    for index, program in enumerate(progs, 1):
+        mesh = meshes[program.mesh]
+        label = f"[{index}/{len(progs)}] {plan.key.folder_name()} {program.name}"
+        with _Ticker(label, progress), RssSampler() as rss:
+            start = time.perf_counter()
+            compiled = compile_program(program, mesh, *rules[program.mesh])
+            seconds = time.perf_counter() - start
+        yield program, compiled, mesh, seconds, rss.peak
+
+
+def compile_in_process(plan: BuildPlan, frames_dtype: str = "uint8") -> dict[str, Any]:
+    """The executables of `plan`, compiled here and kept in memory (plain jit, no artifacts)."""
+    return {p.name: compiled for p, compiled, *_ in compile_plan(plan, frames_dtype=frames_dtype)}
+
+
+def _compile_all(
+    plan: BuildPlan, folder: Path, fingerprint: str, progress: Callable[[str], None] | None
+) -> Manifest:
+    entries: dict[str, ProgramEntry] = {}
+    for program, compiled, mesh, seconds, rss in compile_plan(plan, progress):
+        entries[program.name] = _write_program(folder, program, compiled, mesh, seconds, rss)
+        if os.environ.get(KILL_AFTER_ENV) == program.name:
+            os.kill(os.getpid(), signal.SIGKILL)
+    devs = devices(plan.target)  # both meshes lay the devices out in this order
+    notes = []
+    if plan.vae_layout.padded:
+        notes.append(
+            f"VAE: neither latent dimension divides vae_spatial={plan.vae_mesh[1]}; width is "
+            "sharded unevenly (XLA pads it)"
+        )
+    return Manifest(
+        schema_version=SCHEMA_VERSION,
+        key=plan.key,
+        model_config=plan.config.to_dict(),
+        model_hash=plan.config.hash(),
+        versions=versions(),
+        compiler_fingerprint=fingerprint,
+        platform=devs[0].platform,
+        device_kind=devs[0].device_kind,
+        device_ids=[d.id for d in devs],
+        process_count=len({getattr(d, "process_index", 0) for d in devs}),
+        mesh_axes=dict(plan.mesh.items()),
+        vae_mesh_axes=dict(zip(sharding.VAE_AXES, plan.vae_mesh, strict=True)),
+        hbm_bytes=plan.target.hbm_bytes,
+        notes=notes,
+        programs=entries,
+    )
+
+
+def compile_program(
+    program: wan_programs.Program,
+    mesh: jax.sharding.Mesh,
+    rules: sharding.Rules,
+    uneven: frozenset[str] = frozenset(),
+) -> Any:
+    """Lower and compile `program` for `mesh` under `rules` (abstract inputs only)."""
+    in_shardings = tuple(
+        wan_programs.shardings(mesh, a, ax, rules)
+        for a, ax in zip(program.args, program.arg_axes, strict=True)
+    )
+    out_shapes = jax.eval_shape(program.fn, *program.args)
+    out_shardings = wan_programs.shardings(mesh, out_shapes, program.out_axes, rules)
+    # keep_unused: every executable takes its whole parameter tree (kv_cache reads a few of the
+    # transformer's weights), so all programs of a component share one placed copy.
+    jitted = jax.jit(
+        program.fn, in_shardings=in_shardings, out_shardings=out_shardings, keep_unused=True
+    )
+    with jax.set_mesh(mesh), sharding.axis_rules(rules, uneven):
+        return jitted.lower(*program.args).compile()
+
+
+def _write_program(
+    folder: Path,
+    program: wan_programs.Program,
+    compiled: Any,
+    mesh: jax.sharding.Mesh,
+    seconds: float,
+    rss: int,
+) -> ProgramEntry:
+    device_ids = [d.id for d in mesh.devices.flat]
+    (folder / f"{program.name}.exec").write_bytes(dump_executable(compiled, device_ids))
+    text = compiled.as_text()
+    with gzip.open(folder / f"{program.name}.hlo.txt.gz", "wt") as f:
+        f.write(text)
+    module = hlo.parse(text)
+    cost = compiled.cost_analysis() or {}
+    if isinstance(cost, list):
+        cost = cost[0] if cost else {}
+    return ProgramEntry(
+        name=program.name,
+        executable=file_entry(folder, f"{program.name}.exec"),
+        hlo=file_entry(folder, f"{program.name}.hlo.txt.gz"),
+        inputs=_array_specs(compiled.args_info[0], compiled.input_shardings[0]),
+        outputs=_array_specs(jax.eval_shape(program.fn, *program.args), compiled.output_shardings),
+        compile_seconds=round(seconds, 3),
+        peak_rss_bytes=rss,
+        memory=memory_stats(compiled),
+        flops=hlo.flops(module),
+        xla_flops=float(cost.get("flops", 0.0)),
+        collectives=hlo.collective_summary(module),
+    )
+
+
+def _array_specs(shapes: Any, shardings: Any) -> list[ArraySpec]:
+    leaves = jax.tree_util.tree_flatten_with_path(shapes)[0]
+    flat_shardings = jax.tree.leaves(
+        shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)
+    )
+    specs = []
+    for (path, leaf), s in zip(leaves, flat_shardings, strict=True):
+        spec = getattr(s, "spec", None)
+        specs.append(
+            ArraySpec(
+                path=jax.tree_util.keystr(path, simple=True, separator="/"),
+                shape=tuple(leaf.shape),
+                dtype=str(leaf.dtype),
+                sharding=str(spec) if spec is not None else str(s),
+            )
+        )
+    return specs
+
+
+def memory_stats(compiled: Any) -> dict[str, int]:
+    """Per-device bytes. peak = arguments + outputs - aliased + temporaries."""
+    m = compiled.memory_analysis()
+    stats = {
+        "argument": int(m.argument_size_in_bytes),
+        "output": int(m.output_size_in_bytes),
+        "alias": int(m.alias_size_in_bytes),
+        "temp": int(m.temp_size_in_bytes),
+        "generated_code": int(m.generated_code_size_in_bytes),
+    }
+    stats["peak"] = stats["argument"] + stats["output"] - stats["alias"] + stats["temp"]
+    return stats
+
+
+# ----------------------------------------------------------------------------------------------
+# Progress and resource sampling.
+
+
+class RssSampler:
+    """Peak resident set size of this process while the block runs (sampled every 50 ms)."""
+
+    def __enter__(self) -> RssSampler:
+        self.peak = _rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            self.peak = max(self.peak, _rss())
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss())
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class _Ticker:
+    """A live 'name ... 12s' line while a program compiles, so a long build never looks hung."""
+
+    def __init__(self, label: str, sink: Callable[[str], None] | None):
+        self.label, self.sink = label, sink
+
+    def __enter__(self) -> _Ticker:
+        if self.sink is None:
+            return self
+        self.start = time.perf_counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        interactive = sys.stderr.isatty()
+        period = 0.5 if interactive else 30.0
+        self.sink(f"{self.label} compiling")
+        while not self._stop.wait(period):
+            self.sink(f"{self.label} compiling {time.perf_counter() - self.start:.0f}s")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.sink is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self.sink(f"{self.label} done in {time.perf_counter() - self.start:.1f}s")

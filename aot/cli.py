@@ -1,0 +1,190 @@
+"""`aot`: build, list, inspect and check ahead-of-time compiled WAN programs.
+
+jax is imported only inside commands, after `main` has arranged the process for the target
+(host device count, libtpu's deviceless mode): users never set XLA flags themselves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from aot import targets
+
+
+class CliError(click.ClickException):
+    """One line on stderr, exit status 2."""
+
+    exit_code = 2
+
+
+def _resolution(text: str) -> tuple[int, int]:
+    try:
+        w, h = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not WxH (e.g. 720x1280)") from None
+    return w, h
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def cli() -> None:
+    """Ahead-of-time compile the WAN text-to-video programs for any target."""
+
+
+@cli.command("build")
+@click.option("--model", required=True, help="Preset name or diffusers-format folder.")
+@click.option("--res", "resolutions", multiple=True, required=True, help="WxH, repeatable.")
+@click.option(
+    "--frames", "frames_list", multiple=True, required=True, type=int, help="4k+1, repeatable."
+)
+@click.option(
+    "--batch",
+    "batches",
+    multiple=True,
+    required=True,
+    type=int,
+    help="Videos per call, repeatable.",
+)
+@click.option(
+    "--target",
+    required=True,
+    help="cpu-N, current, tpu-v5e-8, tpu-v6e-8, tpu-v5p-8, tpu7x-8, tpu-<gen>:<topology>.",
+)
+@click.option(
+    "--mesh",
+    "mesh_text",
+    default=None,
+    help="data=..,fsdp=..,context=..,tensor=.. (default: per target and batch).",
+)
+@click.option(
+    "--vae-spatial",
+    default="auto",
+    show_default=True,
+    help="auto or N (must divide the device count).",
+)
+@click.option(
+    "--attention",
+    type=click.Choice(["auto", "dot", "blockwise"]),
+    default="auto",
+    show_default=True,
+)
+@click.option(
+    "--no-cfg",
+    is_flag=True,
+    help="Build without classifier-free guidance (the step runs B, not 2B).",
+)
+@click.option(
+    "--out", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True
+)
+@click.option("--force", is_flag=True, help="Rebuild even when an identical build exists.")
+@click.option(
+    "--strict", is_flag=True, help="Fail when the HLO/memory policy check finds a violation."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def build_cmd(
+    model, resolutions, frames_list, batches, target, mesh_text, vae_spatial, attention, no_cfg,
+    out, force, strict, as_json,
+) -> None:  # fmt: skip
+    """Compile the program matrix (--res x --frames x --batch) for one target."""
+    from aot import build as builder
+    from aot import report
+    from wan.presets import resolve_model
+    from wan.programs import VideoShape
+    from wan.sharding import MeshShape
+
+    try:
+        config = resolve_model(model)
+    except (ValueError, OSError) as e:
+        raise CliError(str(e)) from None
+    try:
+        tgt = targets.parse_target(target)
+        num_devices = len(targets.devices(tgt))
+        mesh = MeshShape.parse(mesh_text) if mesh_text else None
+        spatial = None if vae_spatial == "auto" else int(vae_spatial)
+    except (ValueError, targets.TargetError) as e:
+        raise CliError(str(e)) from None
+    name = Path(model).name if Path(model).is_dir() else model
+    plans = []
+    for res in resolutions:
+        w, h = _resolution(res)
+        for frames in frames_list:
+            for batch in batches:
+                shape = VideoShape(width=w, height=h, frames=frames, batch=batch, cfg=not no_cfg)
+                try:
+                    plans.append(
+                        builder.plan_build(
+                            name,
+                            config,
+                            shape,
+                            tgt,
+                            num_devices,
+                            mesh,
+                            spatial,
+                            None if attention == "auto" else attention,
+                        )  # fmt: skip
+                    )
+                except builder.BuildError as e:
+                    raise CliError(str(e)) from None
+    progress = None if as_json else (lambda line: click.echo(line, err=True))
+    results = [builder.build(plan, out, force=force, progress=progress) for plan in plans]
+    built = sum(not r.skipped for r in results)
+    if as_json:
+        click.echo(json.dumps(report.builds_json(results), indent=1))
+    else:
+        click.echo(report.builds_table(results))
+        if built == 0:
+            click.echo(
+                f"nothing to compile: all {len(results)} builds are up to date (--force rebuilds)"
+            )
+        else:
+            click.echo(f"{built} built, {len(results) - built} up to date, in {out}")
+
+
+@cli.command("list")
+@click.argument("folder", type=click.Path(path_type=Path), default=Path("artifacts"))
+def list_cmd(folder: Path) -> None:
+    """A table of the builds in FOLDER."""
+    from aot import report
+
+    if not folder.is_dir():
+        raise CliError(f"{folder} is not a folder of builds (make one with `aot build`)")
+    click.echo(report.list_table(folder))
+
+
+@cli.command("inspect")
+@click.argument("build_dir", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True)
+def inspect_cmd(build_dir: Path, as_json: bool) -> None:
+    """The full report of one build."""
+    from aot import report
+    from runtime.artifact import ArtifactError, read_manifest
+
+    try:
+        manifest = read_manifest(build_dir)
+    except ArtifactError as e:
+        raise CliError(str(e)) from None
+    click.echo(
+        json.dumps(manifest.to_json(), indent=1) if as_json else report.inspect_text(manifest)
+    )
+
+
+def _prepare_from_argv(argv: list[str]) -> None:
+    """Set up the process for the --target on the command line before jax is imported."""
+    for i, arg in enumerate(argv):
+        value = argv[i + 1] if arg == "--target" and i + 1 < len(argv) else None
+        if arg.startswith("--target="):
+            value = arg.split("=", 1)[1]
+        if value:
+            # An unknown target is reported by the command, with its usage context.
+            with contextlib.suppress(targets.TargetError):
+                targets.prepare_environment(targets.parse_target(value))
+            return
+
+
+def main() -> None:
+    _prepare_from_argv(sys.argv[1:])
+    cli(prog_name="aot")

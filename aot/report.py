@@ -1,0 +1,122 @@
+"""Human and machine views of build manifests."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from runtime.artifact import ArtifactError, Manifest, read_manifest
+
+GiB = float(1 << 30)
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=True)]
+    lines = [
+        "  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True))
+        for row in [header, *rows]
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _peak(manifest: Manifest) -> tuple[str, int]:
+    name, prog = max(manifest.programs.items(), key=lambda kv: kv[1].memory["peak"])
+    return name, prog.memory["peak"]
+
+
+def _peak_text(manifest: Manifest) -> str:
+    name, peak = _peak(manifest)
+    hbm = (
+        f" / {manifest.hbm_bytes / GiB:.0f} GiB ({100 * peak / manifest.hbm_bytes:.0f}%)"
+        if manifest.hbm_bytes
+        else ""
+    )
+    return f"{peak / GiB:.2f} GiB{hbm} [{name}]"
+
+
+def _collectives_text(collectives: dict[str, dict[str, int]]) -> str:
+    parts = [f"{kind}:{c['count']}" for kind, c in sorted(collectives.items()) if c["count"]]
+    return " ".join(parts) or "none"
+
+
+def _all_collectives(manifest: Manifest) -> dict[str, dict[str, int]]:
+    total: dict[str, dict[str, int]] = {}
+    for prog in manifest.programs.values():
+        for kind, c in prog.collectives.items():
+            slot = total.setdefault(kind, {"count": 0, "bytes": 0})
+            slot["count"] += c["count"]
+            slot["bytes"] += c["bytes"]
+    return total
+
+
+def builds_table(results: Sequence[Any]) -> str:
+    rows = []
+    for r in results:
+        m = r.manifest
+        rows.append([
+            r.folder.name,
+            "up to date" if r.skipped else "built",
+            _peak_text(m),
+            f"{m.programs['denoise_step'].flops / 1e12:.3f}",
+            _collectives_text(_all_collectives(m)),
+            f"{sum(p.compile_seconds for p in m.programs.values()):.1f}",
+        ])  # fmt: skip
+    header = ["build", "status", "peak memory/device", "TFLOP/step", "collectives", "compile s"]
+    return _table(header, rows)
+
+
+def builds_json(results: Sequence[Any]) -> list[dict[str, Any]]:
+    return [
+        {"folder": str(r.folder), "skipped": r.skipped, "manifest": r.manifest.to_json()}
+        for r in results
+    ]
+
+
+def list_table(folder: Path) -> str:
+    rows = []
+    for build in sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        try:
+            m = read_manifest(build)
+        except ArtifactError:
+            continue
+        k = m.key
+        rows.append([
+            build.name, k.model, f"{k.width}x{k.height}", str(k.frames), str(k.batch),
+            k.target, ",".join(f"{a}={n}" for a, n in k.mesh if n > 1) or "1 device",
+            f"{k.vae_mesh[0]}x{k.vae_mesh[1]} {k.vae_axis}", _peak_text(m),
+        ])  # fmt: skip
+    if not rows:
+        return f"no builds in {folder} (make one with `aot build`)"
+    return _table(
+        ["build", "model", "res", "frames", "batch", "target", "mesh", "vae", "peak"], rows
+    )
+
+
+def inspect_text(m: Manifest) -> str:
+    k = m.key
+    head = [
+        f"build      {k.folder_name()}",
+        f"model      {k.model} (config {m.model_hash})",
+        f"video      {k.width}x{k.height} (WxH), {k.frames} frames, batch {k.batch}, cfg {'on' if k.cfg else 'off'}",
+        f"target     {k.target}: {m.platform} {m.device_kind}, devices {m.device_ids}, {m.process_count} process(es)",
+        f"mesh       {m.mesh_axes}; vae {m.vae_mesh_axes}, spatial axis {k.vae_axis}; attention {k.attention}",
+        f"versions   {', '.join(f'{n} {v}' for n, v in m.versions.items())}",
+        *(f"note       {n}" for n in m.notes),
+        "",
+    ]
+    rows = []
+    for name, p in m.programs.items():
+        mem = p.memory
+        rows.append([
+            name, f"{p.compile_seconds:.1f}", f"{p.peak_rss_bytes / GiB:.2f}",
+            f"{mem['argument'] / GiB:.3f}", f"{mem['output'] / GiB:.3f}", f"{mem['temp'] / GiB:.3f}",
+            f"{mem['peak'] / GiB:.3f}", f"{p.flops / 1e12:.4f}", f"{p.xla_flops / 1e12:.4f}",
+            _collectives_text(p.collectives), f"{p.executable.size / 1e6:.1f}",
+        ])  # fmt: skip
+    header = [
+        "program", "compile s", "RSS GiB", "args GiB", "out GiB", "temp GiB", "peak GiB",
+        "TFLOP", "XLA TFLOP", "collectives", "exec MB",
+    ]  # fmt: skip
+    return "\n".join(head) + _table(header, rows)

@@ -1,0 +1,115 @@
+"""Compile targets: which devices a build is for, found without needing that hardware.
+
+`cpu-N` is N host devices of this process, `current` whatever this machine has (GPU included),
+and TPU slices come from libtpu's topology description, so a CPU host compiles for them.
+`prepare_environment` must run before jax is imported: host device counts and libtpu's
+deviceless mode are process-wide settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import re
+from typing import Any
+
+GiB = 1 << 30
+
+# Per-chip HBM by TPU generation (topology-name prefix).
+TPU_HBM = {"v4": 32 * GiB, "v5e": 16 * GiB, "v5p": 95 * GiB, "v6e": 32 * GiB, "tpu7x": 192 * GiB}
+# Short names for the common 8-chip (v5p: 4-chip) slices.
+TPU_ALIASES = {
+    "tpu-v4-8": "v4:2x2x1",
+    "tpu-v5e-8": "v5e:2x4",
+    "tpu-v6e-8": "v6e:2x4",
+    "tpu-v5p-8": "v5p:2x2x1",
+    "tpu7x-8": "tpu7x:2x2x1",
+}
+_TOPOLOGY = re.compile(r"^(v4|v5e|v5p|v6e|tpu7x):\d+(x\d+){1,2}$")
+
+
+class TargetError(ValueError):
+    """Unknown or unusable target: the message says which targets exist or what to install."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    name: str
+    platform: str  # "cpu", "tpu", "gpu"
+    topology: str | None = None  # TPU topology name, e.g. "v6e:2x4"
+    num_devices: int | None = None  # cpu-N; TPU and current are known once devices are listed
+
+    @property
+    def hbm_bytes(self) -> int | None:
+        if self.topology:
+            return TPU_HBM[self.topology.split(":")[0]]
+        return None
+
+
+def parse_target(name: str) -> Target:
+    """`cpu-N`, `current`, a TPU alias (tpu-v6e-8, ...) or `tpu-<topology>` (tpu-v6e:4x4)."""
+    if m := re.fullmatch(r"cpu-(\d+)", name):
+        if int(m.group(1)) < 1:
+            raise TargetError("cpu-N needs N >= 1")
+        return Target(name, "cpu", num_devices=int(m.group(1)))
+    if name == "current":
+        return Target(name, "current")
+    topology = TPU_ALIASES.get(name)
+    if topology is None and name.startswith("tpu-") and _TOPOLOGY.match(name[4:]):
+        topology = name[4:]
+    if topology is None:
+        known = ", ".join(["cpu-N", "current", *TPU_ALIASES, "tpu-<gen>:<AxB[xC]>"])
+        raise TargetError(f"unknown target {name!r}: use one of {known}")
+    return Target(name, "tpu", topology=topology)
+
+
+def prepare_environment(target: Target) -> None:
+    """Process-wide settings for `target`; call before jax is imported."""
+    if target.platform == "cpu":
+        flags = os.environ.get("XLA_FLAGS", "")
+        flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", flags)
+        os.environ["XLA_FLAGS"] = (
+            f"{flags} --xla_force_host_platform_device_count={target.num_devices}".strip()
+        )
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    elif target.platform == "tpu":
+        # Deviceless compile: libtpu describes the topology; the host computes on its CPU.
+        os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+        os.environ.setdefault("TPU_ACCELERATOR_TYPE", f"{target.topology.split(':')[0]}-8")
+        os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+        # Deviceless: several compiling processes (parallel tests, concurrent builds) may load it.
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+        os.environ.setdefault("TPU_MIN_LOG_LEVEL", "3")
+        os.environ.setdefault("TPU_STDERR_LOG_LEVEL", "3")
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    else:
+        os.environ.pop("JAX_PLATFORMS", None)
+
+
+def devices(target: Target) -> list[Any]:
+    """The target's devices in their canonical order."""
+    import jax
+
+    if target.platform == "cpu":
+        found = jax.devices("cpu")
+        if len(found) < target.num_devices:
+            raise TargetError(
+                f"{target.name} needs {target.num_devices} host devices but this process has "
+                f"{len(found)}: run it in a fresh process (the aot CLI arranges this itself)"
+            )
+        return found[: target.num_devices]
+    if target.platform == "current":
+        return jax.devices()
+    if importlib.util.find_spec("libtpu") is None:
+        raise TargetError(
+            f"target {target.name} needs libtpu: install the tpu extra (pip install -e '.[tpu]')"
+        )
+    from jax.experimental import topologies
+
+    try:
+        return list(
+            topologies.get_topology_desc(platform="tpu", topology_name=target.topology).devices
+        )
+    except Exception as e:  # libtpu raises plain RuntimeErrors for unknown shapes
+        raise TargetError(f"libtpu does not know topology {target.topology!r}: {e}") from None

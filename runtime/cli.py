@@ -1,0 +1,156 @@
+"""`runtime run`: generate videos from prebuilt executables, compiling nothing.
+
+The build is matched from manifests (plain JSON) before jax is imported, so the process can be
+arranged for it (host device count for cpu-N builds); then the Pipeline API does the work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import click
+import numpy as np
+
+from runtime.artifact import ArtifactError
+from runtime.loader import Request, match_build
+
+
+class CliError(click.ClickException):
+    """One line on stderr, exit status 2."""
+
+    exit_code = 2
+
+
+def _resolution(text: str) -> tuple[int, int]:
+    m = re.fullmatch(r"(\d+)x(\d+)", text.lower())
+    if not m:
+        raise click.BadParameter(f"{text!r} is not WxH (e.g. 720x1280)")
+    return int(m.group(1)), int(m.group(2))
+
+
+def _prepare_process(target: str, num_devices: int) -> None:
+    """cpu-N builds run on N host devices of this process: arrange it before jax starts."""
+    if "jax" in sys.modules or not target.startswith("cpu-"):
+        return
+    flags = re.sub(
+        r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")
+    )
+    os.environ["XLA_FLAGS"] = (
+        f"{flags} --xla_force_host_platform_device_count={num_devices}".strip()
+    )
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def cli() -> None:
+    """Run WAN text-to-video from `aot build` artifacts."""
+
+
+@cli.command("run")
+@click.option(
+    "--artifacts", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True
+)
+@click.option(
+    "--weights",
+    type=click.Path(path_type=Path),
+    required=True,
+    help="diffusers-format folder or project checkpoint.",
+)
+@click.option("--prompt", required=True)
+@click.option("--negative-prompt", default="", show_default=True)
+@click.option("--res", "resolution", required=True, help="WxH, e.g. 720x1280 (portrait).")
+@click.option("--frames", required=True, type=int)
+@click.option("--batch", default=1, show_default=True, type=int)
+@click.option("--steps", default=50, show_default=True, type=click.IntRange(min=1))
+@click.option(
+    "--guidance",
+    default=5.0,
+    show_default=True,
+    type=float,
+    help="CFG scale (> 1 uses a CFG build).",
+)
+@click.option(
+    "--guidance-2",
+    default=None,
+    type=float,
+    help="Two-expert models: scale for the low-noise expert.",
+)
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option(
+    "--init-noise",
+    type=click.Path(path_type=Path, exists=True, dir_okay=False),
+    help="Latents (B, C, T, H/8, W/8) float32 .npy.",
+)
+@click.option(
+    "--save-frames",
+    type=click.Path(path_type=Path),
+    help="Write the uint8 frames (B, F, H, W, 3) as .npy.",
+)
+@click.option(
+    "--report", "report_path", type=click.Path(path_type=Path), help="Write a JSON report."
+)
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path),
+    required=True,
+    help="Output .mp4 (stem_i.mp4 for a batch).",
+)
+def run_cmd(
+    artifacts, weights, prompt, negative_prompt, resolution, frames, batch, steps, guidance,
+    guidance_2, seed, init_noise, save_frames, report_path, out,
+) -> None:  # fmt: skip
+    """Generate a video with the build that matches --res/--frames/--batch."""
+    width, height = _resolution(resolution)
+    if not weights.is_dir():
+        raise CliError(
+            f"--weights {weights} is not a folder (a diffusers-format folder or a checkpoint)"
+        )
+    request = Request(width, height, frames, batch, cfg=guidance > 1.0)
+    try:
+        _, manifest = match_build(artifacts, request, str(weights))
+    except ArtifactError as e:
+        raise CliError(str(e)) from None
+    _prepare_process(manifest.key.target, len(manifest.device_ids))
+
+    from runtime.pipeline import Pipeline
+    from runtime.video import video_paths, write_mp4
+    from wan.tokenizer import TokenizerError
+    from wan.weights import WeightError
+
+    try:
+        pipe = Pipeline.load(artifacts, weights, request)
+        noise = np.load(init_noise) if init_noise else None
+        with click.progressbar(length=steps, label="denoising", file=sys.stderr) as bar:
+            last = [0]
+
+            def on_step(done: int, total: int) -> None:
+                bar.update(done - last[0])
+                last[0] = done
+
+            videos, report = pipe.generate(
+                prompt, negative_prompt, steps, guidance, guidance_2, seed, noise, on_step
+            )
+    except (ArtifactError, WeightError, TokenizerError, ValueError, OSError) as e:
+        raise CliError(str(e)) from None
+    import jax
+
+    if jax.process_index() != 0:
+        return
+    paths = [write_mp4(v, p) for v, p in zip(videos, video_paths(out, batch), strict=True)]
+    if save_frames:
+        np.save(save_frames, videos)
+    if report_path:
+        report_path.write_text(json.dumps(dataclasses.asdict(report), indent=1))
+    click.echo(
+        f"wrote {', '.join(map(str, paths))} ({report.steps} steps, {report.steps_per_second:.2f} it/s, "
+        f"{report.compile_count} compilations, build {report.build})"
+    )
+
+
+def main() -> None:
+    cli(prog_name="runtime")

@@ -1,0 +1,227 @@
+"""Generation from prebuilt executables: load once, generate many prompts, compile nothing.
+
+Host math is numpy (noise, sampler tables, CFG bookkeeping); the device runs only the four
+deserialized executables. Arrays cross from one program to the next directly when the
+shardings agree and through the host otherwise (a device-side reshard would compile).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from runtime.artifact import ArtifactError, Manifest
+from runtime.loader import Request, load_build, match_build
+from wan import checkpoint, schedulers, tokenizer
+from wan.configs import ModelConfig
+
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+class CompileCounter:
+    """Counts backend compilations in this process (jax.monitoring sees every one)."""
+
+    _installed: CompileCounter | None = None
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    @classmethod
+    def install(cls) -> CompileCounter:
+        if cls._installed is None:
+            counter = cls()
+
+            def listener(event: str, duration: float, **kwargs: Any) -> None:
+                if event == COMPILE_EVENT:
+                    counter.count += 1
+
+            jax.monitoring.register_event_duration_secs_listener(listener)
+            cls._installed = counter
+        return cls._installed
+
+
+@contextlib.contextmanager
+def no_compilation() -> Iterator[CompileCounter]:
+    """jax's no-tracing mode (any jit cache miss or eager op raises) plus a compile listener;
+    a compile that still happens fails the block."""
+    counter = CompileCounter.install()
+    before = counter.count
+    previous = jax.config.jax_no_tracing
+    jax.config.update("jax_no_tracing", True)
+    try:
+        yield counter
+    finally:
+        jax.config.update("jax_no_tracing", previous)
+    if counter.count != before:
+        raise ArtifactError(f"{counter.count - before} compilation(s) happened during generation")
+
+
+def place(value: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+    """Host array -> device array with `sharding`, each device receiving only its shards."""
+    value = np.asarray(value)
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+def handoff(x: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
+    if x.sharding.is_equivalent_to(sharding, x.ndim):
+        return x
+    return place(np.asarray(jax.device_get(x)), sharding)
+
+
+def _abstract(args_info: Any, shardings: Any) -> Any:
+    return jax.tree.map(
+        lambda info, s: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=s),
+        args_info,
+        shardings,
+        is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"),
+    )
+
+
+@dataclasses.dataclass
+class GenerationReport:
+    compile_count: int
+    seconds_to_first_step: float
+    seconds_total: float
+    steps: int
+    steps_per_second: float
+    build: str
+
+
+class Pipeline:
+    """A loaded build plus weights. `generate` runs one request shape any number of times."""
+
+    def __init__(
+        self,
+        folder: Path,
+        manifest: Manifest,
+        executables: dict[str, Any],
+        params: dict[str, Any],
+        config: ModelConfig,
+        tok: Any,
+    ):
+        self.folder, self.manifest, self.exe = folder, manifest, executables
+        self.params, self.config, self.tokenizer = params, config, tok
+
+    @classmethod
+    def load(cls, artifacts: str | Path, weights: str | Path, request: Request) -> Pipeline:
+        config = checkpoint.read_config(weights)
+        request = dataclasses.replace(request, model_hash=config.hash())
+        folder, manifest = match_build(Path(artifacts), request, str(weights))
+        exe = load_build(folder, manifest, jax.devices())
+        params = {}
+        components = {"text_encoder": "text_encode", "transformer": "kv_cache", "vae": "vae_decode"}
+        if config.num_experts == 2:
+            components["transformer_2"] = "kv_cache"
+        for component, program in components.items():
+            compiled = exe[program]
+            abstract = _abstract(compiled.args_info[0][0], compiled.input_shardings[0][0])
+            params[component] = checkpoint.load_component(weights, component, abstract)
+        tok = tokenizer.load_tokenizer(Path(weights) / "tokenizer")
+        return cls(folder, manifest, exe, params, config, tok)
+
+    def _in_sharding(self, program: str, index: int) -> Any:
+        return self.exe[program].input_shardings[0][index]
+
+    def generate(
+        self,
+        prompt: str | list[str],
+        negative_prompt: str | list[str] = "",
+        steps: int = 50,
+        guidance: float = 5.0,
+        guidance_2: float | None = None,
+        seed: int = 0,
+        init_noise: np.ndarray | None = None,
+        on_step: Callable[[int, int], None] | None = None,
+    ) -> tuple[np.ndarray, GenerationReport]:
+        """uint8 frames (B, F, H, W, 3). `init_noise` in the diffusers layout (B, C, T, h, w)."""
+        start = time.perf_counter()
+        key = self.manifest.key
+        prompts = [prompt] * key.batch if isinstance(prompt, str) else list(prompt)
+        negatives = (
+            [negative_prompt] * key.batch
+            if isinstance(negative_prompt, str)
+            else list(negative_prompt)
+        )
+        if len(prompts) != key.batch or len(negatives) != key.batch:
+            raise ValueError(f"this build generates batches of {key.batch} prompts")
+        latent_shape = tuple(self.exe["denoise_step"].args_info[0][1].shape)
+        latents = _initial_latents(latent_shape, seed, init_noise)
+        tables = schedulers.make_tables(self.config.scheduler, steps)
+        state = schedulers.init_state(self.config.scheduler, latent_shape)
+        boundary = (
+            None
+            if self.config.boundary_ratio is None
+            else self.config.boundary_ratio * self.config.scheduler.num_train_timesteps
+        )
+        with no_compilation() as counter:
+            texts = prompts + negatives if key.cfg else prompts
+            ids, mask = tokenizer.tokenize(
+                self.tokenizer, texts, self.config.text_encoder.max_length
+            )
+            emb = self.exe["text_encode"](
+                self.params["text_encoder"],
+                place(ids, self._in_sharding("text_encode", 1)),
+                place(mask, self._in_sharding("text_encode", 2)),
+            )
+            emb = handoff(emb, self._in_sharding("kv_cache", 1))
+            experts = ["transformer"] + (["transformer_2"] if boundary is not None else [])
+            kv = {e: self.exe["kv_cache"](self.params[e], emb) for e in experts}
+            step_in = self.exe["denoise_step"].input_shardings[0]
+            x = place(latents, step_in[1])
+            st = {
+                name: place(getattr(state, name), step_in[4][name])
+                for name in ("last_sample", "x0_history")
+            }
+            first_step = None
+            for i in range(steps):
+                row = tables.row(i)
+                high_noise = boundary is None or float(tables.timesteps[i]) >= boundary
+                expert = "transformer" if high_noise else "transformer_2"
+                scale = guidance if high_noise or guidance_2 is None else guidance_2
+                kv_e = tuple(handoff(a, s) for a, s in zip(kv[expert], step_in[2], strict=True))
+                row_dev = {k: place(v, step_in[3][k]) for k, v in row.items()}
+                x, st = self.exe["denoise_step"](
+                    self.params[expert], x, kv_e, row_dev, st, place(np.float32(scale), step_in[5])
+                )
+                if first_step is None:
+                    first_step = time.perf_counter() - start
+                if on_step is not None:
+                    jax.block_until_ready(x)
+                    on_step(i + 1, steps)
+            x = handoff(x, self._in_sharding("vae_decode", 1))
+            frames = self.exe["vae_decode"](self.params["vae"], x)
+            frames = np.asarray(jax.device_get(frames))
+        total = time.perf_counter() - start
+        report = GenerationReport(
+            compile_count=counter.count,
+            seconds_to_first_step=round(first_step or 0.0, 4),
+            seconds_total=round(total, 4),
+            steps=steps,
+            steps_per_second=round(steps / max(total, 1e-9), 4),
+            build=self.folder.name,
+        )
+        return frames, report
+
+
+def _initial_latents(
+    shape: tuple[int, ...], seed: int, init_noise: np.ndarray | None
+) -> np.ndarray:
+    """Channels-last (B, T, h, w, C) float32 noise, from `init_noise` (diffusers layout
+    (B, C, T, h, w)) or a numpy generator seeded with `seed`."""
+    b, t, h, w, c = shape
+    if init_noise is None:
+        noise = np.random.default_rng(seed).standard_normal((b, c, t, h, w), dtype=np.float32)
+    else:
+        noise = np.asarray(init_noise, dtype=np.float32)
+        if noise.shape != (b, c, t, h, w):
+            raise ValueError(
+                f"--init-noise has shape {noise.shape}, this build needs {(b, c, t, h, w)} (B, C, T, H/8, W/8)"
+            )
+    return np.ascontiguousarray(noise.transpose(0, 2, 3, 4, 1))

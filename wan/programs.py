@@ -1,0 +1,283 @@
+"""The four device programs of the pipeline, as pure functions plus their abstract inputs.
+
+Each program takes parameters as plain nested dicts (pure dicts of the NNX state) and plain
+dicts/tuples elsewhere, so a serialized executable's pytree definitions name no flax or wan
+class. Shardings are attached from logical axis names through wan.sharding; `aot` lowers these
+on any target and the runtime calls the resulting executables.
+
+| program      | inputs                                                 | outputs               |
+|--------------|--------------------------------------------------------|-----------------------|
+| text_encode  | params, ids (S, L), mask (S, L)                        | embeddings (S, L, D)  |
+| kv_cache     | params, embeddings                                     | (k, v) per layer      |
+| denoise_step | params, latents, kv, sampler row, sampler state, scale | latents, state        |
+| vae_decode   | params, latents                                        | uint8 frames          |
+
+S = 2B with classifier-free guidance (prompt rows first, then negative-prompt rows), else B.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from wan import schedulers, sharding
+from wan.configs import ModelConfig
+from wan.text_encoder import UMT5Encoder, prompt_embeddings
+from wan.transformer import WanTransformer
+from wan.vae import WanVAE, denormalize_latents
+
+Tree = Any
+Axes = tuple[str | None, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class VideoShape:
+    """One request shape. width x height in pixels; frames = 4k + 1."""
+
+    width: int
+    height: int
+    frames: int
+    batch: int
+    cfg: bool = True
+
+    @property
+    def step_batch(self) -> int:
+        return 2 * self.batch if self.cfg else self.batch
+
+    def latent_shape(self, config: ModelConfig) -> tuple[int, int, int, int, int]:
+        """Channels-last latents (B, T, H/8, W/8, C)."""
+        vae = config.vae
+        frames = (self.frames - 1) // vae.temporal_factor + 1
+        s = vae.spatial_factor
+        return (self.batch, frames, self.height // s, self.width // s, vae.z_dim)
+
+
+# ----------------------------------------------------------------------------------------------
+# Modules <-> pure parameter dicts.
+
+
+def make_module(
+    config: ModelConfig, component: str, attention: str = "dot", rngs: nnx.Rngs | None = None
+) -> nnx.Module:
+    """The module of a component with freshly initialised (random) weights."""
+    dtype = jnp.dtype(config.dtype)
+    rngs = rngs or nnx.Rngs(0)
+    if component in ("transformer", "transformer_2"):
+        return WanTransformer(
+            config.transformer, attention=attention, dtype=dtype, param_dtype=dtype, rngs=rngs
+        )
+    if component == "text_encoder":
+        return UMT5Encoder(config.text_encoder, dtype=dtype, param_dtype=dtype, rngs=rngs)
+    if component == "vae":
+        return WanVAE(config.vae, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+    raise ValueError(f"unknown component {component!r}")
+
+
+def abstract_module(config: ModelConfig, component: str, attention: str = "dot") -> nnx.Module:
+    """The module of a component, built abstractly (no weights allocated)."""
+    return nnx.eval_shape(lambda: make_module(config, component, attention))
+
+
+def components(config: ModelConfig) -> tuple[str, ...]:
+    """The weight components of a model, named as in a diffusers WanPipeline folder."""
+    experts = ("transformer", "transformer_2")[: config.num_experts]
+    return ("text_encoder", *experts, "vae")
+
+
+def split_abstract(module: nnx.Module) -> tuple[nnx.GraphDef, Tree, Tree]:
+    """(graphdef, abstract pure-dict params, logical axes per param as a matching dict)."""
+    graphdef, state = nnx.split(module)
+    specs = nnx.get_partition_spec(state)
+    pure = nnx.to_pure_dict(state)
+    # Unnamed parameters (P()) are replicated: one None per dimension.
+    logical = jax.tree.map(
+        lambda s, a: tuple(s) + (None,) * (len(a.shape) - len(s)),
+        nnx.to_pure_dict(specs),
+        pure,
+        is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec),
+    )
+    return graphdef, pure, logical
+
+
+# ----------------------------------------------------------------------------------------------
+# The programs.
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """A function and its abstract arguments with logical axes, before any mesh is chosen."""
+
+    name: str
+    fn: Callable[..., Any]
+    args: tuple[Tree, ...]  # pytrees of jax.ShapeDtypeStruct
+    arg_axes: tuple[Tree, ...]  # matching pytrees whose leaves are logical-axes tuples
+    out_axes: Tree
+    mesh: str  # "transformer" or "vae"
+
+
+def _is_axes(x: Any) -> bool:
+    return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
+
+
+def shardings(mesh: jax.sharding.Mesh, shapes: Tree, axes: Tree, rules: sharding.Rules) -> Tree:
+    """NamedShardings for a pytree of shapes from its logical axes."""
+    return jax.tree.map(
+        lambda ax, s: sharding.named_sharding(mesh, ax, s.shape, rules),
+        axes,
+        shapes,
+        is_leaf=_is_axes,
+    )
+
+
+def _sds(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype))
+
+
+LATENTS: Axes = ("batch", None, None, None, None)
+VIDEO = sharding.VIDEO
+
+
+def text_encode_program(config: ModelConfig, shape: VideoShape) -> Program:
+    graphdef, params, axes = split_abstract(abstract_module(config, "text_encoder"))
+    length = config.text_encoder.max_length
+
+    def text_encode(params: Tree, ids: jax.Array, mask: jax.Array) -> jax.Array:
+        encoder = nnx.merge(graphdef, params)
+        out = prompt_embeddings(encoder(ids, mask), mask, length)
+        return sharding.constrain(out, ("batch", None, None))
+
+    tokens = _sds((shape.step_batch, length), jnp.int32)
+    return Program(
+        "text_encode",
+        text_encode,
+        (params, tokens, tokens),
+        (axes, ("batch", None), ("batch", None)),
+        ("batch", None, None),
+        "transformer",
+    )
+
+
+def kv_cache_program(config: ModelConfig, shape: VideoShape, attention: str) -> Program:
+    graphdef, params, axes = split_abstract(abstract_module(config, "transformer", attention))
+    tc = config.transformer
+    emb = _sds((shape.step_batch, config.text_encoder.max_length, tc.text_dim), config.dtype)
+    kv_axes = ("layers", "batch", "kv_length", "heads")
+
+    def kv_cache(params: Tree, embeddings: jax.Array) -> tuple[jax.Array, jax.Array]:
+        # Batch pinned on input and output: each device computes and keeps its own slice.
+        embeddings = sharding.constrain(embeddings, ("batch", None, None))
+        model = nnx.merge(graphdef, params)
+        k, v = model.compute_kv_cache(embeddings)
+        return sharding.constrain(k, kv_axes), sharding.constrain(v, kv_axes)
+
+    return Program(
+        "kv_cache",
+        kv_cache,
+        (params, emb),
+        (axes, ("batch", None, None)),
+        (kv_axes, kv_axes),
+        "transformer",
+    )
+
+
+def kv_shape(config: ModelConfig, shape: VideoShape) -> jax.ShapeDtypeStruct:
+    tc = config.transformer
+    return _sds(
+        (tc.num_layers, shape.step_batch, config.text_encoder.max_length, tc.inner_dim),
+        config.dtype,
+    )
+
+
+def sampler_row_shapes(config: ModelConfig) -> dict[str, jax.ShapeDtypeStruct]:
+    row = schedulers.make_tables(config.scheduler, 2).row(0)
+    return {k: _sds(np.shape(v), np.float32) for k, v in row.items()}
+
+
+def denoise_step_program(config: ModelConfig, shape: VideoShape, attention: str) -> Program:
+    graphdef, params, axes = split_abstract(abstract_module(config, "transformer", attention))
+    latents = _sds(shape.latent_shape(config), jnp.float32)
+    kv = kv_shape(config, shape)
+    kv_axes = ("layers", "batch", "kv_length", "heads")
+    row = sampler_row_shapes(config)
+    state = state_shapes(config, shape)
+    state_axes = {"last_sample": LATENTS, "x0_history": (None, *LATENTS)}
+
+    def denoise_step(params, latents, kv, row, state, guidance):
+        model = nnx.merge(graphdef, params)
+        x = latents.astype(config.dtype)
+        if shape.cfg:
+            x = jnp.concatenate([x, x])
+        t = jnp.broadcast_to(row["timestep"], (x.shape[0],))
+        flow = model(x, t, kv_cache=kv).astype(jnp.float32)
+        if shape.cfg:
+            cond, uncond = jnp.split(flow, 2)
+            flow = uncond + guidance * (cond - uncond)
+        new, new_state = schedulers.step(
+            row, schedulers.SamplerState(**state), flow, latents.astype(jnp.float32)
+        )
+        new_state = {"last_sample": new_state.last_sample, "x0_history": new_state.x0_history}
+        return sharding.constrain(new, LATENTS), new_state
+
+    return Program(
+        "denoise_step",
+        denoise_step,
+        (params, latents, (kv, kv), row, state, _sds((), jnp.float32)),
+        (
+            axes,
+            LATENTS,
+            (kv_axes, kv_axes),
+            {k: (None,) * len(s.shape) for k, s in row.items()},
+            state_axes,
+            (),
+        ),
+        (LATENTS, state_axes),
+        "transformer",
+    )
+
+
+def state_shapes(config: ModelConfig, shape: VideoShape) -> dict[str, jax.ShapeDtypeStruct]:
+    init = schedulers.init_state(config.scheduler, shape.latent_shape(config))
+    return {
+        "last_sample": _sds(init.last_sample.shape, np.float32),
+        "x0_history": _sds(init.x0_history.shape, np.float32),
+    }
+
+
+def decode_frames(vae: WanVAE, latents: jax.Array, config: ModelConfig) -> jax.Array:
+    """Normalised latents (B, T, h, w, C) -> frames in [0, 1], (B, F, H, W, 3), float32."""
+    video = vae.decode(denormalize_latents(latents, config.vae).astype(vae.dtype))
+    return jnp.clip(video.astype(jnp.float32) / 2 + 0.5, 0.0, 1.0)
+
+
+def vae_decode_program(
+    config: ModelConfig, shape: VideoShape, frames_dtype: str = "uint8"
+) -> Program:
+    """Frames as uint8 (what videos are made of), or as float32 in [0, 1] for comparisons."""
+    graphdef, params, axes = split_abstract(abstract_module(config, "vae"))
+    latents = _sds(shape.latent_shape(config), jnp.float32)
+
+    def vae_decode(params: Tree, latents: jax.Array) -> jax.Array:
+        vae = nnx.merge(graphdef, params)
+        frames = decode_frames(vae, sharding.constrain(latents, VIDEO), config)
+        if frames_dtype == "uint8":
+            frames = jnp.round(frames * 255).astype(jnp.uint8)
+        return sharding.constrain(frames, VIDEO)
+
+    return Program("vae_decode", vae_decode, (params, latents), (axes, VIDEO), VIDEO, "vae")
+
+
+def programs(
+    config: ModelConfig, shape: VideoShape, attention: str, frames_dtype: str = "uint8"
+) -> list[Program]:
+    return [
+        text_encode_program(config, shape),
+        kv_cache_program(config, shape, attention),
+        denoise_step_program(config, shape, attention),
+        vae_decode_program(config, shape, frames_dtype),
+    ]
