@@ -1,0 +1,390 @@
+"""The WAN diffusion transformer (diffusers' `WanTransformer3DModel`, text-to-video) in Flax NNX.
+
+Video latents (B, T, H, W, C) are cut into patches, embedded and run through `num_layers`
+identical blocks (adaLN-modulated self-attention with 3-D RoPE, cross-attention to the text,
+GELU feed-forward), then projected back to patches: the flow prediction (B, T, H, W, C_out).
+
+The blocks are stacked (leading layer axis on every block parameter) and applied with one
+`lax.scan`, so XLA compiles one block body. The text conditioning enters the blocks only
+through each cross-attention's keys and values; `compute_kv_cache` computes them for all layers
+once per prompt, and `__call__` consumes them.
+
+Numerics follow diffusers: layer norms, adaLN modulation and residual updates in fp32, the
+modules diffusers keeps in fp32 (`time_embedder`, `scale_shift_table`s, `norm2`) have fp32
+parameters whatever `param_dtype` is.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.typing import DTypeLike
+
+from wan.attention import attention as multi_head_attention
+from wan.attention import resolve as resolve_attention
+from wan.configs import TransformerConfig
+from wan.sharding import constrain
+
+Axes = tuple[str | None, ...]
+KVCache = tuple[jax.Array, jax.Array]  # (keys, values), each (num_layers, B, L, inner_dim)
+
+HIDDEN: Axes = ("batch", "length", "act_embed")  # "embed" names weight dims only
+KV: Axes = ("batch", "kv_length", "heads")
+
+
+def _named(init: Callable, axes: Axes) -> Callable:
+    """Attach logical axis names (`out_sharding` metadata) to an initializer. They are not mesh
+    axes: wan.sharding maps them, so flax must not shard eagerly with them."""
+    return nnx.with_partitioning(init, axes, eager_sharding=False)
+
+
+def _linear(
+    din: int, dout: int, axes: Axes, *, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs
+) -> nnx.Linear:
+    """nnx.Linear whose kernel/bias carry the logical axis names `axes` = (in, out)."""
+    return nnx.Linear(
+        din,
+        dout,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        kernel_init=_named(nnx.initializers.lecun_normal(), axes),
+        bias_init=_named(nnx.initializers.zeros_init(), axes[1:]),
+        rngs=rngs,
+    )
+
+
+def _layer_norm(dim: int, eps: float, *, affine: bool, rngs: nnx.Rngs) -> nnx.LayerNorm:
+    """diffusers' FP32LayerNorm: fp32 statistics and parameters, two-pass variance."""
+    return nnx.LayerNorm(
+        dim,
+        epsilon=eps,
+        use_scale=affine,
+        use_bias=affine,
+        use_fast_variance=False,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        scale_init=_named(nnx.initializers.ones_init(), ("embed",)),
+        bias_init=_named(nnx.initializers.zeros_init(), ("embed",)),
+        rngs=rngs,
+    )
+
+
+def _modulation_table(rows: int, dim: int, rngs: nnx.Rngs) -> nnx.Param:
+    """A learned (1, rows, dim) fp32 table added to the timestep projection (adaLN)."""
+    init = _named(nnx.initializers.normal(dim**-0.5), (None, None, "embed"))
+    return nnx.Param(init(rngs.params(), (1, rows, dim), jnp.float32))
+
+
+def gelu_tanh(x: jax.Array) -> jax.Array:
+    return jax.nn.gelu(x, approximate=True)
+
+
+class MLP(nnx.Module):
+    """linear_1 -> activation -> linear_2 (diffusers' TimestepEmbedding,
+    PixArtAlphaTextProjection and FeedForward share this shape)."""
+
+    def __init__(
+        self,
+        din: int,
+        hidden: int,
+        dout: int,
+        activation: Callable[[jax.Array], jax.Array],
+        in_axis: str | None,
+        *,
+        dtype: DTypeLike,
+        param_dtype: DTypeLike,
+        rngs: nnx.Rngs,
+    ):
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.linear_1 = _linear(din, hidden, (in_axis, "mlp"), **kw)
+        self.linear_2 = _linear(hidden, dout, ("mlp", "embed"), **kw)
+        self.activation = activation
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.linear_2(self.activation(self.linear_1(x)))
+
+
+def timestep_embedding(t: jax.Array, dim: int, max_period: float = 10000.0) -> jax.Array:
+    """Sinusoidal embedding [cos, sin] of (B,) timesteps (diffusers' Timesteps with
+    flip_sin_to_cos=True, downscale_freq_shift=0), fp32."""
+    half = dim // 2
+    freqs = jnp.exp(-math.log(max_period) * jnp.arange(half, dtype=jnp.float32) / half)
+    angles = t.astype(jnp.float32)[:, None] * freqs[None]
+    return jnp.concatenate([jnp.cos(angles), jnp.sin(angles)], axis=-1)
+
+
+def rope_split(head_dim: int) -> tuple[int, int, int]:
+    """Channels of a head rotated by frame, row and column position (diffusers' split)."""
+    h = w = 2 * (head_dim // 6)
+    return head_dim - h - w, h, w
+
+
+def _rope_angles(n: int, dim: int, theta: float = 10000.0) -> np.ndarray:
+    """(n, dim // 2) angles pos * theta^(-2i/dim), in float64 as diffusers computes them."""
+    inv_freq = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    return np.outer(np.arange(n, dtype=np.float64), inv_freq)
+
+
+def rope_tables(grid: tuple[int, int, int], head_dim: int) -> tuple[jax.Array, jax.Array]:
+    """cos, sin of the 3-D rotary angles for a (frames, rows, cols) token grid, flattened in
+    (t, h, w) order: each (S, head_dim // 2) fp32. Only the small per-axis tables are program
+    constants; the full table is broadcast inside the program."""
+
+    def table(fn: Callable[[np.ndarray], np.ndarray]) -> jax.Array:
+        parts = []
+        for axis, (n, dim) in enumerate(zip(grid, rope_split(head_dim), strict=True)):
+            shape = [1, 1, 1, dim // 2]
+            shape[axis] = n
+            values = jnp.asarray(fn(_rope_angles(n, dim)).astype(np.float32)).reshape(shape)
+            parts.append(jnp.broadcast_to(values, (*grid, dim // 2)))
+        return jnp.concatenate(parts, axis=-1).reshape(math.prod(grid), head_dim // 2)
+
+    return table(np.cos), table(np.sin)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate consecutive channel pairs (x[2i], x[2i+1]) of (B, S, heads, D) by the angles."""
+    pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)
+    x1, x2 = pairs[..., 0], pairs[..., 1]
+    cos, sin = cos[None, :, None], sin[None, :, None]
+    rotated = jnp.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+    return rotated.reshape(x.shape).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """diffusers' WanAttention without image conditioning: q/k RMS-normalised over all heads
+    together (the full inner dim) before the head split."""
+
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        eps: float,
+        impl: str,
+        *,
+        dtype: DTypeLike,
+        param_dtype: DTypeLike,
+        rngs: nnx.Rngs,
+    ):
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.to_q = _linear(dim, dim, ("embed", "heads"), **kw)
+        self.to_k = _linear(dim, dim, ("embed", "heads"), **kw)
+        self.to_v = _linear(dim, dim, ("embed", "heads"), **kw)
+        self.to_out = _linear(dim, dim, ("heads", "embed"), **kw)
+        rms = dict(epsilon=eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        rms_init = _named(nnx.initializers.ones_init(), ("heads",))
+        self.norm_q = nnx.RMSNorm(dim, scale_init=rms_init, **rms)
+        self.norm_k = nnx.RMSNorm(dim, scale_init=rms_init, **rms)
+        self.heads = heads
+        self.impl = impl
+
+    def key_value(self, source: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Normalised keys and values of `source` (B, L, dim), heads not yet split."""
+        return self.norm_k(self.to_k(source)), self.to_v(source)
+
+    def __call__(
+        self,
+        x: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        rope: tuple[jax.Array, jax.Array] | None = None,
+    ) -> jax.Array:
+        q = self.norm_q(self.to_q(x))
+        q, k, v = (t.reshape(*t.shape[:-1], self.heads, -1) for t in (q, k, v))
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q = constrain(q, ("batch", "length", "heads", None))
+        k, v = (constrain(t, ("batch", "kv_length", "heads", None)) for t in (k, v))
+        out = multi_head_attention(q, k, v, self.impl)
+        return self.to_out(out.reshape(*x.shape[:-1], -1))
+
+
+class WanBlock(nnx.Module):
+    """One transformer block: modulated self-attention, cross-attention, modulated FFN."""
+
+    def __init__(
+        self,
+        cfg: TransformerConfig,
+        impl: str,
+        *,
+        dtype: DTypeLike,
+        param_dtype: DTypeLike,
+        rngs: nnx.Rngs,
+    ):
+        dim, eps = cfg.inner_dim, cfg.eps
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.norm1 = _layer_norm(dim, eps, affine=False, rngs=rngs)
+        self.attn1 = Attention(dim, cfg.num_attention_heads, eps, impl, **kw)
+        self.attn2 = Attention(dim, cfg.num_attention_heads, eps, impl, **kw)
+        self.norm2 = _layer_norm(dim, eps, affine=True, rngs=rngs) if cfg.cross_attn_norm else None
+        self.ffn = MLP(dim, cfg.ffn_dim, dim, gelu_tanh, "embed", **kw)
+        self.norm3 = _layer_norm(dim, eps, affine=False, rngs=rngs)
+        self.scale_shift_table = _modulation_table(6, dim, rngs)
+        self.dtype = dtype
+
+    def __call__(
+        self,
+        x: jax.Array,
+        cross_kv: tuple[jax.Array, jax.Array],
+        time6: jax.Array,
+        rope: tuple[jax.Array, jax.Array],
+    ) -> jax.Array:
+        """x (B, S, dim); cross_kv this layer's text keys/values (B, L, dim); time6 the
+        timestep projection (B, 6, dim)."""
+        mod = self.scale_shift_table[...] + time6.astype(jnp.float32)
+        shift, scale, gate, c_shift, c_scale, c_gate = (mod[:, i : i + 1] for i in range(6))
+        x32 = x.astype(jnp.float32)
+
+        h = (self.norm1(x32) * (1 + scale) + shift).astype(self.dtype)
+        x = (x32 + self.attn1(h, *self.attn1.key_value(h), rope) * gate).astype(self.dtype)
+
+        h = self.norm2(x.astype(jnp.float32)).astype(self.dtype) if self.norm2 is not None else x
+        x = x + self.attn2(h, *cross_kv)
+
+        x32 = x.astype(jnp.float32)
+        h = (self.norm3(x32) * (1 + c_scale) + c_shift).astype(self.dtype)
+        return (x32 + self.ffn(h).astype(jnp.float32) * c_gate).astype(self.dtype)
+
+
+class ConditionEmbedder(nnx.Module):
+    """Timestep -> (temb, 6 modulation vectors); text embeddings -> model width."""
+
+    def __init__(
+        self, cfg: TransformerConfig, *, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs
+    ):
+        dim = cfg.inner_dim
+        self.freq_dim = cfg.freq_dim
+        self.time_embedder = MLP(
+            cfg.freq_dim, dim, dim, jax.nn.silu, None,
+            dtype=jnp.float32, param_dtype=jnp.float32, rngs=rngs,
+        )  # fmt: skip
+        self.time_proj = _linear(
+            dim, 6 * dim, ("embed", "mlp"), dtype=dtype, param_dtype=param_dtype, rngs=rngs
+        )
+        self.text_embedder = MLP(
+            cfg.text_dim, dim, dim, gelu_tanh, None,
+            dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+        )  # fmt: skip
+        self.dtype = dtype
+
+    def time(self, timestep: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(B,) timesteps -> temb (B, dim) and the block modulation (B, 6, dim)."""
+        temb = self.time_embedder(timestep_embedding(timestep, self.freq_dim)).astype(self.dtype)
+        time6 = self.time_proj(jax.nn.silu(temb))
+        return temb, time6.reshape(time6.shape[0], 6, -1)
+
+
+class WanTransformer(nnx.Module):
+    """diffusers' WanTransformer3DModel (text-to-video), channels-last."""
+
+    def __init__(
+        self,
+        cfg: TransformerConfig,
+        *,
+        attention: str = "dot",
+        dtype: DTypeLike = jnp.float32,
+        param_dtype: DTypeLike = jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        resolve_attention(attention)  # fail at construction on an unknown implementation
+        dim = cfg.inner_dim
+        kw = dict(dtype=dtype, param_dtype=param_dtype)
+        self.config = cfg
+        self.dtype = dtype
+        self.patch_embedding = nnx.Conv(
+            cfg.in_channels,
+            dim,
+            kernel_size=cfg.patch_size,
+            strides=cfg.patch_size,
+            padding="VALID",
+            kernel_init=_named(nnx.initializers.lecun_normal(), (None, None, None, None, "embed")),
+            bias_init=_named(nnx.initializers.zeros_init(), ("embed",)),
+            rngs=rngs,
+            **kw,
+        )
+        self.condition_embedder = ConditionEmbedder(cfg, rngs=rngs, **kw)
+
+        @nnx.split_rngs(splits=cfg.num_layers)
+        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def stacked_blocks(rngs: nnx.Rngs) -> WanBlock:
+            return WanBlock(cfg, attention, rngs=rngs, **kw)
+
+        self.blocks = stacked_blocks(rngs)
+        self.norm_out = _layer_norm(dim, cfg.eps, affine=False, rngs=rngs)
+        self.proj_out = _linear(
+            dim, cfg.out_channels * math.prod(cfg.patch_size), ("embed", None), rngs=rngs, **kw
+        )
+        self.scale_shift_table = _modulation_table(2, dim, rngs)
+
+    def compute_kv_cache(self, encoder_hidden_states: jax.Array) -> KVCache:
+        """Text embeddings (B, L, text_dim) -> every layer's cross-attention keys and values,
+        each (num_layers, B, L, inner_dim)."""
+        context = self.condition_embedder.text_embedder(encoder_hidden_states.astype(self.dtype))
+        graphdef, params = nnx.split(self.blocks.attn2)
+
+        def layer(_, p):
+            k, v = nnx.merge(graphdef, p).key_value(context)
+            return None, (constrain(k, KV), constrain(v, KV))
+
+        _, kv = jax.lax.scan(layer, None, params)
+        return kv
+
+    def __call__(
+        self,
+        latents: jax.Array,
+        timestep: jax.Array,
+        encoder_hidden_states: jax.Array | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> jax.Array:
+        """latents (B, T, H, W, C_in), timestep (B,) (or a scalar), and either the text
+        embeddings (B, L, text_dim) or their `compute_kv_cache` -> flow (B, T, H, W, C_out)."""
+        if (encoder_hidden_states is None) == (kv_cache is None):
+            raise ValueError("pass exactly one of encoder_hidden_states and kv_cache")
+        if kv_cache is None:
+            kv_cache = self.compute_kv_cache(encoder_hidden_states)
+        batch = latents.shape[0]
+        grid = self._grid(latents.shape[1:4])
+        rope = rope_tables(grid, self.config.attention_head_dim)
+
+        x = self.patch_embedding(latents.astype(self.dtype)).reshape(
+            batch, -1, self.config.inner_dim
+        )
+        temb, time6 = self.condition_embedder.time(jnp.broadcast_to(timestep, (batch,)))
+
+        graphdef, params = nnx.split(self.blocks)
+
+        def layer(x, inputs):
+            p, k, v = inputs
+            x = nnx.merge(graphdef, p)(constrain(x, HIDDEN), (k, v), time6, rope)
+            return constrain(x, HIDDEN), None
+
+        x, _ = jax.lax.scan(layer, x, (params, *kv_cache))
+
+        shift, scale = jnp.split(self.scale_shift_table[...] + temb[:, None], 2, axis=1)
+        x = (self.norm_out(x.astype(jnp.float32)) * (1 + scale) + shift).astype(self.dtype)
+        return self._unpatchify(self.proj_out(x), grid)
+
+    def _grid(self, video: Sequence[int]) -> tuple[int, int, int]:
+        """(frames, rows, cols) of patches for a latent video of (T, H, W)."""
+        if any(n % p for n, p in zip(video, self.config.patch_size, strict=True)):
+            raise ValueError(
+                f"latent size {tuple(video)} is not a multiple of the patch size {self.config.patch_size}"
+            )
+        grid = tuple(n // p for n, p in zip(video, self.config.patch_size, strict=True))
+        if max(grid) > self.config.rope_max_seq_len:
+            raise ValueError(
+                f"patch grid {grid} exceeds rope_max_seq_len={self.config.rope_max_seq_len}"
+            )
+        return grid
+
+    def _unpatchify(self, x: jax.Array, grid: tuple[int, int, int]) -> jax.Array:
+        """(B, S, pt*ph*pw*C) -> (B, T, H, W, C); patch channels are ordered (pt, ph, pw, C)."""
+        (t, h, w), (pt, ph, pw) = grid, self.config.patch_size
+        x = x.reshape(x.shape[0], t, h, w, pt, ph, pw, -1)
+        x = x.transpose(0, 1, 4, 2, 5, 3, 6, 7)
+        return x.reshape(x.shape[0], t * pt, h * ph, w * pw, -1)
