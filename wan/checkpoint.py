@@ -83,7 +83,11 @@ def save_checkpoint(
                 ckptr.save(tmp / name, tree)
         if tokenizer_dir is not None:
             shutil.copytree(tokenizer_dir, tmp / "tokenizer")
-        meta = {"format": FORMAT_VERSION, "model": config.to_dict(), "components": sorted(components)}
+        meta = {
+            "format": FORMAT_VERSION,
+            "model": config.to_dict(),
+            "components": sorted(components),
+        }
         (tmp / MARKER).write_text(json.dumps(meta, indent=2))
         if folder.exists():
             shutil.rmtree(folder)
@@ -110,7 +114,9 @@ def load_component(folder: str | Path, component: str, abstract: Tree) -> Tree:
             return ckptr.restore(path.absolute(), abstract)
     source = folder / component
     if not source.is_dir():
-        raise weights.WeightError(f"{folder} has no {component}/ (expected a diffusers-format folder)")
+        raise weights.WeightError(
+            f"{folder} has no {component}/ (expected a diffusers-format folder)"
+        )
     flat_abstract = weights.flatten(abstract)
     expected = {p: (tuple(a.shape), np.dtype(a.dtype)) for p, a in flat_abstract.items()}
     host = weights.import_folder(source, expected, RULES[component])
@@ -133,7 +139,9 @@ def _check_checkpoint_shapes(path: Path, abstract: Tree) -> None:
     for p, want in weights.flatten(abstract).items():
         name = ".".join(p)
         if p not in stored:
-            raise weights.WeightError(f"missing weight for {name}, expected shape {tuple(want.shape)}")
+            raise weights.WeightError(
+                f"missing weight for {name}, expected shape {tuple(want.shape)}"
+            )
         got = tuple(stored[p].shape)
         if got != tuple(want.shape):
             raise weights.WeightError(f"{name} has shape {got}, expected {tuple(want.shape)}")

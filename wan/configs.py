@@ -160,7 +160,11 @@ class ModelConfig:
                 raise FileNotFoundError(f"{path} is missing: not a diffusers-format WAN folder")
             return json.loads(path.read_text())
 
-        pipeline = json.loads((root / "model_index.json").read_text()) if (root / "model_index.json").is_file() else {}
+        pipeline = (
+            json.loads((root / "model_index.json").read_text())
+            if (root / "model_index.json").is_file()
+            else {}
+        )
         sched_path = root / "scheduler" / "scheduler_config.json"
         sched = json.loads(sched_path.read_text()) if sched_path.is_file() else {}
         return cls(

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from wan.configs import ModelConfig, SchedulerConfig, TextEncoderConfig, TransformerConfig, VAEConfig
+from wan.configs import (
+    ModelConfig,
+    SchedulerConfig,
+    TextEncoderConfig,
+    TransformerConfig,
+    VAEConfig,
+)
 
 _UMT5_XXL = TextEncoderConfig()
 _WAN21_VAE = VAEConfig()
@@ -13,12 +19,22 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(
         name="tiny",
         transformer=TransformerConfig(
-            num_attention_heads=2, attention_head_dim=16, text_dim=32, freq_dim=32,
-            ffn_dim=64, num_layers=2, rope_max_seq_len=1024,
+            num_attention_heads=2,
+            attention_head_dim=16,
+            text_dim=32,
+            freq_dim=32,
+            ffn_dim=64,
+            num_layers=2,
+            rope_max_seq_len=1024,
         ),
         vae=VAEConfig(base_dim=8, dim_mult=(1, 2, 2, 2), num_res_blocks=1),
         text_encoder=TextEncoderConfig(
-            vocab_size=256, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+            vocab_size=256,
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_heads=4,
         ),
         scheduler=SchedulerConfig(flow_shift=3.0),
         dtype="float32",

@@ -9,10 +9,12 @@ unchanged on one device.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from collections.abc import Iterator, Sequence
 
 import jax
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 LogicalAxes = Sequence[str | None]
@@ -25,26 +27,32 @@ _state = threading.local()
 
 
 @contextlib.contextmanager
-def axis_rules(rules: Rules) -> Iterator[None]:
-    """Within this context, `constrain` maps logical axes through `rules`."""
+def axis_rules(rules: Rules, uneven: frozenset[str] = frozenset()) -> Iterator[None]:
+    """Within this context, `constrain` maps logical axes through `rules`; logical axes in
+    `uneven` stay sharded even when the mesh axis does not divide them (XLA pads)."""
     previous = getattr(_state, "rules", None)
-    _state.rules = tuple(rules)
+    _state.rules = (tuple(rules), frozenset(uneven))
     try:
         yield
     finally:
         _state.rules = previous
 
 
-def current_rules() -> Rules:
-    return getattr(_state, "rules", None) or ()
+def current_rules() -> tuple[Rules, frozenset[str]]:
+    return getattr(_state, "rules", None) or ((), frozenset())
 
 
 def logical_to_spec(
-    logical: LogicalAxes, shape: Sequence[int], mesh_shape: dict[str, int], rules: Rules
+    logical: LogicalAxes,
+    shape: Sequence[int],
+    mesh_shape: dict[str, int],
+    rules: Rules,
+    uneven: frozenset[str] = frozenset(),
 ) -> P:
     """PartitionSpec for an array of `shape`: each logical axis takes the mesh axes its rule
     names, skipping axes the mesh lacks, axes already used, and axes whose product does not
-    divide the dimension (then that dimension stays replicated: no error inside jit)."""
+    divide the dimension (then that dimension stays replicated: no error inside jit), unless
+    the logical axis is in `uneven`."""
     table = dict(rules)
     used: set[str] = set()
     spec: list[str | tuple[str, ...] | None] = []
@@ -55,7 +63,7 @@ def logical_to_spec(
         extent = 1
         for a in axes:
             extent *= mesh_shape[a]
-        if not axes or size % extent:
+        if not axes or (size % extent and name not in uneven):
             spec.append(None)
             continue
         used.update(axes)
@@ -66,8 +74,143 @@ def logical_to_spec(
 def constrain(x: jax.Array, logical: LogicalAxes) -> jax.Array:
     """Pin `x` to the layout its logical axes get under the current mesh and rules."""
     mesh = jax.sharding.get_abstract_mesh()
-    rules = current_rules()
+    rules, uneven = current_rules()
     if mesh.empty or not rules:
         return x
-    spec = logical_to_spec(logical, x.shape, dict(mesh.shape), rules)
+    spec = logical_to_spec(logical, x.shape, dict(mesh.shape), rules, uneven)
     return jax.lax.with_sharding_constraint(x, spec)
+
+
+# ----------------------------------------------------------------------------------------------
+# The transformer mesh and its rules.
+
+TRANSFORMER_AXES = ("data", "fsdp", "context", "tensor")
+
+TRANSFORMER_RULES: Rules = (
+    ("batch", ("data", "fsdp")),  # activations and the KV cache: one slice of the batch per group
+    ("length", "context"),  # video tokens
+    ("kv_length", None),  # prompt tokens: short, kept whole
+    ("embed", "fsdp"),  # weights only: activations never name "embed" on a sharded axis
+    ("act_embed", None),
+    ("heads", "tensor"),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+    ("layers", None),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshShape:
+    """Sizes of the transformer mesh axes, in TRANSFORMER_AXES order."""
+
+    data: int = 1
+    fsdp: int = 1
+    context: int = 1
+    tensor: int = 1
+
+    @property
+    def size(self) -> int:
+        return self.data * self.fsdp * self.context * self.tensor
+
+    def items(self) -> tuple[tuple[str, int], ...]:
+        return tuple((a, getattr(self, a)) for a in TRANSFORMER_AXES)
+
+    @classmethod
+    def parse(cls, text: str) -> MeshShape:
+        """`data=2,context=4` (unnamed axes are 1)."""
+        sizes: dict[str, int] = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            name, _, value = part.partition("=")
+            if name not in TRANSFORMER_AXES or not value.isdigit() or int(value) < 1:
+                raise ValueError(
+                    f"bad mesh entry {part!r}: use {','.join(a + '=N' for a in TRANSFORMER_AXES)}"
+                )
+            sizes[name] = int(value)
+        return cls(**sizes)
+
+
+def default_mesh(
+    num_devices: int, step_batch: int, weight_bytes: int, hbm_bytes: int | None
+) -> MeshShape:
+    """data x fsdp x context: as much data parallelism as the step batch (2B with CFG) allows,
+    fsdp just large enough that the transformer weights take <= 40% of a device's HBM, and the
+    remaining devices on the sequence (context parallelism)."""
+    data = max(d for d in _divisors(num_devices) if step_batch % d == 0)
+    fsdp = 1
+    if hbm_bytes:
+        rest = num_devices // data
+        fsdp = next((f for f in _divisors(rest) if weight_bytes / f <= 0.4 * hbm_bytes), rest)
+    return MeshShape(data=data, fsdp=fsdp, context=num_devices // (data * fsdp))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def make_mesh(
+    devices: Sequence[jax.Device], axes: tuple[tuple[str, int], ...]
+) -> jax.sharding.Mesh:
+    """A mesh over `devices` in the given order (the order is part of the build)."""
+    names = tuple(name for name, _ in axes)
+    shape = tuple(size for _, size in axes)
+    grid = np.asarray(devices, dtype=object).reshape(shape)
+    return jax.sharding.Mesh(grid, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+
+
+def named_sharding(
+    mesh: jax.sharding.Mesh, logical: LogicalAxes, shape: Sequence[int], rules: Rules
+) -> jax.sharding.NamedSharding:
+    return jax.sharding.NamedSharding(
+        mesh, logical_to_spec(logical, shape, dict(mesh.shape), rules)
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# The VAE mesh ('redundant', 'vae_spatial') and its spatial axis: both decided once per build.
+
+VAE_AXES = ("redundant", "vae_spatial")
+
+
+def vae_mesh_shape(num_devices: int, batch: int, vae_spatial: int | None = None) -> tuple[int, int]:
+    """(redundant, vae_spatial). Auto: one video per device, (N, 1), when the batch is a positive
+    multiple of N (no cross-device traffic at all); else (1, N). An explicit value must divide N."""
+    if vae_spatial is not None:
+        if vae_spatial < 1 or num_devices % vae_spatial:
+            raise ValueError(
+                f"--vae-spatial {vae_spatial} must divide the device count {num_devices}"
+            )
+        return num_devices // vae_spatial, vae_spatial
+    if batch > 0 and batch % num_devices == 0:
+        return num_devices, 1
+    return 1, num_devices
+
+
+@dataclasses.dataclass(frozen=True)
+class VaeLayout:
+    """The VAE's spatial sharding for one build: `axis` is sharded over 'vae_spatial' at every
+    pyramid level; `padded` when neither latent dimension divides and width is padded."""
+
+    axis: str  # "width" or "height"
+    padded: bool = False
+
+    @property
+    def uneven(self) -> frozenset[str]:
+        return frozenset({"vae_width"}) if self.padded else frozenset()
+
+    def rules(self) -> Rules:
+        return (
+            ("vae_batch", "redundant"),
+            ("vae_width" if self.axis == "width" else "vae_height", "vae_spatial"),
+            ("vae_conv_out", "vae_spatial"),
+        )
+
+
+def choose_vae_layout(latent_height: int, latent_width: int, vae_spatial: int) -> VaeLayout:
+    """Decided once from the latent (H/8, W/8): width if vae_spatial divides it, else height if
+    it divides, else width with padding. Every level above the latent is a multiple of it, so
+    the choice holds at every pyramid level and no activation ever flips axis."""
+    if latent_width % vae_spatial == 0:
+        return VaeLayout("width")
+    if latent_height % vae_spatial == 0:
+        return VaeLayout("height")
+    return VaeLayout("width", padded=True)

@@ -124,7 +124,9 @@ def import_tensors(
         if target is None:
             continue
         if target.path not in expected:
-            raise WeightError(f"{name} maps to {'.'.join(target.path)}, which the model does not have")
+            raise WeightError(
+                f"{name} maps to {'.'.join(target.path)}, which the model does not have"
+            )
         shape, dtype = expected[target.path]
         value = target.transform(np.asarray(tensor))
         want = tuple(shape[1:]) if target.layer is not None else tuple(shape)
@@ -138,7 +140,9 @@ def import_tensors(
             out[target.path][...] = value
         else:
             if not 0 <= target.layer < shape[0]:
-                raise WeightError(f"{name}: layer {target.layer} out of range for {shape[0]} layers")
+                raise WeightError(
+                    f"{name}: layer {target.layer} out of range for {shape[0]} layers"
+                )
             out[target.path][target.layer] = value
         filled.setdefault(target.path, set()).add(target.layer)
     for path, (shape, _) in expected.items():
@@ -147,7 +151,9 @@ def import_tensors(
         missing = need - got
         if missing:
             where = "" if missing == {None} else f" (layers {sorted(missing)})"
-            raise WeightError(f"missing weight for {'.'.join(path)}{where}, expected shape {tuple(shape)}")
+            raise WeightError(
+                f"missing weight for {'.'.join(path)}{where}, expected shape {tuple(shape)}"
+            )
     return out
 
 
