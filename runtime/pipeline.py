@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from runtime.artifact import ArtifactError, Manifest
+from runtime.artifact import ArtifactError, BuildKey
 from runtime.loader import Request, load_build, match_build
 from wan import checkpoint, schedulers, tokenizer
 from wan.configs import ModelConfig
@@ -26,41 +26,42 @@ COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
 class CompileCounter:
-    """Counts backend compilations in this process (jax.monitoring sees every one)."""
+    """Counts backend compilations in this process: jax.monitoring reports every one (a
+    persistent-cache hit too). One listener per process, installed on first use."""
 
-    _installed: CompileCounter | None = None
+    _total = 0
+    _installed = False
 
     def __init__(self) -> None:
-        self.count = 0
+        if not CompileCounter._installed:
+            jax.monitoring.register_event_duration_secs_listener(CompileCounter._listen)
+            CompileCounter._installed = True
+        self.start = CompileCounter._total
 
-    @classmethod
-    def install(cls) -> CompileCounter:
-        if cls._installed is None:
-            counter = cls()
+    @staticmethod
+    def _listen(event: str, duration: float, **kwargs: Any) -> None:
+        if event == COMPILE_EVENT:
+            CompileCounter._total += 1
 
-            def listener(event: str, duration: float, **kwargs: Any) -> None:
-                if event == COMPILE_EVENT:
-                    counter.count += 1
-
-            jax.monitoring.register_event_duration_secs_listener(listener)
-            cls._installed = counter
-        return cls._installed
+    @property
+    def count(self) -> int:
+        """Compilations since this counter was made."""
+        return CompileCounter._total - self.start
 
 
 @contextlib.contextmanager
 def no_compilation() -> Iterator[CompileCounter]:
-    """jax's no-tracing mode (any jit cache miss or eager op raises) plus a compile listener;
-    a compile that still happens fails the block."""
-    counter = CompileCounter.install()
-    before = counter.count
+    """jax's no-tracing mode (any jit cache miss or eager op raises) plus a compile counter;
+    a compilation that still happens fails the block."""
+    counter = CompileCounter()
     previous = jax.config.jax_no_tracing
     jax.config.update("jax_no_tracing", True)
     try:
         yield counter
     finally:
         jax.config.update("jax_no_tracing", previous)
-    if counter.count != before:
-        raise ArtifactError(f"{counter.count - before} compilation(s) happened during generation")
+    if counter.count:
+        raise ArtifactError(f"{counter.count} compilation(s) happened during generation")
 
 
 def place(value: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
@@ -95,36 +96,50 @@ class GenerationReport:
 
 
 class Pipeline:
-    """A loaded build plus weights. `generate` runs one request shape any number of times."""
+    """Executables plus placed weights. `generate` runs one request shape any number of times."""
 
     def __init__(
         self,
-        folder: Path,
-        manifest: Manifest,
         executables: dict[str, Any],
         params: dict[str, Any],
         config: ModelConfig,
         tok: Any,
+        key: BuildKey,
+        name: str,
     ):
-        self.folder, self.manifest, self.exe = folder, manifest, executables
-        self.params, self.config, self.tokenizer = params, config, tok
+        self.exe, self.params, self.config, self.tokenizer = executables, params, config, tok
+        self.key, self.name = key, name
 
     @classmethod
     def load(cls, artifacts: str | Path, weights: str | Path, request: Request) -> Pipeline:
+        """The build in `artifacts` that serves `request`, with the weights of `weights`."""
         config = checkpoint.read_config(weights)
         request = dataclasses.replace(request, model_hash=config.hash())
         folder, manifest = match_build(Path(artifacts), request, str(weights))
         exe = load_build(folder, manifest, jax.devices())
-        params = {}
-        components = {"text_encoder": "text_encode", "transformer": "kv_cache", "vae": "vae_decode"}
+        return cls.assemble(exe, weights, manifest.key, folder.name, config)
+
+    @classmethod
+    def assemble(
+        cls,
+        executables: dict[str, Any],
+        weights: str | Path,
+        key: BuildKey,
+        name: str,
+        config: ModelConfig | None = None,
+    ) -> Pipeline:
+        """Place the weights of `weights` straight into the executables' input shardings."""
+        config = config or checkpoint.read_config(weights)
+        users = {"text_encoder": "text_encode", "transformer": "kv_cache", "vae": "vae_decode"}
         if config.num_experts == 2:
-            components["transformer_2"] = "kv_cache"
-        for component, program in components.items():
-            compiled = exe[program]
+            users["transformer_2"] = "kv_cache"
+        params = {}
+        for component, program in users.items():
+            compiled = executables[program]
             abstract = _abstract(compiled.args_info[0][0], compiled.input_shardings[0][0])
             params[component] = checkpoint.load_component(weights, component, abstract)
         tok = tokenizer.load_tokenizer(Path(weights) / "tokenizer")
-        return cls(folder, manifest, exe, params, config, tok)
+        return cls(executables, params, config, tok, key, name)
 
     def _in_sharding(self, program: str, index: int) -> Any:
         return self.exe[program].input_shardings[0][index]
@@ -142,7 +157,7 @@ class Pipeline:
     ) -> tuple[np.ndarray, GenerationReport]:
         """uint8 frames (B, F, H, W, 3). `init_noise` in the diffusers layout (B, C, T, h, w)."""
         start = time.perf_counter()
-        key = self.manifest.key
+        key = self.key
         prompts = [prompt] * key.batch if isinstance(prompt, str) else list(prompt)
         negatives = (
             [negative_prompt] * key.batch
@@ -205,7 +220,7 @@ class Pipeline:
             seconds_total=round(total, 4),
             steps=steps,
             steps_per_second=round(steps / max(total, 1e-9), 4),
-            build=self.folder.name,
+            build=self.name,
         )
         return frames, report
 

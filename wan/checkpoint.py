@@ -121,7 +121,7 @@ def load_component(folder: str | Path, component: str, abstract: Tree) -> Tree:
     expected = {p: (tuple(a.shape), np.dtype(a.dtype)) for p, a in flat_abstract.items()}
     host = weights.import_folder(source, expected, RULES[component])
     placed = {p: _place(host.pop(p), a) for p, a in flat_abstract.items()}
-    return weights.unflatten(placed)
+    return weights.unflatten_like(abstract, placed)
 
 
 def _place(value: np.ndarray, target: jax.ShapeDtypeStruct) -> jax.Array:

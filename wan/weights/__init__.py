@@ -84,6 +84,19 @@ def unflatten(flat: Mapping[Path_, Any]) -> dict[str, Any]:
     return tree
 
 
+def unflatten_like(
+    like: Mapping[Any, Any], flat: Mapping[Path_, Any], prefix: Path_ = ()
+) -> dict[Any, Any]:
+    """`flat` rebuilt with the structure of `like`, keeping its key types (NNX uses int keys
+    for module lists, which the string paths of `flatten` lose)."""
+    return {
+        key: unflatten_like(value, flat, (*prefix, str(key)))
+        if isinstance(value, Mapping)
+        else flat[(*prefix, str(key))]
+        for key, value in like.items()
+    }
+
+
 def read_safetensors(path: str | Path) -> Iterator[tuple[str, np.ndarray]]:
     """Yield (name, array) from one .safetensors file as read-only memory-mapped views."""
     path = Path(path)
