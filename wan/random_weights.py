@@ -1,6 +1,12 @@
 """Random weights in the project's checkpoint format: `python -m wan.random_weights --model
 tiny --out DIR`. For the demo and tests (and for timing real sizes without downloads): every
-component initialised by its module, plus an offline tokenizer of the model's vocabulary size."""
+parameter of every component drawn on the host with numpy, plus an offline tokenizer of the
+model's vocabulary size.
+
+Host numpy rather than the modules' jax initialisers: those compile one small program per
+parameter shape (tens of seconds for the VAE alone on a CPU host) for values nobody needs.
+Scales keep activations O(1): kernels ~ N(0, 1/fan_in), norm scales ~ 1, biases small.
+"""
 
 from __future__ import annotations
 
@@ -10,17 +16,31 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from flax import nnx
 
 from wan import checkpoint, programs
 from wan.configs import ModelConfig
 from wan.presets import resolve_model
 from wan.tokenizer import build_word_tokenizer
 
+NORM_NAMES = ("scale", "weight", "gamma")  # RMS/layer norm gains
+
 
 def random_params(config: ModelConfig, component: str, seed: int) -> dict:
-    module = programs.make_module(config, component, rngs=nnx.Rngs(seed))
-    return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.split(module)[1]))
+    _, abstract, _ = programs.split_abstract(programs.abstract_module(config, component))
+    rng = np.random.default_rng(seed)
+
+    def draw(path: tuple, leaf: jax.ShapeDtypeStruct) -> np.ndarray:
+        name, shape = str(path[-1].key), leaf.shape
+        if name in NORM_NAMES:
+            value = 1.0 + 0.1 * rng.standard_normal(shape)
+        elif name == "bias" or len(shape) < 2:
+            value = 0.02 * rng.standard_normal(shape)
+        else:  # kernels (.., in, out), embeddings, modulation tables
+            fan_in = shape[-2] * (int(np.prod(shape[-5:-2])) if len(shape) >= 5 else 1)
+            value = rng.standard_normal(shape) / np.sqrt(fan_in if name == "kernel" else shape[-1])
+        return value.astype(leaf.dtype)
+
+    return jax.tree_util.tree_map_with_path(draw, abstract)
 
 
 def write_random_checkpoint(config: ModelConfig, folder: str | Path, seed: int = 0) -> Path:
