@@ -202,6 +202,7 @@ def verify_files(folder: Path, manifest: Manifest) -> None:
 
 _ALLOWED_PACKAGES = ("jax", "jaxlib", "numpy", "ml_dtypes")
 _ALLOWED_BUILTINS = frozenset({"tuple", "list", "dict", "set", "frozenset", "slice", "complex"})
+_ALLOWED_OBJECTS = frozenset({"_reconstruct", "scalar", "default_registry", "tracing_registry"})
 
 
 def _allowed(module: str, name: str, obj: Any) -> bool:
@@ -209,10 +210,9 @@ def _allowed(module: str, name: str, obj: Any) -> bool:
         return name in _ALLOWED_BUILTINS
     if module.split(".")[0] not in _ALLOWED_PACKAGES:
         return False
-    # Classes, and the reconstructor functions jax/numpy register for their own pickling.
-    return (
-        isinstance(obj, type) or name.startswith("_unpickle") or name in ("_reconstruct", "scalar")
-    )
+    # Classes, the reconstructor functions jax/numpy register for their own pickling, and the
+    # pytree registry that PyTreeDefs name.
+    return isinstance(obj, type) or name.startswith("_unpickle") or name in _ALLOWED_OBJECTS
 
 
 class _RestrictedMixin:

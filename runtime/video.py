@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import imageio_ffmpeg
@@ -30,7 +31,10 @@ def write_mp4(frames: np.ndarray, path: Path, fps: int = FPS) -> Path:
     writer = imageio_ffmpeg.write_frames(
         str(tmp), (width, height), fps=fps, codec="libx264", macro_block_size=1, quality=8
     )
-    writer.send(None)
+    with warnings.catch_warnings():
+        # The fork is followed at once by exec of ffmpeg, which is safe with JAX's threads.
+        warnings.filterwarnings("ignore", "os.fork", RuntimeWarning)
+        writer.send(None)
     try:
         for frame in frames:
             writer.send(frame)

@@ -10,6 +10,11 @@ Scales keep activations O(1): kernels ~ N(0, 1/fan_in), norm scales ~ 1, biases 
 
 from __future__ import annotations
 
+import os
+
+# A host-side tool: never let jax probe for accelerators (libtpu may be installed).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
 import argparse
 import tempfile
 from pathlib import Path
