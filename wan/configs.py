@@ -146,12 +146,16 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
     def hash(self) -> str:
-        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        """Identifies the architecture and numerics (not the name): builds and weights match on it."""
+        blob = json.dumps({**self.to_dict(), "name": None}, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
     @classmethod
-    def from_diffusers(cls, folder: str | Path, dtype: str = "bfloat16") -> Self:
-        """Read the config.json files of a diffusers-format model folder."""
+    def from_diffusers(cls, folder: str | Path, dtype: str | None = None) -> Self:
+        """Read the config.json files of a diffusers-format model folder. `dtype` defaults to
+        the dtype the transformer's weights are stored in."""
+        from wan.weights import stored_dtype
+
         root = Path(folder)
 
         def read(sub: str) -> dict[str, Any]:
@@ -174,5 +178,5 @@ class ModelConfig:
             text_encoder=TextEncoderConfig.from_dict(read("text_encoder")),
             scheduler=SchedulerConfig.from_dict(sched),
             boundary_ratio=pipeline.get("boundary_ratio"),
-            dtype=dtype,
+            dtype=dtype or stored_dtype(root / "transformer"),
         )

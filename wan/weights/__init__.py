@@ -100,9 +100,9 @@ def unflatten_like(
 def read_safetensors(path: str | Path) -> Iterator[tuple[str, np.ndarray]]:
     """Yield (name, array) from one .safetensors file as read-only memory-mapped views."""
     path = Path(path)
+    header = _header(path)
     with path.open("rb") as f:
         header_len = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(header_len))
     data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
     for name, info in header.items():
         if name == "__metadata__":
@@ -112,6 +112,20 @@ def read_safetensors(path: str | Path) -> Iterator[tuple[str, np.ndarray]]:
         start, end = info["data_offsets"]
         dtype = np.dtype(_SAFETENSORS_DTYPES[info["dtype"]])
         yield name, data[start:end].view(dtype).reshape(info["shape"])
+
+
+def _header(path: Path) -> dict[str, Any]:
+    with path.open("rb") as f:
+        return json.loads(f.read(int.from_bytes(f.read(8), "little")))
+
+
+def stored_dtype(folder: str | Path) -> str:
+    """The floating dtype of the weights in a component folder ('float32', 'bfloat16', ...)."""
+    for file in safetensors_files(folder):
+        for name, info in _header(file).items():
+            if name != "__metadata__" and info["dtype"] in ("F32", "BF16", "F16"):
+                return np.dtype(_SAFETENSORS_DTYPES[info["dtype"]]).name
+    raise WeightError(f"no floating-point weights in {folder}")
 
 
 def safetensors_files(folder: str | Path) -> list[Path]:

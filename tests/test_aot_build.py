@@ -1,0 +1,143 @@
+"""`aot build`: the program matrix, artifacts and manifest, skip/force, atomicity, errors, FLOPs."""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import json
+import os
+
+import jax
+import pytest
+from conftest import TINY_SHAPE, run_cli
+
+from aot import hlo
+from aot.build import compile_program, plan_build
+from aot.targets import parse_target
+from runtime.artifact import PROGRAMS, SCHEMA_VERSION, read_manifest, sha256_file
+from wan import programs, sharding
+from wan.presets import PRESETS
+
+
+def test_matrix_builds_then_skips(tmp_path):
+    args = ["build", "--model", "tiny", "--res", "192x320", "--res", "320x192", "--frames", "9",
+            "--batch", "1", "--batch", "2", "--target", "cpu-8", "--out", str(tmp_path)]  # fmt: skip
+    first = run_cli("aot", *args)
+    builds = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("."))
+    assert len(builds) == 4, builds
+    assert {b.split("_")[1] for b in builds} == {"192x320", "320x192"}
+    assert "4 built" in first.stdout
+    # Live progress lines per program, n/4 and the elapsed time.
+    assert "[4/4]" in first.stderr and "vae_decode done in" in first.stderr
+    second = run_cli("aot", *args)
+    assert "nothing to compile: all 4 builds are up to date" in second.stdout
+    assert "compiling" not in second.stderr
+    listing = run_cli("aot", "list", str(tmp_path)).stdout
+    assert all(b in listing for b in builds)
+
+
+def test_manifest_and_files(tiny_build):
+    m = read_manifest(tiny_build)
+    raw = json.loads((tiny_build / "manifest.json").read_text())
+    assert raw["schema_version"] == SCHEMA_VERSION
+    assert m.key.folder_name() == tiny_build.name
+    assert m.model_hash == PRESETS["tiny"].hash()
+    assert m.versions["jax"] == jax.__version__ and "jaxlib" in m.versions
+    assert m.platform == "cpu" and sorted(m.device_ids) == list(range(8))
+    assert (
+        m.mesh_axes["data"] * m.mesh_axes["fsdp"] * m.mesh_axes["context"] * m.mesh_axes["tensor"]
+        == 8
+    )
+    assert set(m.programs) == set(PROGRAMS)
+    for name, p in m.programs.items():
+        for entry in (p.executable, p.hlo):
+            path = tiny_build / entry.path
+            assert path.stat().st_size == entry.size and sha256_file(path) == entry.sha256
+        with gzip.open(tiny_build / p.hlo.path, "rt") as f:
+            assert f.read().startswith("HloModule")
+        assert p.memory["peak"] > 0 and p.flops > 0 and p.compile_seconds > 0
+        assert p.inputs and p.outputs and all(a.dtype and a.sharding for a in p.inputs)
+        assert p.peak_rss_bytes > 0
+    # The denoise step's scheduler row and state are inputs, not constants.
+    paths = [a.path for a in m.programs["denoise_step"].inputs]
+    assert any("timestep" in p for p in paths) and any("x0_history" in p for p in paths)
+    report = run_cli("aot", "inspect", str(tiny_build)).stdout
+    assert "denoise_step" in report and "peak GiB" in report
+
+
+def test_killed_build_leaves_nothing_complete_and_is_redone(tmp_path):
+    args = ["build", "--model", "tiny", *TINY_SHAPE, "--target", "cpu-8", "--out", str(tmp_path)]
+    env = {**os.environ, "AOT_TEST_KILL_AFTER": "kv_cache"}
+    killed = run_cli("aot", *args, env=env, check=False)
+    assert killed.returncode == -9
+    assert not any((p / "manifest.json").exists() for p in tmp_path.iterdir())
+    assert all(p.name.startswith(".") for p in tmp_path.iterdir())
+    redone = run_cli("aot", *args)
+    assert "1 built" in redone.stdout
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp")] == []
+    (build,) = [p for p in tmp_path.iterdir() if not p.name.startswith(".")]
+    assert set(read_manifest(build).programs) == set(PROGRAMS)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--res", "200x320"], "multiples of 16"),
+        (["--frames", "10"], "4k+1"),
+        (["--mesh", "data=8"], "not divisible by data x fsdp"),
+        (["--mesh", "data=2,context=2"], "has 4 devices but target cpu-8 has 8"),
+        (["--target", "tpu-v9-8"], "unknown target"),
+        (["--model", "wan3"], "unknown model"),
+        (["--vae-spatial", "3"], "must divide the device count"),
+    ],
+)
+def test_bad_requests_are_one_line_errors(tmp_path, args, message):
+    base = {
+        "--model": "tiny",
+        "--res": "192x320",
+        "--frames": "9",
+        "--batch": "1",
+        "--target": "cpu-8",
+    }
+    flags = dict(zip(args[::2], args[1::2], strict=True))
+    cmd = [x for k, v in {**base, **flags}.items() for x in (k, v)]
+    result = run_cli("aot", "build", *cmd, "--out", str(tmp_path), check=False)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_unreadable_model_folder(tmp_path):
+    (tmp_path / "model").mkdir()
+    result = run_cli("aot", "build", "--model", str(tmp_path / "model"), *TINY_SHAPE,
+                     "--target", "cpu-8", "--out", str(tmp_path / "out"), check=False)  # fmt: skip
+    assert result.returncode == 2 and "config.json is missing" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_missing_tpu_extra_is_reported(monkeypatch):
+    from aot import targets
+
+    monkeypatch.setattr(targets.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(targets.TargetError, match=r"install the tpu extra"):
+        targets.devices(parse_target("tpu-v6e-8"))
+
+
+def test_scanned_flops_equal_unrolled(monkeypatch):
+    """XLA counts a scan body once; the report applies trip counts: the scanned denoise step's
+    FLOPs equal XLA's count for the same program with every scan unrolled (within 1%)."""
+    config = PRESETS["tiny"]
+    plan = plan_build("tiny", config, programs.VideoShape(64, 96, 9, 1), parse_target("cpu-8"), 8)
+    mesh = sharding.make_mesh(jax.devices()[:8], plan.mesh.items())
+    step = programs.denoise_step_program(config, plan.shape, "dot")
+    scanned = compile_program(step, mesh, sharding.TRANSFORMER_RULES)
+    monkeypatch.setattr(jax.lax, "scan", functools.partial(jax.lax.scan, unroll=True))
+    step = programs.denoise_step_program(config, plan.shape, "dot")
+    unrolled = compile_program(step, mesh, sharding.TRANSFORMER_RULES)
+    assert "while" not in unrolled.as_text()
+    ours = hlo.flops(hlo.parse(scanned.as_text()))
+    xla_unrolled = unrolled.cost_analysis()["flops"]
+    xla_scanned = scanned.cost_analysis()["flops"]
+    assert abs(ours - xla_unrolled) <= 0.01 * xla_unrolled, (ours, xla_unrolled)
+    assert xla_scanned < 0.8 * xla_unrolled  # the correction matters
