@@ -84,14 +84,20 @@ def cli() -> None:
 @click.option(
     "--strict", is_flag=True, help="Fail when the HLO/memory policy check finds a violation."
 )
+@click.option(
+    "--policy",
+    "policy_path",
+    type=click.Path(path_type=Path),
+    help="Policy TOML for the check (default: aot's own; see docs/check.md).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def build_cmd(
     model, resolutions, frames_list, batches, target, mesh_text, vae_spatial, attention, no_cfg,
-    out, force, strict, as_json,
+    out, force, strict, policy_path, as_json,
 ) -> None:  # fmt: skip
     """Compile the program matrix (--res x --frames x --batch) for one target."""
     from aot import build as builder
-    from aot import report
+    from aot import check, report
     from wan.presets import resolve_model
     from wan.programs import VideoShape
     from wan.sharding import MeshShape
@@ -105,6 +111,7 @@ def build_cmd(
         num_devices = len(targets.devices(tgt))
         mesh = MeshShape.parse(mesh_text) if mesh_text else None
         spatial = None if vae_spatial == "auto" else int(vae_spatial)
+        policy = check.load_policy(policy_path)
     except (ValueError, targets.TargetError) as e:
         raise CliError(str(e)) from None
     name = Path(model).name if Path(model).is_dir() else model
@@ -142,6 +149,21 @@ def build_cmd(
             )
         else:
             click.echo(f"{built} built, {len(results) - built} up to date, in {out}")
+    # The `aot check` of these builds: warnings on stderr, or exit 1 with --strict.
+    try:
+        violations = check.violation_lines(check.check_paths([r.folder for r in results], policy))
+    except check.CheckInputError as e:
+        raise CliError(str(e)) from None
+    for line in violations:
+        click.echo(f"{'error' if strict else 'warning'}: {line}", err=True)
+    if violations:
+        click.echo(
+            f"{len(violations)} policy violation(s) (policy: {policy.source}; `aot check` "
+            "shows them all)",
+            err=True,
+        )
+        if strict:
+            raise click.exceptions.Exit(1)
 
 
 @cli.command("list")
@@ -170,6 +192,34 @@ def inspect_cmd(build_dir: Path, as_json: bool) -> None:
     click.echo(
         json.dumps(manifest.to_json(), indent=1) if as_json else report.inspect_text(manifest)
     )
+
+
+@cli.command("check")
+@click.argument("artifacts", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option(
+    "--policy",
+    "policy_path",
+    type=click.Path(path_type=Path),
+    help="Policy TOML (default: aot's own; see docs/check.md).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def check_cmd(artifacts: tuple[Path, ...], policy_path: Path | None, as_json: bool) -> None:
+    """Check builds (or folders of builds) against an HLO collective and memory policy.
+
+    Exit 0 when every build passes, 1 on any violation, 2 on bad input."""
+    from aot import check
+
+    try:
+        policy = check.load_policy(policy_path)
+        results = check.check_paths(artifacts, policy)
+    except check.CheckInputError as e:
+        raise CliError(str(e)) from None
+    if as_json:
+        click.echo(json.dumps(check.to_json(results, policy), indent=1))
+    else:
+        click.echo(check.text(results, policy))
+    if any(r.violations for r in results):
+        raise click.exceptions.Exit(1)
 
 
 def _prepare_from_argv(argv: list[str]) -> None:

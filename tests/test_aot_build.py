@@ -49,7 +49,7 @@ def test_manifest_and_files(tiny_build):
         == 8
     )
     assert set(m.programs) == set(PROGRAMS)
-    for name, p in m.programs.items():
+    for p in m.programs.values():
         for entry in (p.executable, p.hlo):
             path = tiny_build / entry.path
             assert path.stat().st_size == entry.size and sha256_file(path) == entry.sha256
