@@ -1,0 +1,166 @@
+"""`runtime run` end to end: zero compilations, frames equal to plain jit, parity with
+diffusers, and every fault a one-line error (exit 2) before XLA or pickle can do harm."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import TINY_SHAPE, run_cli
+
+from aot.build import compile_in_process, plan_build
+from aot.targets import parse_target
+from runtime.artifact import ArtifactError, read_manifest, sha256_file
+from runtime.loader import Request
+from runtime.pipeline import Pipeline
+from wan.presets import PRESETS
+from wan.programs import VideoShape
+
+PROMPT = "a red cat running in the rain"
+RUN = ["--prompt", PROMPT, "--steps", "3", "--seed", "7", "--guidance", "5"]
+
+
+def _run(build_root, weights, tmp_path, *extra, check=True, env=None):
+    return run_cli(
+        "runtime", "run", "--artifacts", str(build_root), "--weights", str(weights), *TINY_SHAPE,
+        *RUN, "--out", str(tmp_path / "video.mp4"), *extra, check=check, env=env,
+    )  # fmt: skip
+
+
+def test_run_compiles_nothing_and_equals_plain_jit(tiny_build, tiny_weights, tmp_path):
+    result = _run(tiny_build.parent, tiny_weights, tmp_path, "--save-frames", str(tmp_path / "f.npy"),
+                  "--report", str(tmp_path / "r.json"))  # fmt: skip
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["compile_count"] == 0 and "0 compilations" in result.stdout
+    frames = np.load(tmp_path / "f.npy")
+    assert frames.dtype == np.uint8 and frames.shape == (1, 9, 320, 192, 3)
+    assert (tmp_path / "video.mp4").stat().st_size > 1000
+
+    # The same programs compiled here under plain jax.jit, same weights and seed.
+    plan = plan_build("tiny", PRESETS["tiny"], VideoShape(192, 320, 9, 1), parse_target("cpu-8"), 8)
+    assert plan.key == read_manifest(tiny_build).key
+    pipe = Pipeline.assemble(compile_in_process(plan), tiny_weights, plan.key, "jit")
+    expected, _ = pipe.generate(PROMPT, steps=3, guidance=5.0, seed=7)
+    np.testing.assert_array_equal(frames, expected)
+
+
+def test_missing_build_names_the_command(tiny_build, tiny_weights, tmp_path):
+    result = run_cli(
+        "runtime", "run", "--artifacts", str(tiny_build.parent), "--weights", str(tiny_weights),
+        "--res", "320x192", "--frames", "9", *RUN, "--out", str(tmp_path / "v.mp4"), check=False,
+    )  # fmt: skip
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "aot build --model" in result.stderr and "--res 320x192" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.fixture
+def build_copy(tiny_build, tmp_path):
+    """A private copy of the tiny build to damage."""
+    folder = tmp_path / "artifacts" / tiny_build.name
+    shutil.copytree(tiny_build, folder)
+    return folder
+
+
+def _edit_manifest(folder, edit):
+    path = folder / "manifest.json"
+    raw = json.loads(path.read_text())
+    edit(raw)
+    path.write_text(json.dumps(raw))
+
+
+def _flip_byte(folder):
+    path = folder / "denoise_step.exec"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _truncate(folder):
+    path = folder / "vae_decode.exec"
+    path.write_bytes(path.read_bytes()[:-100])
+
+
+def _other_jax(folder):
+    _edit_manifest(folder, lambda m: m["versions"].update(jax="0.4.1"))
+
+
+def _wrong_device_count(folder):
+    """An 8-device build met by a process with 4 devices (a build for `current` devices is run
+    where there are fewer: the runtime does not arrange the devices then)."""
+    _edit_manifest(folder, lambda m: m["key"].update(target="current"))
+    return {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+
+
+def _reordered_devices(folder):
+    _edit_manifest(folder, lambda m: m.update(device_ids=m["device_ids"][::-1]))
+
+
+def _gadget(folder):
+    """A pickle that would run a shell command when loaded, with a correct sha256 and size."""
+
+    class Gadget:
+        def __reduce__(self):
+            return (subprocess.call, (["touch", str(folder / "pwned")],))
+
+    path = folder / "text_encode.exec"
+    path.write_bytes(pickle.dumps(Gadget()))
+
+    def fix(m):
+        m["programs"]["text_encode"]["executable"].update(
+            sha256=sha256_file(path), size=path.stat().st_size
+        )
+
+    _edit_manifest(folder, fix)
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (_flip_byte, "fails its sha256 check"),
+        (_truncate, "truncated"),
+        (_other_jax, "compiled with jax 0.4.1"),
+        (_wrong_device_count, "needs 8 cpu devices, this process has 4"),
+        (_reordered_devices, "differs from the executable's"),
+        (_gadget, "not an allowed jax/jaxlib/numpy class"),
+    ],
+)
+def test_faults_are_one_line_errors(build_copy, tiny_weights, tmp_path, damage, message):
+    env = damage(build_copy)
+    result = _run(build_copy.parent, tiny_weights, tmp_path, check=False, env=env)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not (build_copy / "pwned").exists()
+    assert not (tmp_path / "video.mp4").exists()
+
+
+def test_missing_weight_tensor(tiny_build, tiny_weights, tmp_path):
+    weights = tmp_path / "weights"
+    shutil.copytree(tiny_weights, weights)
+    shutil.rmtree(weights / "vae")
+    result = _run(tiny_build.parent, weights, tmp_path, check=False)
+    assert result.returncode == 2 and "has no vae/" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_loading_in_process_refuses_wrong_devices(build_copy, tiny_weights):
+    """The Python API checks the same things before deserialising."""
+    _edit_manifest(build_copy, lambda m: m.update(device_ids=m["device_ids"][:4]))
+    with pytest.raises(ArtifactError, match="needs 4 cpu devices, this process has 8"):
+        Pipeline.load(build_copy.parent, tiny_weights, Request(192, 320, 9, 1, cfg=True))
+
+
+def test_runtime_imports_no_model_code():
+    code = (
+        "import sys, runtime.cli, runtime.pipeline, runtime.loader;"
+        "bad = [m for m in sys.modules if m.startswith(('flax', 'wan.transformer', 'wan.vae',"
+        " 'wan.text_encoder', 'wan.programs', 'aot'))]; print(bad); assert not bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
