@@ -14,6 +14,16 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
+from diffusers import (  # noqa: E402
+    AutoencoderKLWan,
+    UniPCMultistepScheduler,
+    WanPipeline,
+    WanTransformer3DModel,
+)
+from transformers import UMT5Config, UMT5EncoderModel  # noqa: E402
+
+from wan.tokenizer import build_word_tokenizer  # noqa: E402
 
 BIN = Path(sys.executable).parent
 TINY_SHAPE = ["--res", "192x320", "--frames", "9", "--batch", "1"]
@@ -63,3 +73,43 @@ def tiny_weights(shared_dir) -> Path:
         if not folder.exists():
             write_random_checkpoint(PRESETS["tiny"], folder, seed=0)
     return folder
+
+
+def _transformer():
+    model = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=16,
+        out_channels=16, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2,
+        cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=1024,
+    )  # fmt: skip
+    with torch.no_grad():  # make the zero/one-initialised norms and tables matter
+        for name, p in model.named_parameters():
+            if "norm" in name or "scale_shift" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def save_tiny_diffusers_pipeline(folder, two_experts: bool = False) -> None:
+    """A tiny diffusers WanPipeline with random weights (the tiny preset's shapes), saved."""
+    torch.manual_seed(0)
+    text_encoder = UMT5EncoderModel(
+        UMT5Config(
+            vocab_size=256, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+            relative_attention_num_buckets=32, relative_attention_max_distance=128,
+            feed_forward_proj="gated-gelu", dropout_rate=0.0,
+        )
+    )  # fmt: skip
+    vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1)
+    scheduler = UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
+    )
+    tokenizer = build_word_tokenizer(folder / "_tokenizer", vocab_size=256)
+    pipe = WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        transformer=_transformer(),
+        vae=vae,
+        scheduler=scheduler,
+        transformer_2=_transformer() if two_experts else None,
+        boundary_ratio=0.9 if two_experts else None,
+    )
+    pipe.save_pretrained(folder)

@@ -11,64 +11,24 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
-from transformers import UMT5Config, UMT5EncoderModel
+from conftest import save_tiny_diffusers_pipeline
+from diffusers import WanPipeline
 
 from aot.build import compile_in_process, plan_build
 from aot.targets import parse_target
 from runtime.pipeline import Pipeline
 from wan.configs import ModelConfig
 from wan.programs import VideoShape
-from wan.tokenizer import build_word_tokenizer
 
 WIDTH, HEIGHT, FRAMES, STEPS = 32, 48, 9, 4  # portrait; 3 latent frames
 PROMPTS = ["a red cat running in the rain", "a boat on the sea at night"]
 NEGATIVE = ["blurry low quality", ""]
 
 
-def _transformer() -> WanTransformer3DModel:
-    model = WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=16,
-        out_channels=16, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2,
-        cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=1024,
-    )  # fmt: skip
-    with torch.no_grad():  # make the zero/one-initialised norms and tables matter
-        for name, p in model.named_parameters():
-            if "norm" in name or "scale_shift" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    return model
-
-
-def _save_pipeline(folder, two_experts: bool) -> None:
-    torch.manual_seed(0)
-    text_encoder = UMT5EncoderModel(
-        UMT5Config(
-            vocab_size=256, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-            relative_attention_num_buckets=32, relative_attention_max_distance=128,
-            feed_forward_proj="gated-gelu", dropout_rate=0.0,
-        )
-    )  # fmt: skip
-    vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1)
-    scheduler = UniPCMultistepScheduler(
-        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
-    )
-    tokenizer = build_word_tokenizer(folder / "_tokenizer", vocab_size=256)
-    pipe = WanPipeline(
-        tokenizer=tokenizer,
-        text_encoder=text_encoder,
-        transformer=_transformer(),
-        vae=vae,
-        scheduler=scheduler,
-        transformer_2=_transformer() if two_experts else None,
-        boundary_ratio=0.9 if two_experts else None,
-    )
-    pipe.save_pretrained(folder)
-
-
 @pytest.mark.parametrize("two_experts", [False, True], ids=["wan2.1", "two-experts"])
 def test_pipeline_matches_diffusers(tmp_path, two_experts):
     folder = tmp_path / "pipe"
-    _save_pipeline(folder, two_experts)
+    save_tiny_diffusers_pipeline(folder, two_experts)
     noise = np.random.default_rng(0).standard_normal(
         (len(PROMPTS), 16, (FRAMES - 1) // 4 + 1, HEIGHT // 8, WIDTH // 8), dtype=np.float32
     )
