@@ -98,10 +98,10 @@ def plan_build(
         raise BuildError(
             f"mesh {_mesh_text(mesh)} has {mesh.size} devices but target {target.name} has {num_devices}"
         )
-    if shape.step_batch % (mesh.data * mesh.fsdp):
+    if shape.step_batch % mesh.data:
         raise BuildError(
             f"step batch {shape.step_batch} ({'2 x ' if shape.cfg else ''}--batch {shape.batch}) is not "
-            f"divisible by data x fsdp = {mesh.data * mesh.fsdp}: change --batch or --mesh"
+            f"divisible by data = {mesh.data}: change --batch or --mesh"
         )
     try:
         vae_mesh = sharding.vae_mesh_shape(num_devices, shape.batch, vae_spatial)

@@ -84,7 +84,7 @@ def test_killed_build_leaves_nothing_complete_and_is_redone(tmp_path):
     [
         (["--res", "200x320"], "multiples of 16"),
         (["--frames", "10"], "4k+1"),
-        (["--mesh", "data=8"], "not divisible by data x fsdp"),
+        (["--mesh", "data=8"], "not divisible by data = 8"),
         (["--mesh", "data=2,context=2"], "has 4 devices but target cpu-8 has 8"),
         (["--target", "tpu-v9-8"], "unknown target"),
         (["--model", "wan3"], "unknown model"),

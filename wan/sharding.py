@@ -88,7 +88,7 @@ TRANSFORMER_AXES = ("data", "fsdp", "context", "tensor")
 
 TRANSFORMER_RULES: Rules = (
     ("batch", ("data", "fsdp")),  # activations and the KV cache: one slice of the batch per group
-    ("length", "context"),  # video tokens
+    ("length", ("context", "fsdp")),  # video tokens; fsdp only when the batch left it unused
     ("kv_length", None),  # prompt tokens: short, kept whole
     ("embed", "fsdp"),  # weights only: activations never name "embed" on a sharded axis
     ("act_embed", None),
@@ -132,15 +132,18 @@ class MeshShape:
 def default_mesh(
     num_devices: int, step_batch: int, weight_bytes: int, hbm_bytes: int | None
 ) -> MeshShape:
-    """data x fsdp x context: as much data parallelism as the step batch (2B with CFG) allows,
-    fsdp just large enough that the transformer weights take <= 40% of a device's HBM, and the
-    remaining devices on the sequence (context parallelism)."""
-    data = max(d for d in _divisors(num_devices) if step_batch % d == 0)
+    """data x fsdp x context. fsdp just large enough that the transformer weights take <= 40%
+    of a device's HBM; then as much data parallelism as the step batch (2B with CFG) allows
+    (the batch is sharded over data x fsdp, all or nothing); the remaining devices shard the
+    sequence (context parallelism, and fsdp too when the batch cannot use it)."""
     fsdp = 1
     if hbm_bytes:
-        rest = num_devices // data
-        fsdp = next((f for f in _divisors(rest) if weight_bytes / f <= 0.4 * hbm_bytes), rest)
-    return MeshShape(data=data, fsdp=fsdp, context=num_devices // (data * fsdp))
+        fsdp = next(
+            (f for f in _divisors(num_devices) if weight_bytes / f <= 0.4 * hbm_bytes), num_devices
+        )
+    rest = num_devices // fsdp
+    data = max(d for d in _divisors(rest) if step_batch % (d * fsdp) == 0 or d == 1)
+    return MeshShape(data=data, fsdp=fsdp, context=rest // data)
 
 
 def _divisors(n: int) -> list[int]:
