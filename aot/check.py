@@ -1,0 +1,496 @@
+"""`aot check`: hold builds to an HLO and memory policy, so that CI catches a model or sharding
+change that brings back all-to-alls or outgrows the HBM before it reaches a TPU.
+
+Every program's optimized HLO (`<program>.hlo.txt.gz`, its sha256 checked against the manifest)
+is parsed with `aot.hlo`: all collectives, async `-start` forms included (counted once, the
+matching `-done` is not a second collective), with their executions per program run (loop trip
+counts applied) and per-device bytes. Peak memory per device is the manifest's
+`memory["peak"]` (arguments + outputs - aliased + temporaries).
+
+Policy (TOML; the default ships as `aot/policy.toml`; format in docs/check.md):
+
+    [programs.<program>]          # text_encode, kv_cache, denoise_step, vae_decode
+    forbid = ["all-to-all"]       # kinds that must not occur at all
+    max_count = {all-gather = 200}          # executions per run, summed over the kind
+    max_bytes = {all-reduce = 1_073_741_824}  # bytes per device per run, summed over the kind
+
+    [targets."*"]                 # every target; a table named after a target (e.g.
+    hbm_fraction = 0.9            # "tpu-v6e-8") replaces these keys for that target
+    budget_bytes = 17179869184    # absolute per-device budget; applies to cpu/current too
+
+The memory budget is the smaller of `budget_bytes` and `hbm_fraction` x the target's HBM per
+device (the manifest's `hbm_bytes`, from aot.targets.TPU_HBM); targets without a known HBM
+(cpu-N, current) are skipped unless `budget_bytes` is given. Kinds: all-to-all,
+ragged-all-to-all, all-gather, all-reduce, reduce-scatter, collective-permute,
+collective-broadcast.
+
+JSON output (`aot check --json`), schema version 1:
+
+    {
+      "schema_version": 1,
+      "policy": str,                  # the policy file, or "default"
+      "ok": bool,                     # true iff "violations" is empty
+      "builds": [{
+        "build": str,                 # build folder name
+        "path": str,
+        "target": str,
+        "hbm_bytes": int | null,      # per device, when known for the target
+        "memory_budget_bytes": int | null,   # null: memory rule skipped
+        "ok": bool,
+        "programs": {"<program>": {
+          "peak_bytes": int,
+          "collectives": {"<kind>": {"count": int, "bytes": int,
+                                     "static_count": int, "static_bytes": int}}
+        }}
+      }],
+      "violations": [{
+        "build": str, "path": str, "program": str,
+        "rule": "forbid" | "max_count" | "max_bytes" | "memory",
+        "kind": str | null,           # the collective kind; null for "memory"
+        "limit": int,                 # forbid: 0
+        "actual": int,                # forbid/max_count: executions; max_bytes/memory: bytes
+        "message": str,
+        "instructions": [{            # the HLO collectives behind it, largest traffic first;
+          "name": str, "opcode": str, # empty for "memory"
+          "computation": str, "count": int, "bytes": int, "shape": str,
+          "replica_groups": str | null, "op_name": str | null,
+          "source_file": str | null, "source_line": int | null
+        }]
+      }]
+    }
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import os
+import tomllib
+from collections.abc import Iterable, Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from aot import hlo, targets
+from aot.report import _table
+from runtime.artifact import (
+    MANIFEST,
+    PROGRAMS,
+    ArtifactError,
+    Manifest,
+    read_manifest,
+    sha256_file,
+)
+
+SCHEMA_VERSION = 1
+KINDS = frozenset(hlo._COLLECTIVES.values())
+GiB = float(1 << 30)
+TABLE_INSTRUCTIONS = 5  # per violation in the text table; --json lists them all
+
+
+class CheckInputError(ValueError):
+    """Bad input to the check (policy or build folders); the message is one line."""
+
+
+# ---------------------------------------------------------------------------- policy
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramRules:
+    forbid: tuple[str, ...] = ()
+    max_count: dict[str, int] = dataclasses.field(default_factory=dict)
+    max_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryRule:
+    hbm_fraction: float | None = None
+    budget_bytes: int | None = None
+
+    def budget(self, hbm_bytes: int | None) -> int | None:
+        """Bytes per device, or None when no rule applies to this target."""
+        budgets = [] if self.budget_bytes is None else [self.budget_bytes]
+        if self.hbm_fraction is not None and hbm_bytes:
+            budgets.append(int(self.hbm_fraction * hbm_bytes))
+        return min(budgets, default=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    source: str
+    programs: dict[str, ProgramRules]
+    targets: dict[str, dict[str, Any]]  # target name or "*" -> memory rule keys
+
+    def memory_rule(self, target: str) -> MemoryRule:
+        return MemoryRule(**{**self.targets.get("*", {}), **self.targets.get(target, {})})
+
+
+def load_policy(path: Path | None = None) -> Policy:
+    """The policy in `path`, or the default one shipped with aot."""
+    if path is None:
+        return parse_policy((resources.files("aot") / "policy.toml").read_text(), "default")
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckInputError(f"policy {path} is unreadable: {e}") from None
+    return parse_policy(text, str(path))
+
+
+def parse_policy(text: str, source: str) -> Policy:
+    """Parse and validate a policy; unknown keys, programs, kinds or targets are errors (a
+    typo must not silently turn a rule off)."""
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise CheckInputError(f"policy {source} is not valid TOML: {e}") from None
+    where = f"policy {source}"
+    _keys(raw, {"programs", "targets"}, where)
+    programs = {}
+    for name, rules in _subtable(raw, "programs", where).items():
+        at = f"{where} [programs.{name}]"
+        if name not in PROGRAMS:
+            raise CheckInputError(f"{at}: unknown program (programs: {', '.join(PROGRAMS)})")
+        if not isinstance(rules, dict):
+            raise CheckInputError(f"{at}: must be a table")
+        _keys(rules, {"forbid", "max_count", "max_bytes"}, at)
+        forbid = rules.get("forbid", [])
+        if not isinstance(forbid, list):
+            raise CheckInputError(f"{at} forbid: must be a list of collective kinds")
+        programs[name] = ProgramRules(
+            forbid=tuple(_kind(k, f"{at} forbid") for k in forbid),
+            max_count=_limits(rules, "max_count", at),
+            max_bytes=_limits(rules, "max_bytes", at),
+        )
+    target_rules = {}
+    for name, rule in _subtable(raw, "targets", where).items():
+        at = f'{where} [targets."{name}"]'
+        if name != "*":
+            try:
+                targets.parse_target(name)
+            except targets.TargetError as e:
+                raise CheckInputError(f"{at}: {e}") from None
+        if not isinstance(rule, dict):
+            raise CheckInputError(f"{at}: must be a table")
+        _keys(rule, {"hbm_fraction", "budget_bytes"}, at)
+        fraction = rule.get("hbm_fraction")
+        if fraction is not None and (
+            isinstance(fraction, bool)
+            or not isinstance(fraction, int | float)
+            or not 0 < fraction <= 1
+        ):
+            raise CheckInputError(f"{at} hbm_fraction: must be a number in (0, 1]")
+        if "budget_bytes" in rule:
+            _count(rule["budget_bytes"], f"{at} budget_bytes")
+        target_rules[name] = dict(rule)
+    return Policy(source, programs, target_rules)
+
+
+def _keys(table: dict[str, Any], allowed: set[str], where: str) -> None:
+    unknown = sorted(set(table) - allowed)
+    if unknown:
+        raise CheckInputError(
+            f"{where}: unknown key {unknown[0]!r} (allowed: {', '.join(sorted(allowed))})"
+        )
+
+
+def _subtable(raw: dict[str, Any], key: str, where: str) -> dict[str, Any]:
+    value = raw.get(key, {})
+    if not isinstance(value, dict):
+        raise CheckInputError(f"{where}: {key} must be a table")
+    return value
+
+
+def _kind(kind: Any, where: str) -> str:
+    if kind not in KINDS:
+        raise CheckInputError(
+            f"{where}: unknown collective kind {kind!r} (kinds: {', '.join(sorted(KINDS))})"
+        )
+    return kind
+
+
+def _count(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise CheckInputError(f"{where}: must be a non-negative integer")
+    return value
+
+
+def _limits(rules: dict[str, Any], key: str, where: str) -> dict[str, int]:
+    table = rules.get(key, {})
+    if not isinstance(table, dict):
+        raise CheckInputError(f"{where} {key}: must be a table of kind = limit")
+    return {
+        _kind(kind, f"{where} {key}"): _count(v, f"{where} {key}.{kind}")
+        for kind, v in table.items()
+    }
+
+
+# ---------------------------------------------------------------------------- checking
+
+
+@dataclasses.dataclass(frozen=True)
+class Violation:
+    build: Path
+    program: str
+    rule: str  # forbid, max_count, max_bytes, memory
+    kind: str | None
+    limit: int
+    actual: int
+    message: str
+    instructions: tuple[hlo.Collective, ...]
+
+    def line(self) -> str:
+        """One line for logs: build, program, rule and the largest instruction."""
+        text = f"{self.build.name} {self.program}: {self.message}"
+        if self.instructions:
+            text += f"; {_instruction_text(self.instructions[0])}"
+            if len(self.instructions) > 1:
+                text += f" (+{len(self.instructions) - 1} more)"
+        return text
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramCheck:
+    peak_bytes: int
+    collectives: tuple[hlo.Collective, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildCheck:
+    folder: Path
+    manifest: Manifest
+    memory_budget: int | None
+    programs: dict[str, ProgramCheck]
+    violations: tuple[Violation, ...]
+
+
+def find_builds(paths: Iterable[Path]) -> list[Path]:
+    """Build folders among `paths`: each is a build (has a manifest) or a folder of builds."""
+    found: dict[Path, None] = {}
+    for path in map(Path, paths):
+        if (path / MANIFEST).is_file():
+            found[path] = None
+            continue
+        if not path.is_dir():
+            raise CheckInputError(f"{path} does not exist or is not a folder")
+        builds = sorted(
+            p for p in path.iterdir() if not p.name.startswith(".") and (p / MANIFEST).is_file()
+        )
+        if not builds:
+            raise CheckInputError(
+                f"{path} is neither a build folder (no {MANIFEST}) nor a folder of builds"
+            )
+        found.update(dict.fromkeys(builds))
+    return list(found)
+
+
+def check_paths(paths: Iterable[Path], policy: Policy) -> list[BuildCheck]:
+    """Check every build found in `paths` (see find_builds)."""
+    return [check_build(folder, policy) for folder in find_builds(paths)]
+
+
+def check_build(folder: Path, policy: Policy) -> BuildCheck:
+    try:
+        manifest = read_manifest(folder)
+    except ArtifactError as e:
+        raise CheckInputError(str(e)) from None
+    budget = policy.memory_rule(manifest.key.target).budget(manifest.hbm_bytes)
+    programs, violations = {}, []
+    for name, entry in manifest.programs.items():
+        collectives = tuple(hlo.collectives(_read_hlo(folder, entry.hlo.path, entry.hlo.sha256)))
+        program = ProgramCheck(entry.memory["peak"], collectives)
+        programs[name] = program
+        violations += _collective_violations(
+            folder, name, collectives, policy.programs.get(name, ProgramRules())
+        )
+        if budget is not None and program.peak_bytes > budget:
+            message = (
+                f"peak {program.peak_bytes / GiB:.2f} GiB per device > budget "
+                f"{_budget_text(budget, manifest.hbm_bytes)}"
+            )
+            violations.append(
+                Violation(folder, name, "memory", None, budget, program.peak_bytes, message, ())
+            )
+    return BuildCheck(folder, manifest, budget, programs, tuple(violations))
+
+
+def _read_hlo(folder: Path, name: str, sha256: str) -> hlo.Module:
+    path = folder / name
+    try:
+        matches = sha256_file(path) == sha256
+        with gzip.open(path, "rt") as f:
+            text = f.read()
+    except (OSError, EOFError, UnicodeDecodeError) as e:
+        raise CheckInputError(
+            f"{path} is unreadable ({e}): rebuild with `aot build --force`"
+        ) from None
+    if not matches:
+        raise CheckInputError(f"{path} fails its sha256 check: rebuild with `aot build --force`")
+    try:
+        return hlo.parse(text)
+    except (ValueError, KeyError, IndexError) as e:
+        raise CheckInputError(f"{path}: cannot parse the HLO ({e})") from None
+
+
+def _budget_text(budget: int, hbm_bytes: int | None) -> str:
+    text = f"{budget / GiB:.2f} GiB"
+    if hbm_bytes:
+        text += f" ({100 * budget / hbm_bytes:.0f}% of {hbm_bytes / GiB:.0f} GiB HBM)"
+    return text
+
+
+def _collective_violations(
+    folder: Path, program: str, collectives: Sequence[hlo.Collective], rules: ProgramRules
+) -> list[Violation]:
+    def of_kind(kind: str) -> tuple[hlo.Collective, ...]:
+        found = (c for c in collectives if c.kind == kind)
+        return tuple(sorted(found, key=lambda c: (-c.count * c.bytes, c.name)))
+
+    out = []
+    for kind in rules.forbid:
+        if found := of_kind(kind):
+            runs = sum(c.count for c in found)
+            message = f"{kind} forbidden: {len(found)} in the HLO, {runs} executions per run"
+            out.append(Violation(folder, program, "forbid", kind, 0, runs, message, found))
+    for kind, limit in rules.max_count.items():
+        found = of_kind(kind)
+        if (runs := sum(c.count for c in found)) > limit:
+            message = f"{kind}: {runs} executions per run > max_count {limit}"
+            out.append(Violation(folder, program, "max_count", kind, limit, runs, message, found))
+    for kind, limit in rules.max_bytes.items():
+        found = of_kind(kind)
+        if (total := sum(c.count * c.bytes for c in found)) > limit:
+            message = f"{kind}: {total} bytes per device per run > max_bytes {limit}"
+            out.append(Violation(folder, program, "max_bytes", kind, limit, total, message, found))
+    return out
+
+
+# ---------------------------------------------------------------------------- output
+
+
+def _source(c: hlo.Collective) -> str:
+    if c.source_file is None:
+        return "-"
+    path = c.source_file
+    if os.path.isabs(path) and path.startswith(os.getcwd() + os.sep):
+        path = os.path.relpath(path)
+    return f"{path}:{c.source_line}" if c.source_line is not None else path
+
+
+def _instruction_text(c: hlo.Collective) -> str:
+    text = f"{c.name} ({c.opcode})"
+    if c.source_file is not None:
+        text += f" at {_source(c)}"
+    if c.op_name:
+        text += f" [{c.op_name}]"
+    return text
+
+
+def text(results: Sequence[BuildCheck], policy: Policy) -> str:
+    """A table of the builds checked, then one of the violations (if any) and a verdict."""
+    rows = []
+    for r in results:
+        peak_name = max(r.programs, key=lambda n: r.programs[n].peak_bytes)
+        peak = r.programs[peak_name].peak_bytes
+        budget = "skipped" if r.memory_budget is None else f"{r.memory_budget / GiB:.2f} GiB"
+        kinds: dict[str, int] = {}
+        for p in r.programs.values():
+            for kind, s in hlo.collective_summary(p.collectives).items():
+                kinds[kind] = kinds.get(kind, 0) + s["count"]
+        rows.append([
+            r.folder.name, r.manifest.key.target, f"{peak / GiB:.2f} GiB [{peak_name}]", budget,
+            " ".join(f"{k}:{n}" for k, n in sorted(kinds.items())) or "none",
+            f"{len(r.violations)} violation(s)" if r.violations else "ok",
+        ])  # fmt: skip
+    out = [_table(["build", "target", "peak/device", "budget", "collectives", "result"], rows)]
+    violations = [v for r in results for v in r.violations]
+    if violations:
+        out += ["", _violations_table(violations)]
+    failed = sum(bool(r.violations) for r in results)
+    out.append(
+        f"\n{len(violations)} violation(s) in {failed} of {len(results)} build(s) "
+        f"(policy: {policy.source})"
+        if violations
+        else f"\n{len(results)} build(s) pass (policy: {policy.source})"
+    )
+    return "\n".join(out)
+
+
+def _violations_table(violations: Sequence[Violation]) -> str:
+    rows = []
+    for v in violations:
+        shown = v.instructions[:TABLE_INSTRUCTIONS]
+        for i, c in enumerate(shown or [None]):
+            head = [v.build.name, v.program, v.message] if i == 0 else ["", "", ""]
+            if c is None:
+                rows.append([*head, "-", "-", "-"])
+            else:
+                rows.append(
+                    [*head, f"{c.name} ({c.opcode}) x{c.count}", _source(c), c.op_name or "-"]
+                )
+        if len(v.instructions) > len(shown):
+            rows.append(
+                ["", "", "", f"... {len(v.instructions) - len(shown)} more (--json)", "", ""]
+            )
+    return _table(["build", "program", "violation", "instruction", "source", "op_name"], rows)
+
+
+def violation_lines(results: Sequence[BuildCheck]) -> list[str]:
+    """One line per violation, for the warnings at the end of `aot build`."""
+    return [v.line() for r in results for v in r.violations]
+
+
+def to_json(results: Sequence[BuildCheck], policy: Policy) -> dict[str, Any]:
+    """The --json report (schema in the module docstring)."""
+    violations = [v for r in results for v in r.violations]
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "policy": policy.source,
+        "ok": not violations,
+        "builds": [
+            {
+                "build": r.folder.name,
+                "path": str(r.folder),
+                "target": r.manifest.key.target,
+                "hbm_bytes": r.manifest.hbm_bytes,
+                "memory_budget_bytes": r.memory_budget,
+                "ok": not r.violations,
+                "programs": {
+                    name: {
+                        "peak_bytes": p.peak_bytes,
+                        "collectives": hlo.collective_summary(p.collectives),
+                    }
+                    for name, p in r.programs.items()
+                },
+            }
+            for r in results
+        ],
+        "violations": [
+            {
+                "build": v.build.name,
+                "path": str(v.build),
+                "program": v.program,
+                "rule": v.rule,
+                "kind": v.kind,
+                "limit": v.limit,
+                "actual": v.actual,
+                "message": v.message,
+                "instructions": [_instruction_json(c) for c in v.instructions],
+            }
+            for v in violations
+        ],
+    }
+
+
+def _instruction_json(c: hlo.Collective) -> dict[str, Any]:
+    return {
+        "name": c.name,
+        "opcode": c.opcode,
+        "computation": c.computation,
+        "count": c.count,
+        "bytes": c.bytes,
+        "shape": str(c.shape),
+        "replica_groups": c.replica_groups,
+        "op_name": c.op_name,
+        "source_file": c.source_file,
+        "source_line": c.source_line,
+    }
