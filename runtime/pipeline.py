@@ -88,6 +88,7 @@ def _abstract(args_info: Any, shardings: Any) -> Any:
 @dataclasses.dataclass
 class GenerationReport:
     compile_count: int
+    started_at: float  # epoch seconds when generation began (benchmarks relate it to process start)
     seconds_to_first_step: float  # prompt encoding and KV caches done, step 0 starts
     seconds_denoising: float
     seconds_total: float
@@ -157,7 +158,7 @@ class Pipeline:
         on_step: Callable[[int, int], None] | None = None,
     ) -> tuple[np.ndarray, GenerationReport]:
         """uint8 frames (B, F, H, W, 3). `init_noise` in the diffusers layout (B, C, T, h, w)."""
-        start = time.perf_counter()
+        started_at, start = time.time(), time.perf_counter()
         key = self.key
         prompts = [prompt] * key.batch if isinstance(prompt, str) else list(prompt)
         negatives = (
@@ -218,6 +219,7 @@ class Pipeline:
         total = time.perf_counter() - start
         report = GenerationReport(
             compile_count=counter.count,
+            started_at=started_at,
             seconds_to_first_step=round(first_step, 4),
             seconds_denoising=round(denoise, 4),
             seconds_total=round(total, 4),

@@ -39,6 +39,29 @@ PRESETS: dict[str, ModelConfig] = {
         scheduler=SchedulerConfig(flow_shift=3.0),
         dtype="float32",
     ),
+    # Benchmarks: the real architecture at a width that compiles in tens of seconds on a CPU host.
+    "small": ModelConfig(
+        name="small",
+        transformer=TransformerConfig(
+            num_attention_heads=8,
+            attention_head_dim=64,
+            text_dim=512,
+            freq_dim=256,
+            ffn_dim=2048,
+            num_layers=8,
+        ),
+        vae=VAEConfig(base_dim=32, num_res_blocks=2),
+        text_encoder=TextEncoderConfig(
+            vocab_size=4096,
+            d_model=512,
+            d_kv=64,
+            d_ff=1024,
+            num_layers=4,
+            num_heads=8,
+        ),
+        scheduler=SchedulerConfig(flow_shift=3.0),
+        dtype="float32",
+    ),
     "wan2.1-t2v-1.3b": ModelConfig(
         name="wan2.1-t2v-1.3b",
         transformer=TransformerConfig(num_attention_heads=12, ffn_dim=8960, num_layers=30),
