@@ -6,7 +6,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import functools
 import gzip
+import hashlib
 import importlib.metadata
 import os
 import shutil
@@ -142,7 +144,19 @@ def transformer_bytes(config: ModelConfig) -> int:
 
 
 def compiler_fingerprint(target: Target) -> str:
-    return "|".join(f"{k}={v}" for k, v in sorted(versions().items())) + f"|{target.name}"
+    """What besides the key decides the executables: compiler versions, target, and the model
+    code that is lowered (a change to wan/ must not reuse a stale build)."""
+    versions_text = "|".join(f"{k}={v}" for k, v in sorted(versions().items()))
+    return f"{versions_text}|{target.name}|code={model_code_hash()}"
+
+
+@functools.cache
+def model_code_hash() -> str:
+    digest = hashlib.sha256()
+    package = Path(wan_programs.__file__).parent
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.relative_to(package).as_posix().encode() + path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def versions() -> dict[str, str]:

@@ -63,7 +63,14 @@ def builds_table(results: Sequence[Any]) -> str:
             _collectives_text(_all_collectives(m)),
             f"{sum(p.compile_seconds for p in m.programs.values()):.1f}",
         ])  # fmt: skip
-    header = ["build", "status", "peak memory/device", "TFLOP/step", "collectives", "compile s"]
+    header = [
+        "build",
+        "status",
+        "peak memory/device",
+        "TFLOP/step/device",
+        "collectives",
+        "compile s",
+    ]
     return _table(header, rows)
 
 
@@ -117,6 +124,6 @@ def inspect_text(m: Manifest) -> str:
         ])  # fmt: skip
     header = [
         "program", "compile s", "RSS GiB", "args GiB", "out GiB", "temp GiB", "peak GiB",
-        "TFLOP", "XLA TFLOP", "collectives", "exec MB",
+        "TFLOP/device", "XLA TFLOP", "collectives", "exec MB",
     ]  # fmt: skip
     return "\n".join(head) + _table(header, rows)
