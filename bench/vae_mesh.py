@@ -1,0 +1,84 @@
+"""The VAE decode alone, side by side on one target: one video per device, mesh (N, 1), against
+the spatially sharded (1, N), at several batches (seed 003: B=8 720p on tpu7x-8, peak HBM
+68.12 -> 24.32 GiB). Deviceless compile of the real VAE; peak bytes per device, compile seconds
+and collectives per variant.
+
+    python bench/vae_mesh.py --target tpu7x-8 --res 1280x720 --frames 81 --batches 2 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from aot import targets  # noqa: E402
+
+GiB = float(1 << 30)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--target", default="tpu7x-8")
+    parser.add_argument("--model", default="wan2.1-t2v-14b")
+    parser.add_argument("--res", default="1280x720")
+    parser.add_argument("--frames", type=int, default=81)
+    parser.add_argument("--batches", nargs="+", type=int, default=[2, 8])
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "vae_mesh.json")
+    args = parser.parse_args()
+    target = targets.parse_target(args.target)
+    targets.prepare_environment(target)
+
+    from aot import hlo
+    from aot.build import RssSampler, compile_program, memory_stats
+    from wan import programs, sharding
+    from wan.presets import resolve_model
+
+    config = resolve_model(args.model)
+    devices = targets.devices(target)
+    n = len(devices)
+    width, height = (int(v) for v in args.res.split("x"))
+    rows = []
+    for batch in args.batches:
+        shape = programs.VideoShape(width, height, args.frames, batch)
+        _, _, lat_h, lat_w, _ = shape.latent_shape(config)
+        for vae_mesh in ((n, 1), (1, n)):
+            layout = sharding.choose_vae_layout(lat_h, lat_w, vae_mesh[1])
+            mesh = sharding.make_mesh(devices, tuple(zip(sharding.VAE_AXES, vae_mesh, strict=True)))
+            program = programs.vae_decode_program(config, shape)
+            with RssSampler() as rss:
+                start = time.perf_counter()
+                compiled = compile_program(program, mesh, layout.rules(), layout.uneven)
+                seconds = time.perf_counter() - start
+            module = hlo.parse(compiled.as_text())
+            row = {
+                "batch": batch,
+                "vae_mesh": list(vae_mesh),
+                "vae_axis": layout.axis,
+                "peak_gib": round(memory_stats(compiled)["peak"] / GiB, 3),
+                "compile_seconds": round(seconds, 1),
+                "peak_rss_gib": round(rss.peak / GiB, 2),
+                "collectives": {
+                    k: v for k, v in hlo.collective_summary(module).items() if v["count"]
+                },
+            }
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "command": "python " + " ".join([f"bench/{Path(__file__).name}", *sys.argv[1:]]),
+        "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores",
+        "date": time.strftime("%Y-%m-%d"),
+        "model": args.model, "target": args.target, "res": args.res, "frames": args.frames,
+        "rows": rows,
+    }, indent=1))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
