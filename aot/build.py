@@ -38,6 +38,7 @@ from runtime.artifact import (
 )
 from wan import programs as wan_programs
 from wan import sharding
+from wan.atomic import atomic_folder
 from wan.configs import ModelConfig
 
 # Test hook: kill the process right after this program's files are written.
@@ -185,17 +186,9 @@ def build(
             return BuildResult(plan, folder, existing, skipped=True)
         for stale in out_root.glob(f".tmp-{folder.name}-*"):
             shutil.rmtree(stale, ignore_errors=True)  # left by a killed build of this key
-        tmp = out_root / f".tmp-{folder.name}-{os.getpid()}"
-        tmp.mkdir()
-        try:
+        with atomic_folder(folder, out_root / f".tmp-{folder.name}-{os.getpid()}") as tmp:
             manifest = _compile_all(plan, tmp, fingerprint, progress)
             manifest.write(tmp)
-            if folder.exists():
-                shutil.rmtree(folder)
-            os.rename(tmp, folder)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
     return BuildResult(plan, folder, manifest, skipped=False)
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from wan import weights
+from wan.atomic import atomic_folder
 from wan.configs import ModelConfig
 from wan.weights import text_encoder as text_encoder_rules
 from wan.weights import transformer as transformer_rules
@@ -75,9 +75,8 @@ def save_checkpoint(
     unknown = set(components) - set(RULES)
     if unknown:
         raise ValueError(f"unknown components {sorted(unknown)}; expected some of {sorted(RULES)}")
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
+    tmp = folder.with_name(f".tmp-{folder.name}-{os.getpid()}")
+    with atomic_folder(folder, tmp):
         with ocp.StandardCheckpointer() as ckptr:
             for name, tree in components.items():
                 ckptr.save(tmp / name, tree)
@@ -89,12 +88,6 @@ def save_checkpoint(
             "components": sorted(components),
         }
         (tmp / MARKER).write_text(json.dumps(meta, indent=2))
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.rename(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return folder
 
 
