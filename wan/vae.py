@@ -112,7 +112,10 @@ def upsample_nearest_2x(x: jax.Array) -> jax.Array:
 def interleave_time(x: jax.Array) -> jax.Array:
     """(B, T, H, W, 2C) -> (B, 2T, H, W, C): channel half s of step t becomes frame 2t + s."""
     b, t, h, w, c2 = x.shape
-    x = x.reshape(b, t, h, w, 2, c2 // 2).transpose(0, 1, 4, 2, 3, 5)
+    # Pinned at every step: left free, XLA TPU routes this reshape through channel-sharded
+    # layouts, with all-to-alls on both sides.
+    x = constrain(x.reshape(b, t, h, w, 2, c2 // 2), (*VIDEO[:4], None, None))
+    x = constrain(x.transpose(0, 1, 4, 2, 3, 5), (*VIDEO[:2], None, *VIDEO[2:4], None))
     return _video(x.reshape(b, 2 * t, h, w, c2 // 2))
 
 

@@ -1,0 +1,149 @@
+"""All-gathered bytes per latent frame of the VAE decode, from the optimized HLO of a build.
+
+The reference decoder's nearest-neighbour resize all-gathers ~1.1 GB per device per latent
+frame at 720p on tpu-v6e-8 (issue 3); ours must stay <= 10% of that. The decode runs the first
+latent frame alone and every later one through one scan body, so the figure per latent frame
+is the larger of the first chunk's bytes and one scan trip's (the steady state of a long
+video; the first chunk skips temporal upsampling). Gathered bytes are the all-gathers plus the
+collective-permutes of XLA TPU's windowed einsums (`windowed_dot_general_body_ag` loops: an
+all-gather done as a ring of permutes); conv halo exchanges are permutes too, but not gathers.
+
+    .venv/bin/python bench/vae_allgather.py --target tpu-v6e-8 --res 1280x720 --res 720x1280
+
+Each real-size compile takes ~6 minutes and ~5 GB of memory on a 2-core host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from aot import hlo, targets  # noqa: E402
+
+REFERENCE_BYTES = 1.1e9  # the reference decoder, 720p, tpu-v6e-8, per device per latent frame
+WINDOWED_GATHER = "windowed_dot_general_body_ag"  # XLA's name for a permute-ring all-gather
+
+
+@dataclasses.dataclass(frozen=True)
+class Gathers:
+    first: int  # bytes gathered per device outside the chunk scan (the first chunk)
+    per_trip: int  # bytes per trip of the chunk scan: one latent frame in steady state
+    trips: int
+    all_to_all: int  # all-to-all executions per run
+    top: list[tuple[str, int]]  # (op_name, bytes per run) of the largest gathers
+
+    @property
+    def per_latent_frame(self) -> int:
+        return max(self.first, self.per_trip)
+
+
+def _reachable(module: hlo.Module, root: str) -> set[str]:
+    seen, todo = set(), [root]
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo.extend(c for ins in module.computations[name].instructions for _, c in ins.calls)
+    return seen
+
+
+def chunk_scan(module: hlo.Module) -> hlo.Loop:
+    """The decode's scan over latent frames: the entry's while loop that JAX emitted (XLA adds
+    loops of its own, e.g. windowed einsums, whose op_name is not JAX's `while`)."""
+    (scan,) = [
+        loop
+        for loop in hlo.loops(module)
+        if loop.computation == module.entry
+        and (module.instructions[loop.name].op_name or "").endswith("/while")
+    ]
+    return scan
+
+
+def gathers(module: hlo.Module) -> Gathers:
+    """The gathered bytes of a VAE decode module, split into the chunk scan and the rest."""
+    scan = chunk_scan(module)
+    body = _reachable(module, scan.body)
+    found = hlo.collectives(module)
+    gathered = [
+        c
+        for c in found
+        if c.kind == "all-gather"
+        or (c.kind == "collective-permute" and WINDOWED_GATHER in c.computation)
+    ]
+    top: Counter[str] = Counter()
+    for c in gathered:
+        top[c.op_name or c.name] += c.count * c.bytes
+    return Gathers(
+        first=sum(c.count * c.bytes for c in gathered if c.computation not in body),
+        per_trip=sum(c.count * c.bytes for c in gathered if c.computation in body)
+        // scan.trip_count,
+        trips=scan.trip_count,
+        all_to_all=sum(c.count for c in found if c.kind == "all-to-all"),
+        top=top.most_common(8),
+    )
+
+
+def compile_decode(
+    preset: str, devices: list[Any], width: int, height: int, latent_frames: int, vae_spatial: int
+) -> tuple[Any, Any, tuple[int, int]]:
+    """(compiled vae_decode, its VaeLayout, vae mesh) for one video of `preset`."""
+    from aot.build import compile_program
+    from wan import programs, sharding
+    from wan.presets import PRESETS
+
+    config = PRESETS[preset]
+    shape = programs.VideoShape(width, height, 4 * (latent_frames - 1) + 1, batch=1)
+    vae_mesh = sharding.vae_mesh_shape(len(devices), shape.batch, vae_spatial)
+    _, _, lat_h, lat_w, _ = shape.latent_shape(config)
+    layout = sharding.choose_vae_layout(lat_h, lat_w, vae_mesh[1])
+    mesh = sharding.make_mesh(devices, tuple(zip(sharding.VAE_AXES, vae_mesh, strict=True)))
+    program = programs.vae_decode_program(config, shape)
+    return compile_program(program, mesh, layout.rules(), layout.uneven), layout, vae_mesh
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="wan2.1-t2v-14b")
+    parser.add_argument("--target", default="tpu-v6e-8")
+    parser.add_argument("--res", action="append", help="WxH, repeatable (default both 720p)")
+    parser.add_argument("--latent-frames", type=int, default=3)
+    parser.add_argument("--vae-spatial", type=int, default=8)
+    parser.add_argument("--save-hlo", type=Path, help="folder for the optimized HLO texts")
+    args = parser.parse_args()
+    target = targets.parse_target(args.target)
+    targets.prepare_environment(target)
+    devices = targets.devices(target)
+    for res in args.res or ["1280x720", "720x1280"]:
+        width, height = (int(v) for v in res.split("x"))
+        start = time.perf_counter()
+        compiled, layout, vae_mesh = compile_decode(
+            args.preset, devices, width, height, args.latent_frames, args.vae_spatial
+        )
+        seconds = time.perf_counter() - start
+        text = compiled.as_text()
+        if args.save_hlo:
+            args.save_hlo.mkdir(parents=True, exist_ok=True)
+            (args.save_hlo / f"vae_decode_{res}_{args.target}.hlo.txt").write_text(text)
+        g = gathers(hlo.parse(text))
+        print(
+            f"{res} {args.target} vae mesh {vae_mesh} axis={layout.axis} "
+            f"latent_frames={args.latent_frames} compile={seconds:.0f}s: gathered first chunk "
+            f"{g.first / 1e6:.1f} MB, per scan trip {g.per_trip / 1e6:.1f} MB x {g.trips}; "
+            f"per latent frame {g.per_latent_frame / 1e6:.1f} MB = "
+            f"{100 * g.per_latent_frame / REFERENCE_BYTES:.1f}% of 1.1 GB; "
+            f"all-to-all {g.all_to_all}",
+            flush=True,
+        )
+        for name, n in g.top:
+            print(f"    {n / 1e6:10.1f} MB  {name}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,424 @@
+"""Issue 3's acceptance: every sharding decision made once, from the whole shape.
+
+Tables for the VAE mesh and its spatial axis; HLO proofs that a portrait VAE decode needs no
+all-to-all and no padding (and that choosing the axis per layer, as the seed-000 PR did, does
+need all-to-alls); the KV cache pinned to the batch; upsampling that never gathers the
+activation; and sharded programs that equal their single-device runs.
+
+"No padding from uneven sharding" is checked on the optimized HLO's per-device shapes: every
+video activation (a rank-5 array whose leading dim is the per-device batch) has the full
+pyramid width (the unsharded axis is never split, so never padded) and a height that is an
+exact quotient of a pyramid height by vae_spatial, plus at most the 2 halo rows of a 3x3 conv
+(or a halo row alone). An unevenly sharded axis shows up as ceil(n / k) extents instead (the
+padded-width control shows it). On TPU only the arrays whose layout XLA keeps logical are
+checked: the program's inputs and output and the chunk scan's carry (every feature cache).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from aot import hlo, targets
+from aot.build import compile_program
+from wan import programs, schedulers, sharding
+from wan.configs import VAEConfig
+from wan.presets import PRESETS
+from wan.random_weights import random_params
+
+TINY = PRESETS["tiny"]
+CPU8 = jax.devices("cpu")[:8]
+
+
+def load_bench():
+    """bench/vae_allgather.py: the VAE decode's HLO accounting (its chunk scan, gathered bytes),
+    which measures the 720p figure on tpu-v6e-8 (minutes per compile)."""
+    path = Path(__file__).resolve().parents[1] / "bench" / "vae_allgather.py"
+    spec = importlib.util.spec_from_file_location("vae_allgather", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+BENCH = load_bench()
+
+
+def vae_mesh(devices, shape: tuple[int, int]) -> jax.sharding.Mesh:
+    return sharding.make_mesh(devices, tuple(zip(sharding.VAE_AXES, shape, strict=True)))
+
+
+def transformer_mesh(devices, mesh: sharding.MeshShape) -> jax.sharding.Mesh:
+    return sharding.make_mesh(devices, mesh.items())
+
+
+def pyramid(latent: int, config: VAEConfig) -> list[int]:
+    """The sizes of one spatial axis at every decoder level, latent first."""
+    return [latent * 2**i for i in range(int(math.log2(config.spatial_factor)) + 1)]
+
+
+@pytest.fixture(scope="module")
+def tpu_devices():
+    """The 8 devices of a deviceless v6e:2x4 slice (libtpu's topology description)."""
+    target = targets.parse_target("tpu-v6e-8")
+    settings = dict(
+        TPU_SKIP_MDS_QUERY="1",
+        TPU_ACCELERATOR_TYPE="v6e-8",
+        # pytest -n 2: another worker may have libtpu loaded already.
+        ALLOW_MULTIPLE_LIBTPU_LOAD="1",
+        TPU_MIN_LOG_LEVEL="3",
+        TPU_STDERR_LOG_LEVEL="3",
+    )
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in settings.items():
+            mp.setenv(key, value)
+        try:
+            return targets.devices(target)
+        except targets.TargetError as e:
+            pytest.skip(f"deviceless tpu-v6e-8 unavailable: {e}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Tables.
+
+
+@pytest.mark.parametrize(
+    "batch, expected",
+    [
+        (0, (1, 8)),
+        (1, (1, 8)),
+        (2, (1, 8)),
+        (3, (1, 8)),
+        (4, (1, 8)),
+        (8, (8, 1)),
+        (12, (1, 8)),
+        (16, (8, 1)),
+    ],
+)
+def test_vae_mesh_auto(batch, expected):
+    assert sharding.vae_mesh_shape(8, batch) == expected
+
+
+@pytest.mark.parametrize(
+    "vae_spatial, expected", [(1, (8, 1)), (2, (4, 2)), (4, (2, 4)), (8, (1, 8))]
+)
+def test_vae_mesh_explicit_overrides_batch(vae_spatial, expected):
+    for batch in (1, 8, 16):
+        assert sharding.vae_mesh_shape(8, batch, vae_spatial) == expected
+
+
+@pytest.mark.parametrize("vae_spatial", [0, -1, 3, 5, 16])
+def test_vae_mesh_explicit_must_divide(vae_spatial):
+    with pytest.raises(ValueError, match="must divide the device count 8"):
+        sharding.vae_mesh_shape(8, 8, vae_spatial)
+
+
+# (width, height) in pixels -> the axis for vae_spatial 1, 2, 4, 8. Latent = (H/8, W/8).
+LAYOUTS = {
+    (1280, 720): ("width", "width", "width", "width"),  # latent 90 x 160
+    (720, 1280): ("width", "width", "height", "height"),  # latent 160 x 90
+    (832, 480): ("width", "width", "width", "width"),  # latent 60 x 104
+    (480, 832): ("width", "width", "width", "height"),  # latent 104 x 60
+}
+
+
+@pytest.mark.parametrize("resolution", list(LAYOUTS))
+def test_vae_axis_table(resolution):
+    width, height = resolution
+    config = VAEConfig()
+    lat_h, lat_w = height // config.spatial_factor, width // config.spatial_factor
+    for vae_spatial, axis in zip((1, 2, 4, 8), LAYOUTS[resolution], strict=True):
+        layout = sharding.choose_vae_layout(lat_h, lat_w, vae_spatial)
+        assert layout == sharding.VaeLayout(axis), (resolution, vae_spatial)
+        assert not layout.uneven
+        # One choice holds at every pyramid level: no level ever needs the other axis.
+        latent = lat_w if axis == "width" else lat_h
+        assert all(n % vae_spatial == 0 for n in pyramid(latent, config))
+        assert dict(layout.rules())[f"vae_{axis}"] == "vae_spatial"
+
+
+def test_vae_axis_pads_width_when_neither_divides():
+    layout = sharding.choose_vae_layout(90, 90, 4)  # 720x720
+    assert layout == sharding.VaeLayout("width", padded=True)
+    assert layout.uneven == {"vae_width"}
+
+
+# ----------------------------------------------------------------------------------------------
+# HLO proofs: a portrait decode with no all-to-all and no padding; the per-layer choice fails.
+
+# Latent 12 x 10 (H x W), vae_spatial 4: 10 % 4 != 0 but 12 % 4 == 0, while the widths above
+# the latent (20, 40, 80) divide: a per-layer choice flips axis, the once-chosen one does not.
+# 3 latent frames: the chunk scan keeps 2 trips (XLA unrolls a 1-trip loop, doubling the work).
+PORTRAIT = programs.VideoShape(width=80, height=96, frames=9, batch=4)
+PORTRAIT_MESH = (2, 4)  # vae_spatial=4: 2 videos per device group, so per-device batch 2
+
+
+def video_extents(module: hlo.Module, batch: int, everywhere: bool) -> set[tuple[int, int]]:
+    """(height, width) of the rank-5 arrays whose leading dim is `batch` (video activations;
+    conv kernels lead with 1 or 3): of every instruction, or only where every platform keeps
+    the logical layout: the entry's parameters and result and the chunk scan's carried state
+    (XLA TPU folds spatial dims into tiles inside its fusions)."""
+    if everywhere:
+        instructions = module.instructions.values()
+    else:
+        entry = module.computations[module.entry]
+        scan = module.instructions[BENCH.chunk_scan(module).name]
+        params = [i for i in entry.instructions if i.opcode == "parameter"]
+        instructions = [*params, entry.root, scan]
+    found = set()
+    for ins in instructions:
+        for s in ins.shape.tuple_shapes if ins.shape.is_tuple else (ins.shape,):
+            if len(s.dims) == 5 and s.dims[0] == batch:
+                found.add((s.dims[2], s.dims[3]))
+    return found
+
+
+def portrait_violations(module: hlo.Module, everywhere: bool = True) -> list[str]:
+    """What breaks 'height sharded evenly at every level, width never split, no all-to-all'."""
+    vae_spatial = PORTRAIT_MESH[1]
+    _, _, lat_h, lat_w, _ = PORTRAIT.latent_shape(TINY)
+    widths = set(pyramid(lat_w, TINY.vae))
+    quotients = [n // vae_spatial for n in pyramid(lat_h, TINY.vae)]
+    heights = {q + halo for q in quotients for halo in (0, 1, 2)} | {1, 2}
+    problems = [
+        f"{c.count} x all-to-all {c.shape} from {c.op_name}"
+        for c in hlo.collectives(module)
+        if c.kind == "all-to-all"
+    ]
+    extents = video_extents(module, PORTRAIT.batch // PORTRAIT_MESH[0], everywhere)
+    for h, w in sorted(extents):
+        if w not in widths:
+            problems.append(f"width {w} is not a whole pyramid width {sorted(widths)}")
+        if h not in heights:
+            problems.append(f"height {h} is not an exact quotient (+halo) of {quotients}")
+    # The height really is sharded (a replicated decode would pass the checks trivially).
+    if not problems and (quotients[0], lat_w) not in extents:
+        problems.append(f"no latent-level array of per-device height {quotients[0]}")
+    return problems
+
+
+def compile_portrait(devices, layout: sharding.VaeLayout) -> hlo.Module:
+    # A fresh program each time: jit caches traces per function, and the rules are read while
+    # tracing.
+    program = programs.vae_decode_program(TINY, PORTRAIT)
+    compiled = compile_program(
+        program, vae_mesh(devices, PORTRAIT_MESH), layout.rules(), layout.uneven
+    )
+    return hlo.parse(compiled.as_text())
+
+
+def portrait_layout() -> sharding.VaeLayout:
+    _, _, lat_h, lat_w, _ = PORTRAIT.latent_shape(TINY)
+    assert (lat_h, lat_w) == (12, 10)
+    assert sharding.vae_mesh_shape(8, PORTRAIT.batch, 4) == PORTRAIT_MESH
+    layout = sharding.choose_vae_layout(lat_h, lat_w, PORTRAIT_MESH[1])
+    assert layout == sharding.VaeLayout("height")
+    return layout
+
+
+def test_portrait_decode_has_no_all_to_all_and_no_padding_cpu():
+    assert portrait_violations(compile_portrait(CPU8, portrait_layout())) == []
+
+
+def test_portrait_decode_has_no_all_to_all_and_no_padding_tpu(tpu_devices):
+    # Layouts do not depend on precision; the tests' "highest" triples the TPU compile time.
+    with jax.default_matmul_precision("default"):
+        module = compile_portrait(tpu_devices, portrait_layout())
+    assert portrait_violations(module, everywhere=False) == []
+
+
+def per_layer_constrain(vae_spatial: int):
+    """The seed-000 PR's behaviour: each activation picks its axis from its own shape (width
+    where it divides, else height), under the same mesh."""
+
+    def constrain(x: jax.Array, logical: sharding.LogicalAxes) -> jax.Array:
+        h, w = x.shape[2:4]  # every VAE activation is (B, T, H, W, ...)
+        with sharding.axis_rules(sharding.choose_vae_layout(h, w, vae_spatial).rules()):
+            return sharding.constrain(x, logical)
+
+    return constrain
+
+
+def test_per_layer_axis_choice_is_caught(monkeypatch):
+    monkeypatch.setattr("wan.vae.constrain", per_layer_constrain(PORTRAIT_MESH[1]))
+    problems = portrait_violations(compile_portrait(CPU8, portrait_layout()))
+    assert any("all-to-all" in p for p in problems), problems
+
+
+def test_padded_width_is_caught():
+    """The fallback for sizes neither axis divides pads width: the same check sees it."""
+    padded = sharding.VaeLayout("width", padded=True)
+    problems = portrait_violations(compile_portrait(CPU8, padded))
+    assert "width 3 is not a whole pyramid width [10, 20, 40, 80]" in problems, problems
+
+
+# ----------------------------------------------------------------------------------------------
+# The KV cache: batch on ('data', 'fsdp') when it divides, replicated otherwise.
+
+KV_MESH = sharding.MeshShape(data=2, fsdp=2, tensor=2)
+RULES = sharding.TRANSFORMER_RULES
+
+
+def place(compiled, *args):
+    """Put host arrays where the executable expects them."""
+    return jax.device_put(args, compiled.input_shardings[0])
+
+
+def reference_kv(params: dict, embeddings: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Layer by layer, from the parameters themselves: context = text MLP(embeddings),
+    k = RMSNorm(context @ Wk + bk) * gain, v = context @ Wv + bv."""
+    cfg = TINY.transformer
+    mlp = params["condition_embedder"]["text_embedder"]
+    hidden = embeddings @ mlp["linear_1"]["kernel"] + mlp["linear_1"]["bias"]
+    hidden = jax.nn.gelu(hidden, approximate=True)
+    context = hidden @ mlp["linear_2"]["kernel"] + mlp["linear_2"]["bias"]
+    attn = params["blocks"]["attn2"]
+    ks, vs = [], []
+    for i in range(cfg.num_layers):
+        k = context @ attn["to_k"]["kernel"][i] + attn["to_k"]["bias"][i]
+        k = k * jax.lax.rsqrt(jnp.mean(k * k, axis=-1, keepdims=True) + cfg.eps)
+        ks.append(k * attn["norm_k"]["scale"][i])
+        vs.append(context @ attn["to_v"]["kernel"][i] + attn["to_v"]["bias"][i])
+    return np.stack(ks), np.stack(vs)
+
+
+@pytest.mark.parametrize("batch, sharded", [(2, True), (4, True), (1, False)])
+def test_kv_cache_batch_sharded_or_replicated(batch, sharded):
+    """Step batch 2B (CFG) over data x fsdp = 4: 4 and 8 divide, 2 does not (no error)."""
+    shape = programs.VideoShape(width=64, height=64, frames=5, batch=batch)
+    program = programs.kv_cache_program(TINY, shape, "dot")
+    compiled = compile_program(program, transformer_mesh(CPU8, KV_MESH), RULES)
+    batch_axes = ("data", "fsdp") if sharded else None
+    (_, emb_sharding), _ = compiled.input_shardings
+    assert emb_sharding.spec[0] == batch_axes
+    for out in compiled.output_shardings:
+        assert tuple(out.spec)[:2] == (None, batch_axes)
+        assert out.spec[3] == "tensor"  # heads
+
+    params = random_params(TINY, "transformer", seed=1)
+    rng = np.random.default_rng(0)
+    embeddings = rng.standard_normal(program.args[1].shape).astype(np.float32)
+    k, v = compiled(*place(compiled, params, embeddings))
+    local = k.addressable_shards[0].data.shape[1]
+    assert local == (shape.step_batch // 4 if sharded else shape.step_batch)
+    ref_k, ref_v = reference_kv(params, embeddings)
+    np.testing.assert_allclose(np.asarray(k), ref_k, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(v), ref_v, atol=1e-5, rtol=0)
+
+
+def test_denoise_step_consumes_the_kv_cache_as_laid_out():
+    """The kv input of denoise_step has exactly the kv_cache output's sharding: no reshard."""
+    shape = programs.VideoShape(width=64, height=64, frames=5, batch=2)
+    mesh = transformer_mesh(CPU8, KV_MESH)
+    produced = compile_program(programs.kv_cache_program(TINY, shape, "dot"), mesh, RULES)
+    consumed = compile_program(programs.denoise_step_program(TINY, shape, "dot"), mesh, RULES)
+    kv_in = consumed.input_shardings[0][2]
+    assert kv_in == tuple(produced.output_shardings)
+    kv_ndim = len(programs.kv_shape(TINY, shape).shape)
+    for a, b in zip(kv_in, produced.output_shardings, strict=True):
+        assert a.is_equivalent_to(b, kv_ndim) and a.spec[1] == ("data", "fsdp")
+
+
+# ----------------------------------------------------------------------------------------------
+# Sharded == single device, fp32.
+
+
+def single_device(program: programs.Program, *args):
+    """The same function jitted on one device, outside any mesh (constrain is the identity)."""
+    return jax.jit(program.fn)(*jax.device_put(args, CPU8[0]))
+
+
+def test_denoise_step_sharded_equals_single_device():
+    shape = programs.VideoShape(width=64, height=64, frames=5, batch=1)
+    mesh = transformer_mesh(CPU8, sharding.MeshShape(data=2, context=4))
+    compiled = compile_program(programs.denoise_step_program(TINY, shape, "dot"), mesh, RULES)
+
+    program = programs.denoise_step_program(TINY, shape, "dot")
+    rng = np.random.default_rng(0)
+
+    def draw(s: jax.ShapeDtypeStruct) -> np.ndarray:
+        return rng.standard_normal(s.shape).astype(s.dtype)
+
+    params = random_params(TINY, "transformer", seed=2)
+    _, latents, kv, _, state, _ = program.args
+    row = {k: np.asarray(v) for k, v in schedulers.make_tables(TINY.scheduler, 4).row(1).items()}
+    args = (
+        params,
+        draw(latents),
+        jax.tree.map(draw, kv),
+        row,
+        jax.tree.map(draw, state),
+        np.float32(5.0),
+    )
+    got = jax.device_get(compiled(*place(compiled, *args)))
+    want = jax.device_get(single_device(program, *args))
+    kv_in = compiled.input_shardings[0][2][0]
+    assert (kv_in.spec[1], kv_in.spec[3]) == ("data", None)  # CFG batch 2 over data=2
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, atol=1e-5, rtol=0)
+
+
+# Latent 8 x 6 (H x W): (1, 8) and (2, 4) shard height (6 divides by neither), (8, 1) the batch.
+DECODE_LATENT = dict(width=48, height=64, frames=5)
+
+
+@pytest.fixture(scope="module")
+def decode_reference():
+    """Random VAE weights, 8 videos of latents, and their single-device fp32 frames."""
+    params = random_params(TINY, "vae", seed=3)
+    shape = programs.VideoShape(**DECODE_LATENT, batch=8)
+    program = programs.vae_decode_program(TINY, shape, frames_dtype="float32")
+    latents = np.random.default_rng(1).standard_normal(program.args[1].shape).astype(np.float32)
+    return params, latents, np.asarray(single_device(program, params, latents))
+
+
+@pytest.mark.parametrize(
+    "mesh_shape, batch, axis", [((1, 8), 1, "height"), ((8, 1), 8, "width"), ((2, 4), 2, "height")]
+)
+def test_vae_decode_sharded_equals_single_device(decode_reference, mesh_shape, batch, axis):
+    params, latents, want = decode_reference
+    shape = programs.VideoShape(**DECODE_LATENT, batch=batch)
+    _, _, lat_h, lat_w, _ = shape.latent_shape(TINY)
+    layout = sharding.choose_vae_layout(lat_h, lat_w, mesh_shape[1])
+    assert layout == sharding.VaeLayout(axis)
+    program = programs.vae_decode_program(TINY, shape, frames_dtype="float32")
+    compiled = compile_program(program, vae_mesh(CPU8, mesh_shape), layout.rules(), layout.uneven)
+    got = compiled(*place(compiled, params, latents[:batch]))
+    spec = tuple(compiled.output_shardings.spec)
+    assert spec[0] == ("redundant" if mesh_shape[0] > 1 else None)
+    assert spec[2] == ("vae_spatial" if mesh_shape[1] > 1 else None)
+    assert np.mean((want > 0) & (want < 1)) > 0.05  # not all clipped
+    np.testing.assert_allclose(np.asarray(got), want[:batch], atol=1e-5, rtol=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Upsampling stays local: all-gathered bytes per latent frame of the real VAE config.
+
+
+# 320x176 and 176x320 are 1280x720 and 720x1280 at a quarter of the size: latents 22 x 40 and
+# 40 x 22, whose 22 (like 90) vae_spatial 8 does not divide.
+@pytest.mark.parametrize("width, height, axis", [(320, 176, "width"), (176, 320, "height")])
+def test_upsampling_gathers_no_activation(width, height, axis):
+    """The reference decoder all-gathers whole activations at every up block (1.1 GB per
+    latent frame at 720p); ours gathers only the mid-block attention's keys and values. At a
+    quarter of 720p on cpu-8, with the budget scaled by pixels; the real size on tpu-v6e-8
+    takes minutes to compile: bench/vae_allgather.py (33 MB landscape, 22 MB portrait)."""
+    config = PRESETS["wan2.1-t2v-14b"]
+    shape = programs.VideoShape(width, height, frames=9, batch=1)  # 3 latent frames
+    _, _, lat_h, lat_w, _ = shape.latent_shape(config)
+    layout = sharding.choose_vae_layout(lat_h, lat_w, 8)
+    assert layout == sharding.VaeLayout(axis)
+    program = programs.vae_decode_program(config, shape)
+    compiled = compile_program(program, vae_mesh(CPU8, (1, 8)), layout.rules(), layout.uneven)
+    g = BENCH.gathers(hlo.parse(compiled.as_text()))
+    # The reference's 1.1 GB at 720p, scaled by pixels: it gathers whole activations.
+    budget = 0.1 * BENCH.REFERENCE_BYTES * (width * height) / (1280 * 720)
+    assert g.trips == 2 and g.all_to_all == 0
+    assert g.per_latent_frame <= budget, g.top
