@@ -182,7 +182,7 @@ def build(
     folder = out_root / plan.key.folder_name()
     fingerprint = compiler_fingerprint(plan.target)
     with _lock(out_root / ".locks" / f"{folder.name}.lock"):
-        if not force and (existing := _reusable(folder, plan.key, fingerprint)) is not None:
+        if not force and (existing := _reusable(folder, plan, fingerprint)) is not None:
             return BuildResult(plan, folder, existing, skipped=True)
         for stale in out_root.glob(f".tmp-{folder.name}-*"):
             shutil.rmtree(stale, ignore_errors=True)  # left by a killed build of this key
@@ -192,14 +192,19 @@ def build(
     return BuildResult(plan, folder, manifest, skipped=False)
 
 
-def _reusable(folder: Path, key: BuildKey, fingerprint: str) -> Manifest | None:
+def _reusable(folder: Path, plan: BuildPlan, fingerprint: str) -> Manifest | None:
+    """The existing build of this key, if it was made from the same model config and compiler."""
     if not (folder / MANIFEST).is_file():
         return None
     try:
         manifest = read_manifest(folder)
     except ArtifactError:
         return None
-    ok = manifest.key == key and manifest.compiler_fingerprint == fingerprint
+    ok = (
+        manifest.key == plan.key
+        and manifest.model_hash == plan.config.hash()
+        and manifest.compiler_fingerprint == fingerprint
+    )
     return manifest if ok else None
 
 

@@ -15,9 +15,12 @@ from pathlib import Path
 
 import click
 import numpy as np
+from tqdm import tqdm
 
 from runtime.artifact import ArtifactError
 from runtime.loader import Request, match_build
+from wan.configs import ModelConfig
+from wan.presets import model_spec
 
 
 class CliError(click.ClickException):
@@ -110,10 +113,11 @@ def run_cmd(
         raise CliError(
             f"--weights {weights} is not a folder (a diffusers-format folder or a checkpoint)"
         )
-    request = Request(width, height, frames, batch, cfg=guidance > 1.0)
     try:
-        _, manifest = match_build(artifacts, request, str(weights))
-    except ArtifactError as e:
+        config = ModelConfig.from_folder(weights)
+        request = Request(width, height, frames, batch, guidance > 1.0, config.hash())
+        _, manifest = match_build(artifacts, request, model_spec(config, weights))
+    except (ArtifactError, ValueError, OSError) as e:
         raise CliError(str(e)) from None
     _prepare_process(manifest.key.target, len(manifest.device_ids))
 
@@ -125,15 +129,16 @@ def run_cmd(
     try:
         pipe = Pipeline.load(artifacts, weights, request)
         noise = np.load(init_noise) if init_noise else None
-        with click.progressbar(length=steps, label="denoising", file=sys.stderr) as bar:
-            last = [0]
-
-            def on_step(done: int, total: int) -> None:
-                bar.update(done - last[0])
-                last[0] = done
-
+        with tqdm(total=steps, desc="denoising", unit="step", file=sys.stderr) as bar:
             videos, report = pipe.generate(
-                prompt, negative_prompt, steps, guidance, guidance_2, seed, noise, on_step
+                prompt,
+                negative_prompt,
+                steps,
+                guidance,
+                guidance_2,
+                seed,
+                noise,
+                lambda done, total: bar.update(1),
             )
     except (ArtifactError, WeightError, TokenizerError, ValueError, OSError) as e:
         raise CliError(str(e)) from None

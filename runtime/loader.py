@@ -54,6 +54,7 @@ def match_build(
     """The build for `request`; when none matches, the error lists what exists and the command
     that would make the missing one."""
     builds = candidate_builds(artifacts)
+    other_model = []
     for folder, m in builds:
         k = m.key
         if (k.width, k.height, k.frames, k.batch, k.cfg) != (
@@ -61,6 +62,7 @@ def match_build(
         ):  # fmt: skip
             continue
         if request.model_hash is not None and m.model_hash != request.model_hash:
+            other_model.append(folder.name)
             continue
         if platform is not None and m.platform != platform:
             continue
@@ -78,8 +80,13 @@ def match_build(
         f"aot build --model {model_name} --res {request.width}x{request.height} --frames {request.frames} "
         f"--batch {request.batch}{'' if request.cfg else ' --no-cfg'} --target {target} --out {artifacts}"
     )
+    why = (
+        f"{', '.join(other_model)} has this shape but another model config than the weights"
+        if other_model
+        else f"have: {have}"
+    )
     raise ArtifactError(
-        f"no build in {artifacts} serves this request (have: {have}); make it with: {command}"
+        f"no build in {artifacts} serves this request ({why}); make it with: {command}"
     )
 
 

@@ -21,6 +21,7 @@ from runtime.artifact import ArtifactError, BuildKey
 from runtime.loader import Request, load_build, match_build
 from wan import checkpoint, schedulers, tokenizer
 from wan.configs import ModelConfig
+from wan.presets import model_spec
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
@@ -115,9 +116,9 @@ class Pipeline:
     @classmethod
     def load(cls, artifacts: str | Path, weights: str | Path, request: Request) -> Pipeline:
         """The build in `artifacts` that serves `request`, with the weights of `weights`."""
-        config = checkpoint.read_config(weights)
+        config = ModelConfig.from_folder(weights)
         request = dataclasses.replace(request, model_hash=config.hash())
-        folder, manifest = match_build(Path(artifacts), request, str(weights))
+        folder, manifest = match_build(Path(artifacts), request, model_spec(config, weights))
         exe = load_build(folder, manifest, jax.devices())
         return cls.assemble(exe, weights, manifest.key, folder.name, config)
 
@@ -131,7 +132,7 @@ class Pipeline:
         config: ModelConfig | None = None,
     ) -> Pipeline:
         """Place the weights of `weights` straight into the executables' input shardings."""
-        config = config or checkpoint.read_config(weights)
+        config = config or ModelConfig.from_folder(weights)
         users = {"text_encoder": "text_encode", "transformer": "kv_cache", "vae": "vae_decode"}
         if config.num_experts == 2:
             users["transformer_2"] = "kv_cache"

@@ -13,6 +13,7 @@ from diffusers import WanTransformer3DModel
 from jax.sharding import NamedSharding
 
 from wan import checkpoint, programs, sharding, weights
+from wan.configs import ModelConfig
 from wan.presets import PRESETS
 from wan.random_weights import random_params, write_random_checkpoint
 
@@ -38,7 +39,7 @@ def tiny_checkpoint(tmp_path_factory):
 
 def test_checkpoint_restores_into_given_shardings(tiny_checkpoint):
     assert checkpoint.is_checkpoint(tiny_checkpoint)
-    assert checkpoint.read_config(tiny_checkpoint) == TINY
+    assert ModelConfig.from_folder(tiny_checkpoint) == TINY
     abstract = _abstract_sharded("transformer")
     restored = checkpoint.load_component(tiny_checkpoint, "transformer", abstract)
     expected = random_params(TINY, "transformer", seed=4)  # components are seeded in order

@@ -20,12 +20,12 @@ import orbax.checkpoint as ocp
 
 from wan import weights
 from wan.atomic import atomic_folder
+from wan.configs import CHECKPOINT_MARKER as MARKER
 from wan.configs import ModelConfig
 from wan.weights import text_encoder as text_encoder_rules
 from wan.weights import transformer as transformer_rules
 from wan.weights import vae as vae_rules
 
-MARKER = "wan_checkpoint.json"
 FORMAT_VERSION = 1
 # Component folder -> weight rule, named as in a diffusers WanPipeline folder.
 RULES: dict[str, weights.Rule] = {
@@ -39,28 +39,6 @@ Tree = dict[str, Any]
 
 def is_checkpoint(folder: str | Path) -> bool:
     return (Path(folder) / MARKER).is_file()
-
-
-def read_config(folder: str | Path) -> ModelConfig:
-    """The model config of a project checkpoint or a diffusers folder."""
-    folder = Path(folder)
-    if is_checkpoint(folder):
-        return model_config_from_dict(json.loads((folder / MARKER).read_text())["model"])
-    return ModelConfig.from_diffusers(folder)
-
-
-def model_config_from_dict(raw: Mapping[str, Any]) -> ModelConfig:
-    from wan.configs import SchedulerConfig, TextEncoderConfig, TransformerConfig, VAEConfig
-
-    return ModelConfig(
-        name=raw["name"],
-        transformer=TransformerConfig.from_dict(raw["transformer"]),
-        vae=VAEConfig.from_dict(raw["vae"]),
-        text_encoder=TextEncoderConfig.from_dict(raw["text_encoder"]),
-        scheduler=SchedulerConfig(**raw["scheduler"]),
-        boundary_ratio=raw.get("boundary_ratio"),
-        dtype=raw.get("dtype", "bfloat16"),
-    )
 
 
 def save_checkpoint(

@@ -22,6 +22,9 @@ WAN21_LATENTS_STD = (
 )  # fmt: skip
 
 
+CHECKPOINT_MARKER = "wan_checkpoint.json"  # a project checkpoint's metadata (wan.checkpoint)
+
+
 def _from_dict(cls, raw: dict[str, Any]):
     """Build `cls` from a config.json dict: known fields only, lists become tuples."""
     names = {f.name for f in dataclasses.fields(cls)}
@@ -149,6 +152,27 @@ class ModelConfig:
         """Identifies the architecture and numerics (not the name): builds and weights match on it."""
         blob = json.dumps({**self.to_dict(), "name": None}, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Self:
+        """Inverse of `to_dict`."""
+        return cls(
+            name=raw["name"],
+            transformer=TransformerConfig.from_dict(raw["transformer"]),
+            vae=VAEConfig.from_dict(raw["vae"]),
+            text_encoder=TextEncoderConfig.from_dict(raw["text_encoder"]),
+            scheduler=SchedulerConfig(**raw["scheduler"]),
+            boundary_ratio=raw.get("boundary_ratio"),
+            dtype=raw.get("dtype", "bfloat16"),
+        )
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> Self:
+        """The config of a project checkpoint or of a diffusers-format folder (JSON only)."""
+        marker = Path(folder) / CHECKPOINT_MARKER
+        if marker.is_file():
+            return cls.from_dict(json.loads(marker.read_text())["model"])
+        return cls.from_diffusers(folder)
 
     @classmethod
     def from_diffusers(cls, folder: str | Path, dtype: str | None = None) -> Self:

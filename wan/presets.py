@@ -87,12 +87,20 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
+def model_spec(config: ModelConfig, folder: str | Path) -> str:
+    """What to pass as `--model` for weights with this config: the preset it equals, else the
+    weights folder itself."""
+    preset = PRESETS.get(config.name)
+    return config.name if preset is not None and preset.hash() == config.hash() else str(folder)
+
+
 def resolve_model(spec: str) -> ModelConfig:
-    """A preset name, or a diffusers-format folder whose config.json files are read."""
+    """A preset name, a diffusers-format folder (its config.json files are read) or a
+    checkpoint written by this project."""
     if spec in PRESETS:
         return PRESETS[spec]
     if Path(spec).is_dir():
-        return ModelConfig.from_diffusers(spec)
+        return ModelConfig.from_folder(spec)
     raise ValueError(
         f"unknown model {spec!r}: use one of {', '.join(PRESETS)} or a diffusers-format folder"
     )
