@@ -299,8 +299,13 @@ def compile_program(
     out_shardings = wan_programs.shardings(mesh, out_shapes, program.out_axes, rules)
     # keep_unused: every executable takes its whole parameter tree (kv_cache reads a few of the
     # transformer's weights), so all programs of a component share one placed copy.
+    # A fresh function per call: the rules are read while tracing, and jax would reuse a trace
+    # of the same function made under other rules.
     jitted = jax.jit(
-        program.fn, in_shardings=in_shardings, out_shardings=out_shardings, keep_unused=True
+        lambda *args: program.fn(*args),
+        in_shardings=in_shardings,
+        out_shardings=out_shardings,
+        keep_unused=True,
     )
     with jax.set_mesh(mesh), sharding.axis_rules(rules, uneven):
         return jitted.lower(*program.args).compile()
@@ -335,6 +340,9 @@ def _write_program(
         flops=hlo.flops(module),
         xla_flops=float(cost.get("flops", 0.0)),
         collectives=hlo.collective_summary(module),
+        gathered_bytes_per_latent_frame=(
+            hlo.gathers(module).per_latent_frame if program.name == "vae_decode" else None
+        ),
     )
 
 

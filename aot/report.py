@@ -111,6 +111,12 @@ def inspect_text(m: Manifest) -> str:
         f"mesh       {m.mesh_axes}; vae {m.vae_mesh_axes}, spatial axis {k.vae_axis}; attention {k.attention}",
         f"versions   {', '.join(f'{n} {v}' for n, v in m.versions.items())}",
         *(f"note       {n}" for n in m.notes),
+        *(
+            f"vae        all-gathered {p.gathered_bytes_per_latent_frame / 1e6:.1f} MB per device "
+            "per latent frame"
+            for p in m.programs.values()
+            if p.gathered_bytes_per_latent_frame is not None
+        ),
         "",
     ]
     rows = []

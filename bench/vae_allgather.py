@@ -10,16 +10,14 @@ all-gather done as a ring of permutes); conv halo exchanges are permutes too, bu
 
     .venv/bin/python bench/vae_allgather.py --target tpu-v6e-8 --res 1280x720 --res 720x1280
 
-Each real-size compile takes ~6 minutes and ~5 GB of memory on a 2-core host.
+Each real-size compile takes 6-10 minutes and ~5.7 GB of memory on a 2-core host.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -28,66 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from aot import hlo, targets  # noqa: E402
 
 REFERENCE_BYTES = 1.1e9  # the reference decoder, 720p, tpu-v6e-8, per device per latent frame
-WINDOWED_GATHER = "windowed_dot_general_body_ag"  # XLA's name for a permute-ring all-gather
-
-
-@dataclasses.dataclass(frozen=True)
-class Gathers:
-    first: int  # bytes gathered per device outside the chunk scan (the first chunk)
-    per_trip: int  # bytes per trip of the chunk scan: one latent frame in steady state
-    trips: int
-    all_to_all: int  # all-to-all executions per run
-    top: list[tuple[str, int]]  # (op_name, bytes per run) of the largest gathers
-
-    @property
-    def per_latent_frame(self) -> int:
-        return max(self.first, self.per_trip)
-
-
-def _reachable(module: hlo.Module, root: str) -> set[str]:
-    seen, todo = set(), [root]
-    while todo:
-        name = todo.pop()
-        if name not in seen:
-            seen.add(name)
-            todo.extend(c for ins in module.computations[name].instructions for _, c in ins.calls)
-    return seen
-
-
-def chunk_scan(module: hlo.Module) -> hlo.Loop:
-    """The decode's scan over latent frames: the entry's while loop that JAX emitted (XLA adds
-    loops of its own, e.g. windowed einsums, whose op_name is not JAX's `while`)."""
-    (scan,) = [
-        loop
-        for loop in hlo.loops(module)
-        if loop.computation == module.entry
-        and (module.instructions[loop.name].op_name or "").endswith("/while")
-    ]
-    return scan
-
-
-def gathers(module: hlo.Module) -> Gathers:
-    """The gathered bytes of a VAE decode module, split into the chunk scan and the rest."""
-    scan = chunk_scan(module)
-    body = _reachable(module, scan.body)
-    found = hlo.collectives(module)
-    gathered = [
-        c
-        for c in found
-        if c.kind == "all-gather"
-        or (c.kind == "collective-permute" and WINDOWED_GATHER in c.computation)
-    ]
-    top: Counter[str] = Counter()
-    for c in gathered:
-        top[c.op_name or c.name] += c.count * c.bytes
-    return Gathers(
-        first=sum(c.count * c.bytes for c in gathered if c.computation not in body),
-        per_trip=sum(c.count * c.bytes for c in gathered if c.computation in body)
-        // scan.trip_count,
-        trips=scan.trip_count,
-        all_to_all=sum(c.count for c in found if c.kind == "all-to-all"),
-        top=top.most_common(8),
-    )
 
 
 def compile_decode(
@@ -131,7 +69,7 @@ def main() -> None:
         if args.save_hlo:
             args.save_hlo.mkdir(parents=True, exist_ok=True)
             (args.save_hlo / f"vae_decode_{res}_{args.target}.hlo.txt").write_text(text)
-        g = gathers(hlo.parse(text))
+        g = hlo.gathers(hlo.parse(text))
         print(
             f"{res} {args.target} vae mesh {vae_mesh} axis={layout.axis} "
             f"latent_frames={args.latent_frames} compile={seconds:.0f}s: gathered first chunk "

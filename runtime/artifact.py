@@ -95,6 +95,8 @@ class ProgramEntry:
     flops: float  # loop trip counts applied
     xla_flops: float  # XLA's cost analysis as reported (loop bodies counted once)
     collectives: dict[str, dict[str, int]]  # kind -> count, bytes (per device, trips applied)
+    # vae_decode: bytes all-gathered per device per latent frame (the steady-state chunk)
+    gathered_bytes_per_latent_frame: int | None = None
 
 
 @dataclasses.dataclass

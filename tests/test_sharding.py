@@ -169,7 +169,7 @@ def video_extents(module: hlo.Module, batch: int, everywhere: bool) -> set[tuple
         instructions = module.instructions.values()
     else:
         entry = module.computations[module.entry]
-        scan = module.instructions[BENCH.chunk_scan(module).name]
+        scan = module.instructions[hlo.chunk_scan(module).name]
         params = [i for i in entry.instructions if i.opcode == "parameter"]
         instructions = [*params, entry.root, scan]
     found = set()
@@ -417,7 +417,7 @@ def test_upsampling_gathers_no_activation(width, height, axis):
     assert layout == sharding.VaeLayout(axis)
     program = programs.vae_decode_program(config, shape)
     compiled = compile_program(program, vae_mesh(CPU8, (1, 8)), layout.rules(), layout.uneven)
-    g = BENCH.gathers(hlo.parse(compiled.as_text()))
+    g = hlo.gathers(hlo.parse(compiled.as_text()))
     # The reference's 1.1 GB at 720p, scaled by pixels: it gathers whole activations.
     budget = 0.1 * BENCH.REFERENCE_BYTES * (width * height) / (1280 * 720)
     assert g.trips == 2 and g.all_to_all == 0
