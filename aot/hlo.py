@@ -417,7 +417,9 @@ def parse(hlo_text: str) -> Module:
     for line in hlo_text.splitlines():
         stripped = line.strip()
         if current is not None:
-            if stripped == "}":
+            # A computation closes with "}" or, for one on another execution thread (TPU
+            # SparseCore), '}, execution_thread="sparsecore"'.
+            if stripped == "}" or stripped.startswith("}, "):
                 name, is_entry, body = current
                 instructions = tuple(ins for ins, _ in body)
                 root = next((ins for ins, is_root in body if is_root), instructions[-1])

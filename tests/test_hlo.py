@@ -416,3 +416,24 @@ def test_tpu_scan_without_known_trip_count(tpu_mesh):
     m = hlo.parse(scanned.as_text())
     assert [loop.trip_count for loop in hlo.loops(m)] == [LAYERS]
     assert hlo.flops(m) == pytest.approx(LAYERS * scanned.cost_analysis()["flops"], rel=0.01)
+
+
+def test_computation_on_another_execution_thread():
+    """tpu7x puts copies on SparseCore: such a computation closes with an execution_thread."""
+    text = """HloModule m, entry_computation_layout={(f32[4]{0})->f32[4]{0}}
+
+%called (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %c = f32[4]{0} copy(%p)
+}, execution_thread="sparsecore"
+
+ENTRY %main (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0)
+  %s = ((f32[4]{0}), f32[4]{0}, u32[]{:S(8)}) call-start(%x), async_execution_thread="sparsecore", to_apply=%called
+  %d = f32[4]{0} call-done(%s)
+  ROOT %a = f32[4]{0} add(%d, %d)
+}
+"""
+    module = hlo.parse(text)
+    assert set(module.computations) == {"called", "main"}
+    assert module.entry == "main" and hlo.flops(module) == 4
