@@ -31,14 +31,15 @@ def build(
 ) -> dict:
     cmd = [str(BIN / "aot"), "build", "--model", model, "--res", res, "--frames", str(frames),
            "--batch", str(batch), "--target", target, "--out", str(out), "--json", *extra]  # fmt: skip
+    command = "aot " + " ".join(cmd[1:])
     start = time.time()
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
-        return {"command": " ".join(cmd[1:]), "error": result.stderr.strip().splitlines()[-1:]}
+        return {"command": command, "error": result.stderr.strip().splitlines()[-1:]}
     (entry,) = json.loads(result.stdout)
     m = entry["manifest"]
     return {
-        "command": "aot " + " ".join(cmd[1:]),
+        "command": command,
         "wall_seconds": round(time.time() - start, 1),
         "skipped": entry["skipped"],
         "build": Path(entry["folder"]).name,
