@@ -110,6 +110,8 @@ def build_cmd(
         tgt = targets.parse_target(target)
         num_devices = len(targets.devices(tgt))
         mesh = MeshShape.parse(mesh_text) if mesh_text else None
+        if vae_spatial != "auto" and not vae_spatial.isdigit():
+            raise ValueError(f"--vae-spatial {vae_spatial}: use auto or a positive integer")
         spatial = None if vae_spatial == "auto" else int(vae_spatial)
         policy = check.load_policy(policy_path)
     except (ValueError, targets.TargetError) as e:

@@ -130,6 +130,12 @@ def run_cmd(
         pipe = Pipeline.load(artifacts, weights, request)
         noise = np.load(init_noise) if init_noise else None
         with tqdm(total=steps, desc="denoising", unit="step", file=sys.stderr) as bar:
+
+            def on_step(done: int, total: int) -> None:
+                bar.update(1)
+                if done == total:
+                    bar.close()  # before the decode, so the bar shows the denoising rate
+
             videos, report = pipe.generate(
                 prompt,
                 negative_prompt,
@@ -138,7 +144,7 @@ def run_cmd(
                 guidance_2,
                 seed,
                 noise,
-                lambda done, total: bar.update(1),
+                on_step,
             )
     except (ArtifactError, WeightError, TokenizerError, ValueError, OSError) as e:
         raise CliError(str(e)) from None

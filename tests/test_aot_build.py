@@ -89,6 +89,7 @@ def test_killed_build_leaves_nothing_complete_and_is_redone(tmp_path):
         (["--target", "tpu-v9-8"], "unknown target"),
         (["--model", "wan3"], "unknown model"),
         (["--vae-spatial", "3"], "must divide the device count"),
+        (["--vae-spatial", "x"], "use auto or a positive integer"),
     ],
 )
 def test_bad_requests_are_one_line_errors(tmp_path, args, message):
