@@ -900,19 +900,6 @@ def flops(module: Module) -> float:
     return cost(module).flops
 
 
-def report(module: Module) -> dict:
-    """A JSON-ready summary for build reports: FLOPs, loops, collectives."""
-    c = cost(module)
-    return {
-        "flops": c.flops,
-        "transcendentals": c.transcendentals,
-        "loops": [dataclasses.asdict(loop) for loop in loops(module)],
-        "unknown_trip_count_loops": list(c.unknown_loops),
-        "custom_calls": c.custom_calls,
-        "collectives": collective_summary(module),
-    }
-
-
 # ----------------------------------------------------------------------------------------------
 # Gathered bytes of a chunked decode (the VAE: first chunk alone, later chunks in one scan).
 

@@ -174,7 +174,9 @@ def import_tensors(
         filled.setdefault(target.path, set()).add(target.layer)
     for path, (shape, _) in expected.items():
         got = filled.get(path, set())
-        need = {None} if not _is_stacked(path, got) else set(range(shape[0]))
+        # A parameter filled layer by layer is stacked: every layer must be there.
+        stacked = bool(got) and None not in got
+        need = set(range(shape[0])) if stacked else {None}
         missing = need - got
         if missing:
             where = "" if missing == {None} else f" (layers {sorted(missing)})"
@@ -182,10 +184,6 @@ def import_tensors(
                 f"missing weight for {'.'.join(path)}{where}, expected shape {tuple(shape)}"
             )
     return out
-
-
-def _is_stacked(path: Path_, filled: set[int | None]) -> bool:
-    return bool(filled) and None not in filled
 
 
 def import_folder(
