@@ -30,6 +30,14 @@ def _resolution(text: str) -> tuple[int, int]:
     return w, h
 
 
+POLICY_OPTION = click.option(
+    "--policy",
+    "policy_path",
+    type=click.Path(path_type=Path),
+    help="Policy TOML for the HLO/memory check (default: aot's own; see docs/check.md).",
+)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def cli() -> None:
     """Ahead-of-time compile the WAN text-to-video programs for any target."""
@@ -84,12 +92,7 @@ def cli() -> None:
 @click.option(
     "--strict", is_flag=True, help="Fail when the HLO/memory policy check finds a violation."
 )
-@click.option(
-    "--policy",
-    "policy_path",
-    type=click.Path(path_type=Path),
-    help="Policy TOML for the check (default: aot's own; see docs/check.md).",
-)
+@POLICY_OPTION
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def build_cmd(
     model, resolutions, frames_list, batches, target, mesh_text, vae_spatial, attention, no_cfg,
@@ -198,12 +201,7 @@ def inspect_cmd(build_dir: Path, as_json: bool) -> None:
 
 @cli.command("check")
 @click.argument("artifacts", nargs=-1, required=True, type=click.Path(path_type=Path))
-@click.option(
-    "--policy",
-    "policy_path",
-    type=click.Path(path_type=Path),
-    help="Policy TOML (default: aot's own; see docs/check.md).",
-)
+@POLICY_OPTION
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def check_cmd(artifacts: tuple[Path, ...], policy_path: Path | None, as_json: bool) -> None:
     """Check builds (or folders of builds) against an HLO collective and memory policy.
