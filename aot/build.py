@@ -234,13 +234,33 @@ def compile_plan(
         "transformer": (sharding.TRANSFORMER_RULES, frozenset()),
         "vae": (plan.vae_layout.rules(), plan.vae_layout.uneven),
     }
-    progs = wan_programs.programs(plan.config, plan.shape, plan.attention, frames_dtype)
+    # The decode takes the latents where the last denoise step leaves them (one SPMD handoff,
+    # no trip through the host); batch-sharded latents bound for a spatially sharded decode
+    # are gathered whole first (small) so that the switch of mesh is not an all-to-all.
+    latents = sharding.named_sharding(
+        meshes["transformer"],
+        wan_programs.LATENTS,
+        plan.shape.latent_shape(plan.config),
+        sharding.TRANSFORMER_RULES,
+    )
+    gather = latents.spec[0] is not None and plan.vae_mesh[1] > 1
+    progs = wan_programs.programs(plan.config, plan.shape, plan.attention, frames_dtype, gather)
+    placed = {"vae_decode": {1: latents}}
+    # Every process of a multi-process job needs whole frames on its host (np.asarray of an
+    # array it cannot address fails), so there the decode replicates its output.
+    replicated_out = {"vae_decode"} if _process_count(devs) > 1 else set()
     for index, program in enumerate(progs, 1):
         mesh = meshes[program.mesh]
         label = f"[{index}/{len(progs)}] {plan.key.folder_name()} {program.name}"
         with _Ticker(label, progress), RssSampler() as rss:
             start = time.perf_counter()
-            compiled = compile_program(program, mesh, *rules[program.mesh])
+            compiled = compile_program(
+                program,
+                mesh,
+                *rules[program.mesh],
+                placed=placed.get(program.name, {}),
+                replicated_out=program.name in replicated_out,
+            )
             seconds = time.perf_counter() - start
         yield program, compiled, mesh, seconds, rss.peak
 
@@ -275,7 +295,7 @@ def _compile_all(
         platform=devs[0].platform,
         device_kind=devs[0].device_kind,
         device_ids=[d.id for d in devs],
-        process_count=len({getattr(d, "process_index", 0) for d in devs}),
+        process_count=_process_count(devs),
         mesh_axes=dict(plan.mesh.items()),
         vae_mesh_axes=dict(zip(sharding.VAE_AXES, plan.vae_mesh, strict=True)),
         hbm_bytes=plan.target.hbm_bytes,
@@ -284,19 +304,31 @@ def _compile_all(
     )
 
 
+def _process_count(devs: list[Any]) -> int:
+    """Hosts of a job: a TPU topology's devices name theirs as a running job's do."""
+    return len({d.process_index for d in devs})
+
+
 def compile_program(
     program: wan_programs.Program,
     mesh: jax.sharding.Mesh,
     rules: sharding.Rules,
     uneven: frozenset[str] = frozenset(),
+    placed: dict[int, jax.sharding.Sharding] | None = None,
+    replicated_out: bool = False,
 ) -> Any:
-    """Lower and compile `program` for `mesh` under `rules` (abstract inputs only)."""
+    """Lower and compile `program` for `mesh` under `rules` (abstract inputs only). `placed`:
+    arguments (by position) that arrive with a given sharding, as another program leaves them."""
+    placed = placed or {}
     in_shardings = tuple(
-        wan_programs.shardings(mesh, a, ax, rules)
-        for a, ax in zip(program.args, program.arg_axes, strict=True)
+        placed[i] if i in placed else wan_programs.shardings(mesh, a, ax, rules)
+        for i, (a, ax) in enumerate(zip(program.args, program.arg_axes, strict=True))
     )
     out_shapes = jax.eval_shape(program.fn, *program.args)
-    out_shardings = wan_programs.shardings(mesh, out_shapes, program.out_axes, rules)
+    out_axes = jax.tree.map(lambda s: (None,) * len(s.shape), out_shapes)
+    out_shardings = wan_programs.shardings(
+        mesh, out_shapes, out_axes if replicated_out else program.out_axes, rules
+    )
     # keep_unused: every executable takes its whole parameter tree (kv_cache reads a few of the
     # transformer's weights), so all programs of a component share one placed copy.
     # A fresh function per call: the rules are read while tracing, and jax would reuse a trace

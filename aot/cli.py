@@ -109,8 +109,12 @@ def build_cmd(
         config = resolve_model(model)
     except (ValueError, OSError) as e:
         raise CliError(str(e)) from None
+    from aot.local_job import local_job
+
     try:
         tgt = targets.parse_target(target)
+        # cpu-PxN: this process joins a local multi-process job until the command is done.
+        click.get_current_context().with_resource(local_job(tgt))
         num_devices = len(targets.devices(tgt))
         mesh = MeshShape.parse(mesh_text) if mesh_text else None
         if vae_spatial != "auto" and not vae_spatial.isdigit():

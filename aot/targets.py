@@ -1,7 +1,9 @@
 """Compile targets: which devices a build is for, found without needing that hardware.
 
-`cpu-N` is N host devices of this process, `current` whatever this machine has (GPU included),
-and TPU slices come from libtpu's topology description, so a CPU host compiles for them.
+`cpu-N` is N host devices of this process, `cpu-PxN` P processes of N host devices each (a
+multi-host job emulated on this machine, see aot.local_job), `current` whatever this machine has
+(GPU included), and TPU slices come from libtpu's topology description, so a CPU host compiles
+for them.
 `prepare_environment` must run before jax is imported: host device counts and libtpu's
 deviceless mode are process-wide settings.
 """
@@ -13,6 +15,8 @@ import importlib.util
 import os
 import re
 from typing import Any
+
+from runtime import processes
 
 GiB = 1 << 30
 
@@ -38,7 +42,8 @@ class Target:
     name: str
     platform: str  # "cpu", "tpu", "gpu"
     topology: str | None = None  # TPU topology name, e.g. "v6e:2x4"
-    num_devices: int | None = None  # cpu-N; TPU and current are known once devices are listed
+    num_devices: int | None = None  # all processes' (cpu); TPU and current: from the devices
+    num_processes: int = 1
 
     @property
     def hbm_bytes(self) -> int | None:
@@ -48,11 +53,13 @@ class Target:
 
 
 def parse_target(name: str) -> Target:
-    """`cpu-N`, `current`, a TPU alias (tpu-v6e-8, ...) or `tpu-<topology>` (tpu-v6e:4x4)."""
-    if m := re.fullmatch(r"cpu-(\d+)", name):
-        if int(m.group(1)) < 1:
-            raise TargetError("cpu-N needs N >= 1")
-        return Target(name, "cpu", num_devices=int(m.group(1)))
+    """`cpu-N`, `cpu-PxN`, `current`, a TPU alias (tpu-v6e-8, ...) or `tpu-<topology>`
+    (tpu-v6e:4x4)."""
+    if m := re.fullmatch(r"cpu-(?:(\d+)x)?(\d+)", name):
+        procs, local = int(m.group(1) or 1), int(m.group(2))
+        if procs < 1 or local < 1:
+            raise TargetError(f"{name}: cpu-N and cpu-PxN need P, N >= 1")
+        return Target(name, "cpu", num_devices=procs * local, num_processes=procs)
     if name == "current":
         return Target(name, "current")
     topology = TPU_ALIASES.get(name)
@@ -67,12 +74,7 @@ def parse_target(name: str) -> Target:
 def prepare_environment(target: Target) -> None:
     """Process-wide settings for `target`; call before jax is imported."""
     if target.platform == "cpu":
-        flags = os.environ.get("XLA_FLAGS", "")
-        flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", flags)
-        os.environ["XLA_FLAGS"] = (
-            f"{flags} --xla_force_host_platform_device_count={target.num_devices}".strip()
-        )
-        os.environ["JAX_PLATFORMS"] = "cpu"
+        processes.use_host_devices(target.num_devices // target.num_processes)
     elif target.platform == "tpu":
         # Deviceless compile: libtpu describes the topology; the host computes on its CPU.
         os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
@@ -92,7 +94,7 @@ def devices(target: Target) -> list[Any]:
     import jax
 
     if target.platform == "cpu":
-        found = jax.devices("cpu")
+        found = jax.devices("cpu")  # a multi-process job's: every process's, in process order
         if len(found) < target.num_devices:
             raise TargetError(
                 f"{target.name} needs {target.num_devices} host devices but this process has "

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ import click
 import numpy as np
 from tqdm import tqdm
 
+from runtime import processes
 from runtime.artifact import ArtifactError
 from runtime.loader import Request, match_build
 from wan.configs import ModelConfig
@@ -34,19 +34,6 @@ def _resolution(text: str) -> tuple[int, int]:
     if not m:
         raise click.BadParameter(f"{text!r} is not WxH (e.g. 720x1280)")
     return int(m.group(1)), int(m.group(2))
-
-
-def _prepare_process(target: str, num_devices: int) -> None:
-    """cpu-N builds run on N host devices of this process: arrange it before jax starts."""
-    if "jax" in sys.modules or not target.startswith("cpu-"):
-        return
-    flags = re.sub(
-        r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")
-    )
-    os.environ["XLA_FLAGS"] = (
-        f"{flags} --xla_force_host_platform_device_count={num_devices}".strip()
-    )
-    os.environ["JAX_PLATFORMS"] = "cpu"
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -103,23 +90,43 @@ def cli() -> None:
     required=True,
     help="Output .mp4 (stem_i.mp4 for a batch).",
 )
+@click.option(
+    "--coordinator",
+    help="Multi-process builds: host:port of process 0; run one `runtime run` per process.",
+)
+@click.option("--num-processes", default=1, show_default=True, type=click.IntRange(min=1))
+@click.option("--process-id", default=0, show_default=True, type=click.IntRange(min=0))
 def run_cmd(
     artifacts, weights, prompt, negative_prompt, resolution, frames, batch, steps, guidance,
-    guidance_2, seed, init_noise, save_frames, report_path, out,
+    guidance_2, seed, init_noise, save_frames, report_path, out, coordinator, num_processes,
+    process_id,
 ) -> None:  # fmt: skip
-    """Generate a video with the build that matches --res/--frames/--batch."""
+    """Generate a video with the build that matches --res/--frames/--batch.
+
+    Under jax.distributed (one process per host, same arguments but --process-id) every
+    process loads the same build and runs it SPMD; process 0 writes the files."""
     width, height = _resolution(resolution)
     if not weights.is_dir():
         raise CliError(
             f"--weights {weights} is not a folder (a diffusers-format folder or a checkpoint)"
         )
+    if (num_processes > 1) != (coordinator is not None) or process_id >= num_processes:
+        raise click.UsageError(
+            "a multi-process run needs --coordinator HOST:PORT, --num-processes P > 1 and "
+            "--process-id in [0, P)"
+        )
     try:
         config = ModelConfig.from_folder(weights)
-        request = Request(width, height, frames, batch, guidance > 1.0, config.hash())
+        request = Request(
+            width, height, frames, batch, guidance > 1.0, config.hash(), num_processes
+        )
         _, manifest = match_build(artifacts, request, model_spec(config, weights))
     except (ArtifactError, ValueError, OSError) as e:
         raise CliError(str(e)) from None
-    _prepare_process(manifest.key.target, len(manifest.device_ids))
+    if manifest.key.target.startswith("cpu-"):  # cpu-N, cpu-PxN: host devices per process
+        processes.use_host_devices(len(manifest.device_ids) // manifest.process_count)
+    if num_processes > 1:
+        processes.join(coordinator, num_processes, process_id)
 
     from runtime.pipeline import Pipeline
     from runtime.video import video_paths, write_mp4

@@ -29,6 +29,7 @@ class Request:
     batch: int
     cfg: bool
     model_hash: str | None = None  # the weights' model config hash, when known
+    processes: int = 1  # processes of the jax.distributed job that will run it
 
 
 def candidate_builds(artifacts: Path) -> list[tuple[Path, Manifest]]:
@@ -48,13 +49,11 @@ def candidate_builds(artifacts: Path) -> list[tuple[Path, Manifest]]:
     return found
 
 
-def match_build(
-    artifacts: Path, request: Request, model_name: str, platform: str | None = None
-) -> tuple[Path, Manifest]:
+def match_build(artifacts: Path, request: Request, model_name: str) -> tuple[Path, Manifest]:
     """The build for `request`; when none matches, the error lists what exists and the command
     that would make the missing one."""
     builds = candidate_builds(artifacts)
-    other_model = []
+    other_model, other_job = [], []
     for folder, m in builds:
         k = m.key
         if (k.width, k.height, k.frames, k.batch, k.cfg) != (
@@ -64,7 +63,8 @@ def match_build(
         if request.model_hash is not None and m.model_hash != request.model_hash:
             other_model.append(folder.name)
             continue
-        if platform is not None and m.platform != platform:
+        if m.process_count != request.processes:
+            other_job.append(f"{folder.name} (a {m.process_count}-process job)")
             continue
         return folder, m
     have = (
@@ -80,11 +80,16 @@ def match_build(
         f"aot build --model {model_name} --res {request.width}x{request.height} --frames {request.frames} "
         f"--batch {request.batch}{'' if request.cfg else ' --no-cfg'} --target {target} --out {artifacts}"
     )
-    why = (
-        f"{', '.join(other_model)} has this shape but another model config than the weights"
-        if other_model
-        else f"have: {have}"
-    )
+    if other_job:
+        why = (
+            f"{', '.join(other_job)} has this shape for another number of processes than "
+            f"{request.processes}: run one `runtime run` per process with --coordinator, "
+            "--num-processes and --process-id, or build for this job"
+        )
+    elif other_model:
+        why = f"{', '.join(other_model)} has this shape but another model config than the weights"
+    else:
+        why = f"have: {have}"
     raise ArtifactError(
         f"no build in {artifacts} serves this request ({why}); make it with: {command}"
     )

@@ -1,8 +1,9 @@
 """Generation from prebuilt executables: load once, generate many prompts, compile nothing.
 
 Host math is numpy (noise, sampler tables, CFG bookkeeping); the device runs only the four
-deserialized executables. Arrays cross from one program to the next directly when the
-shardings agree and through the host otherwise (a device-side reshard would compile).
+deserialized executables. Arrays pass from one program to the next as they are: the build gave
+each consumer its producer's output sharding (a reshard here would compile). Under
+jax.distributed every process runs this same code on its own devices (SPMD).
 """
 
 from __future__ import annotations
@@ -72,9 +73,13 @@ def place(value: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
 
 
 def handoff(x: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
-    if x.sharding.is_equivalent_to(sharding, x.ndim):
-        return x
-    return place(np.asarray(jax.device_get(x)), sharding)
+    """`x` for a program whose input sharding is `sharding` (equal by construction)."""
+    if not x.sharding.is_equivalent_to(sharding, x.ndim):
+        raise ArtifactError(
+            f"a program's output sharding {x.sharding} differs from its consumer's {sharding}: "
+            "the build is inconsistent; rebuild with `aot build --force`"
+        )
+    return x
 
 
 def _abstract(args_info: Any, shardings: Any) -> Any:
@@ -117,7 +122,9 @@ class Pipeline:
     def load(cls, artifacts: str | Path, weights: str | Path, request: Request) -> Pipeline:
         """The build in `artifacts` that serves `request`, with the weights of `weights`."""
         config = ModelConfig.from_folder(weights)
-        request = dataclasses.replace(request, model_hash=config.hash())
+        request = dataclasses.replace(
+            request, model_hash=config.hash(), processes=jax.process_count()
+        )
         folder, manifest = match_build(Path(artifacts), request, model_spec(config, weights))
         exe = load_build(folder, manifest, jax.devices())
         return cls.assemble(exe, weights, manifest.key, folder.name, config)
@@ -216,7 +223,7 @@ class Pipeline:
             denoise = time.perf_counter() - start - first_step
             x = handoff(x, self._in_sharding("vae_decode", 1))
             frames = self.exe["vae_decode"](self.params["vae"], x)
-            frames = np.asarray(jax.device_get(frames))
+            frames = np.asarray(frames)  # replicated in multi-process builds: local data
         total = time.perf_counter() - start
         report = GenerationReport(
             compile_count=counter.count,

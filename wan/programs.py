@@ -256,14 +256,21 @@ def decode_frames(vae: WanVAE, latents: jax.Array, config: ModelConfig) -> jax.A
 
 
 def vae_decode_program(
-    config: ModelConfig, shape: VideoShape, frames_dtype: str = "uint8"
+    config: ModelConfig,
+    shape: VideoShape,
+    frames_dtype: str = "uint8",
+    gather_latents: bool = False,
 ) -> Program:
-    """Frames as uint8 (what videos are made of), or as float32 in [0, 1] for comparisons."""
+    """Frames as uint8 (what videos are made of), or as float32 in [0, 1] for comparisons.
+    `gather_latents`: the latents arrive batch-sharded; replicate them before the spatial layout
+    slices them (an all-gather of the small latents instead of an all-to-all)."""
     graphdef, params, axes = split_abstract(abstract_module(config, "vae"))
     latents = _sds(shape.latent_shape(config), jnp.float32)
 
     def vae_decode(params: Tree, latents: jax.Array) -> jax.Array:
         vae = nnx.merge(graphdef, params)
+        if gather_latents:
+            latents = sharding.constrain(latents, (None,) * latents.ndim)
         frames = decode_frames(vae, sharding.constrain(latents, VIDEO), config)
         if frames_dtype == "uint8":
             frames = jnp.round(frames * 255).astype(jnp.uint8)
@@ -273,11 +280,15 @@ def vae_decode_program(
 
 
 def programs(
-    config: ModelConfig, shape: VideoShape, attention: str, frames_dtype: str = "uint8"
+    config: ModelConfig,
+    shape: VideoShape,
+    attention: str,
+    frames_dtype: str = "uint8",
+    gather_latents: bool = False,
 ) -> list[Program]:
     return [
         text_encode_program(config, shape),
         kv_cache_program(config, shape, attention),
         denoise_step_program(config, shape, attention),
-        vae_decode_program(config, shape, frames_dtype),
+        vae_decode_program(config, shape, frames_dtype, gather_latents),
     ]
