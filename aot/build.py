@@ -16,7 +16,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -223,8 +223,10 @@ def compile_plan(
     plan: BuildPlan,
     progress: Callable[[str], None] | None = None,
     frames_dtype: str = "uint8",
+    only: Collection[str] | None = None,
 ) -> Iterator[tuple[wan_programs.Program, Any, jax.sharding.Mesh, float, int]]:
-    """Compile the programs of `plan` one by one: (program, compiled, mesh, seconds, peak RSS)."""
+    """Compile the programs of `plan` (or those named in `only`) one by one: (program,
+    compiled, mesh, seconds, peak RSS)."""
     devs = devices(plan.target)
     meshes = {
         "transformer": sharding.make_mesh(devs, plan.mesh.items()),
@@ -245,6 +247,7 @@ def compile_plan(
     )
     gather = latents.spec[0] is not None and plan.vae_mesh[1] > 1
     progs = wan_programs.programs(plan.config, plan.shape, plan.attention, frames_dtype, gather)
+    progs = [p for p in progs if only is None or p.name in only]
     placed = {"vae_decode": {1: latents}}
     # Every process of a multi-process job needs whole frames on its host (np.asarray of an
     # array it cannot address fails), so there the decode replicates its output.

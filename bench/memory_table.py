@@ -1,18 +1,23 @@
 """Peak memory per device, compile seconds and peak RSS per program for deviceless builds of
-the real presets, from this CPU host. Every build goes through `aot build --json` (one fresh
-process per build, so RSS is per build), and builds already present are reused (aot skips an
-unchanged key), so the table can be filled in several sittings.
+the real presets at 720p/81 frames, from this CPU host: the programs `aot build` makes, with its
+default mesh per (model, target, batch).
 
-    python bench/memory_table.py --models wan2.1-t2v-14b --targets tpu7x-8 tpu-v6e-8 --batches 1 2 8
-    python bench/memory_table.py --models wan2.1-t2v-14b --targets tpu7x-8 --batches 2 8 --vae-spatial 1 8
+The presets share one VAE, so its decode (by far the longest compile) is compiled once per
+(target, batch), with the first model's plan, and its row is shared by the others. Every
+(model, target, batch) compiles in a fresh process (RSS per build); `--jobs 2` runs two at
+once (compile seconds then include the contention). Records already in the results file are
+kept, so the table can be filled in several sittings.
 
-Results: bench/results/memory_<name>.json (one record per build and program).
+    python bench/memory_table.py --models wan2.1-t2v-1.3b wan2.1-t2v-14b wan2.2-t2v-a14b \\
+        --targets tpu7x-8 tpu-v6e-8 --batches 1 2 8 --jobs 2
+
+Results: bench/results/memory_table.json (one record per model, target, batch).
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
+import concurrent.futures
 import json
 import os
 import platform
@@ -22,44 +27,63 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
+sys.path.insert(0, str(ROOT))
 GiB = float(1 << 30)
+TRANSFORMER_PROGRAMS = ["text_encode", "kv_cache", "denoise_step"]
 
 
-def build(
-    model: str, target: str, batch: int, res: str, frames: int, out: Path, extra: list[str]
-) -> dict:
-    cmd = [str(BIN / "aot"), "build", "--model", model, "--res", res, "--frames", str(frames),
-           "--batch", str(batch), "--target", target, "--out", str(out), "--json", *extra]  # fmt: skip
-    command = "aot " + " ".join(cmd[1:])
+def compile_one(model: str, target_name: str, batch: int, res: str, frames: int,
+                only: list[str]) -> dict:  # fmt: skip
+    """Runs in its own process: plan as `aot build` does, compile `only`, measure."""
+    from aot import targets
+
+    target = targets.parse_target(target_name)
+    targets.prepare_environment(target)
+    from aot import hlo
+    from aot.build import compile_plan, memory_stats, plan_build
+    from wan.presets import resolve_model
+    from wan.programs import VideoShape
+
+    config = resolve_model(model)
+    width, height = (int(v) for v in res.split("x"))
+    num_devices = len(targets.devices(target))
+    plan = plan_build(model, config, VideoShape(width, height, frames, batch), target, num_devices)
+    programs = {}
+    for program, compiled, _, seconds, rss in compile_plan(plan, only=only):
+        module = hlo.parse(compiled.as_text())
+        memory = memory_stats(compiled)
+        programs[program.name] = {
+            "peak_gib": round(memory["peak"] / GiB, 3),
+            "argument_gib": round(memory["argument"] / GiB, 3),
+            "temp_gib": round(memory["temp"] / GiB, 3),
+            "compile_seconds": round(seconds, 1),
+            "peak_rss_gib": round(rss / GiB, 2),
+            "tflops": round(hlo.flops(module) / 1e12, 3),
+            "collectives": {
+                k: v["count"] for k, v in hlo.collective_summary(module).items() if v["count"]
+            },
+        }
+    return {
+        "build": plan.key.folder_name(),
+        "mesh": dict(plan.mesh.items()),
+        "vae_mesh": list(plan.vae_mesh),
+        "vae_axis": plan.vae_layout.axis,
+        "hbm_gib": target.hbm_bytes / GiB if target.hbm_bytes else None,
+        "programs": programs,
+    }
+
+
+def run_one(model: str, target: str, batch: int, args: argparse.Namespace, only: list[str]) -> dict:
+    cmd = [sys.executable, __file__, "--one", model, target, str(batch), "--res", args.res,
+           "--frames", str(args.frames), "--only", *only]  # fmt: skip
     start = time.time()
     result = subprocess.run(cmd, capture_output=True, text=True)
+    command = (f"python bench/memory_table.py --models {model} --targets {target} --batches "
+               f"{batch} --res {args.res} --frames {args.frames}")  # fmt: skip
+    record = {"model": model, "target": target, "batch": batch, "command": command}
     if result.returncode != 0:
-        return {"command": command, "error": result.stderr.strip().splitlines()[-1:]}
-    (entry,) = json.loads(result.stdout)
-    m = entry["manifest"]
-    return {
-        "command": command,
-        "wall_seconds": round(time.time() - start, 1),
-        "skipped": entry["skipped"],
-        "build": Path(entry["folder"]).name,
-        "mesh": m["mesh_axes"],
-        "vae_mesh": m["vae_mesh_axes"],
-        "vae_axis": m["key"]["vae_axis"],
-        "hbm_gib": m["hbm_bytes"] / GiB if m["hbm_bytes"] else None,
-        "programs": {
-            name: {
-                "peak_gib": round(p["memory"]["peak"] / GiB, 3),
-                "temp_gib": round(p["memory"]["temp"] / GiB, 3),
-                "argument_gib": round(p["memory"]["argument"] / GiB, 3),
-                "compile_seconds": p["compile_seconds"],
-                "peak_rss_gib": round(p["peak_rss_bytes"] / GiB, 2),
-                "tflops": round(p["flops"] / 1e12, 3),
-                "collectives": {k: v for k, v in p["collectives"].items() if v["count"]},
-            }
-            for name, p in m["programs"].items()
-        },
-    }
+        return record | {"error": result.stderr.strip().splitlines()[-1:]}
+    return record | {"wall_seconds": round(time.time() - start, 1)} | json.loads(result.stdout)
 
 
 def main() -> None:
@@ -69,27 +93,49 @@ def main() -> None:
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 2, 8])
     parser.add_argument("--res", default="1280x720")
     parser.add_argument("--frames", type=int, default=81)
-    parser.add_argument("--vae-spatial", nargs="*", default=["auto"], help="auto and/or N values")
-    parser.add_argument("--artifacts", type=Path, default=ROOT / "bench" / "artifacts")
-    parser.add_argument("--name", default="table")
+    parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "bench" / "results" / "memory_table.json"
+    )
+    parser.add_argument(
+        "--one", nargs=3, metavar=("MODEL", "TARGET", "BATCH"), help=argparse.SUPPRESS
+    )
+    parser.add_argument("--only", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    out = ROOT / "bench" / "results" / f"memory_{args.name}.json"
-    records = json.loads(out.read_text())["builds"] if out.exists() else []
-    for model, target, batch, spatial in itertools.product(
-        args.models, args.targets, args.batches, args.vae_spatial
-    ):
-        record = build(
-            model, target, batch, args.res, args.frames, args.artifacts, ["--vae-spatial", spatial]
-        )
-        record.update(model=model, target=target, batch=batch, vae_spatial=spatial)
-        records = [r for r in records if r["command"] != record["command"]] + [record]
-        print(json.dumps(record), flush=True)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({
-            "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores",
-            "date": time.strftime("%Y-%m-%d"),
-            "builds": records,
-        }, indent=1))  # fmt: skip
+    if args.one:
+        model, target, batch = args.one
+        print(json.dumps(compile_one(model, target, int(batch), args.res, args.frames, args.only)))
+        return
+
+    from wan.presets import resolve_model
+
+    first = args.models[0]
+    for model in args.models[1:]:
+        if resolve_model(model).vae != resolve_model(first).vae:
+            parser.error(f"{model} has another VAE than {first}: run it separately")
+    keys = ("model", "target", "batch", "res", "frames")
+    records = json.loads(args.out.read_text())["builds"] if args.out.exists() else []
+    done = {tuple(r[k] for k in keys) for r in records if "error" not in r}
+    jobs = [
+        (m, t, b, TRANSFORMER_PROGRAMS + (["vae_decode"] if m == first else []))
+        for t in args.targets for b in args.batches for m in args.models
+        if (m, t, b, args.res, args.frames) not in done
+    ]  # fmt: skip
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        futures = [pool.submit(run_one, m, t, b, args, only) for m, t, b, only in jobs]
+        for future in concurrent.futures.as_completed(futures):
+            record = future.result() | {"res": args.res, "frames": args.frames}
+            if "programs" in record and "vae_decode" not in record["programs"]:
+                record["vae_decode_from"] = first  # the same VAE program: see the docstring
+            print(json.dumps(record), flush=True)
+            key = tuple(record[k] for k in keys)
+            records = [r for r in records if tuple(r[k] for k in keys) != key] + [record]
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({
+                "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores",
+                "date": time.strftime("%Y-%m-%d"),
+                "builds": records,
+            }, indent=1))  # fmt: skip
 
 
 if __name__ == "__main__":
