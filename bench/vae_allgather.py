@@ -10,6 +10,12 @@ all-gather done as a ring of permutes); conv halo exchanges are permutes too, bu
 
     .venv/bin/python bench/vae_allgather.py --target tpu-v6e-8 --res 1280x720 --res 720x1280
 
+`--per-activation` compiles seed 000's alternative instead: every activation picks its own
+axis (width where vae_spatial divides it, else height), which flips axis between pyramid
+levels of a portrait video; the all-to-all count shows the flips.
+
+    .venv/bin/python bench/vae_allgather.py --target tpu-v6e-8 --res 720x1280 --per-activation
+
 Each real-size compile takes 6-10 minutes and ~5.7 GB of memory on a 2-core host.
 """
 
@@ -54,10 +60,18 @@ def main() -> None:
     parser.add_argument("--latent-frames", type=int, default=3)
     parser.add_argument("--vae-spatial", type=int, default=8)
     parser.add_argument("--save-hlo", type=Path, help="folder for the optimized HLO texts")
+    parser.add_argument(
+        "--per-activation", action="store_true", help="seed 000's per-activation axis choice"
+    )
     args = parser.parse_args()
     target = targets.parse_target(args.target)
     targets.prepare_environment(target)
     devices = targets.devices(target)
+    choice = "per-activation" if args.per_activation else "once"
+    if args.per_activation:
+        from wan import sharding, vae
+
+        vae.constrain = sharding.per_activation_constrain(args.vae_spatial)
     for res in args.res or ["1280x720", "720x1280"]:
         width, height = (int(v) for v in res.split("x"))
         start = time.perf_counter()
@@ -71,7 +85,7 @@ def main() -> None:
             (args.save_hlo / f"vae_decode_{res}_{args.target}.hlo.txt").write_text(text)
         g = hlo.gathers(hlo.parse(text))
         print(
-            f"{res} {args.target} vae mesh {vae_mesh} axis={layout.axis} "
+            f"{res} {args.target} vae mesh {vae_mesh} axis chosen {choice} ({layout.axis}) "
             f"latent_frames={args.latent_frames} compile={seconds:.0f}s: gathered first chunk "
             f"{g.first / 1e6:.1f} MB, per scan trip {g.per_trip / 1e6:.1f} MB x {g.trips}; "
             f"per latent frame {g.per_latent_frame / 1e6:.1f} MB = "

@@ -234,20 +234,8 @@ def test_portrait_decode_has_no_all_to_all_and_no_padding_tpu(tpu_devices):
     assert portrait_violations(module, everywhere=False) == []
 
 
-def per_layer_constrain(vae_spatial: int):
-    """The seed-000 PR's behaviour: each activation picks its axis from its own shape (width
-    where it divides, else height), under the same mesh."""
-
-    def constrain(x: jax.Array, logical: sharding.LogicalAxes) -> jax.Array:
-        h, w = x.shape[2:4]  # every VAE activation is (B, T, H, W, ...)
-        with sharding.axis_rules(sharding.choose_vae_layout(h, w, vae_spatial).rules()):
-            return sharding.constrain(x, logical)
-
-    return constrain
-
-
 def test_per_layer_axis_choice_is_caught(monkeypatch):
-    monkeypatch.setattr("wan.vae.constrain", per_layer_constrain(PORTRAIT_MESH[1]))
+    monkeypatch.setattr("wan.vae.constrain", sharding.per_activation_constrain(PORTRAIT_MESH[1]))
     problems = portrait_violations(compile_portrait(CPU8, portrait_layout()))
     assert any("all-to-all" in p for p in problems), problems
 
