@@ -1,8 +1,9 @@
 """Multi-process CPU targets (`cpu-PxN`) on one machine: this process becomes process 0 of a
 jax.distributed job and starts P-1 peers that hold the other "hosts'" devices while it compiles.
 
-Compiling is SPMD: every process of the job would produce a byte-identical executable (checked
-when this was written), so the peers only join the job and process 0 writes the build.
+Compiling is SPMD: every process of the job compiles the same program for the same global
+devices, so one executable, compiled by process 0, serves every process of the job at run time
+(tests/test_multiprocess.py runs it). The peers only join the job; process 0 writes the build.
 
     python -m aot.local_job COORDINATOR NUM_PROCESSES PROCESS_ID LOCAL_DEVICES   (a peer)
 """

@@ -86,6 +86,36 @@ def run_one(model: str, target: str, batch: int, args: argparse.Namespace, only:
     return record | {"wall_seconds": round(time.time() - start, 1)} | json.loads(result.stdout)
 
 
+def markdown(records: list[dict]) -> str:
+    """Per program: peak GiB per device / compile seconds / peak RSS GiB of the compiling
+    process; one row per (model, target, batch)."""
+    names = [*TRANSFORMER_PROGRAMS, "vae_decode"]
+    vae = {(r["target"], r["batch"]): r["programs"]["vae_decode"]
+           for r in records if "vae_decode" in r.get("programs", {})}  # fmt: skip
+    lines = [
+        "| model | target (HBM GiB) | B | mesh | VAE mesh | " + " | ".join(names) + " |",
+        "|---|---|---|---|---|" + "---|" * len(names),
+    ]
+    for r in sorted(records, key=lambda r: (r["model"], r["target"], r["batch"])):
+        if "programs" not in r:
+            lines.append(f"| {r['model']} | {r['target']} | {r['batch']} | error: {r['error']} |")
+            continue
+        programs = {**r["programs"], "vae_decode": vae.get((r["target"], r["batch"]))}
+        cells = [
+            f"{p['peak_gib']:.2f} / {p['compile_seconds']:.0f} / {p['peak_rss_gib']:.1f}"
+            if p
+            else "not run"
+            for p in (programs.get(n) for n in names)
+        ]
+        mesh = ",".join(f"{k}={v}" for k, v in r["mesh"].items() if v > 1)
+        hbm = f" ({r['hbm_gib']:.0f})" if r["hbm_gib"] else ""
+        lines.append(
+            f"| {r['model']} | {r['target']}{hbm} | {r['batch']} | {mesh} | "
+            f"{tuple(r['vae_mesh'])} {r['vae_axis']} | " + " | ".join(cells) + " |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--models", nargs="+", default=["wan2.1-t2v-14b"])
@@ -101,7 +131,11 @@ def main() -> None:
         "--one", nargs=3, metavar=("MODEL", "TARGET", "BATCH"), help=argparse.SUPPRESS
     )
     parser.add_argument("--only", nargs="+", help=argparse.SUPPRESS)
+    parser.add_argument("--markdown", action="store_true", help="print the results as a table")
     args = parser.parse_args()
+    if args.markdown:
+        print(markdown(json.loads(args.out.read_text())["builds"]))
+        return
     if args.one:
         model, target, batch = args.one
         print(json.dumps(compile_one(model, target, int(batch), args.res, args.frames, args.only)))
