@@ -110,6 +110,7 @@ def build_cmd(
     except (ValueError, OSError) as e:
         raise CliError(str(e)) from None
     from aot.local_job import local_job
+    from runtime.processes import JobError
 
     try:
         tgt = targets.parse_target(target)
@@ -121,7 +122,7 @@ def build_cmd(
             raise ValueError(f"--vae-spatial {vae_spatial}: use auto or a positive integer")
         spatial = None if vae_spatial == "auto" else int(vae_spatial)
         policy = check.load_policy(policy_path)
-    except (ValueError, targets.TargetError) as e:
+    except (ValueError, targets.TargetError, JobError) as e:
         raise CliError(str(e)) from None
     name = Path(model).name if Path(model).is_dir() else model
     plans = []

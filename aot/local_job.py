@@ -57,12 +57,15 @@ def local_job(target: Target) -> Iterator[None]:
     try:
         processes.join(coordinator, target.num_processes, 0)
         yield
-    finally:
+    except BaseException:
         for peer in peers:
-            peer.stdin.close()  # the peers leave the job: shutdown is a barrier of all processes
-        jax.distributed.shutdown()
-        for peer in peers:
-            peer.wait(timeout=60)
+            peer.kill()
+        raise
+    for peer in peers:
+        peer.stdin.close()  # the peers leave the job: shutdown is a barrier of all processes
+    jax.distributed.shutdown()
+    for peer in peers:
+        peer.wait()
 
 
 def _peer(coordinator: str, num_processes: int, process_id: int, local_devices: int) -> None:

@@ -96,10 +96,17 @@ def cli() -> None:
 )
 @click.option("--num-processes", default=1, show_default=True, type=click.IntRange(min=1))
 @click.option("--process-id", default=0, show_default=True, type=click.IntRange(min=0))
+@click.option(
+    "--join-timeout",
+    default=processes.JOIN_TIMEOUT_S,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Seconds to wait for the other processes of the job.",
+)
 def run_cmd(
     artifacts, weights, prompt, negative_prompt, resolution, frames, batch, steps, guidance,
     guidance_2, seed, init_noise, save_frames, report_path, out, coordinator, num_processes,
-    process_id,
+    process_id, join_timeout,
 ) -> None:  # fmt: skip
     """Generate a video with the build that matches --res/--frames/--batch.
 
@@ -126,7 +133,10 @@ def run_cmd(
     if manifest.key.target.startswith("cpu-"):  # cpu-N, cpu-PxN: host devices per process
         processes.use_host_devices(len(manifest.device_ids) // manifest.process_count)
     if num_processes > 1:
-        processes.join(coordinator, num_processes, process_id)
+        try:
+            processes.join(coordinator, num_processes, process_id, join_timeout)
+        except processes.JobError as e:
+            raise CliError(str(e)) from None
 
     from runtime.pipeline import Pipeline
     from runtime.video import video_paths, write_mp4

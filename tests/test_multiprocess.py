@@ -33,11 +33,17 @@ def test_parse_multi_process_target():
         parse_target("cpu-0x4")
 
 
-def test_two_processes_equal_one(tmp_path, tiny_weights):
-    artifacts = tmp_path / "artifacts"
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    """The same build for one process x 8 devices and for two processes x 4."""
+    out = tmp_path_factory.mktemp("multiprocess") / "artifacts"
     for target in ("cpu-8", "cpu-2x4"):
         run_cli("aot", "build", "--model", "tiny", *SHAPE, "--mesh", "data=2,context=4",
-                "--target", target, "--out", str(artifacts))  # fmt: skip
+                "--target", target, "--out", str(out))  # fmt: skip
+    return out
+
+
+def test_two_processes_equal_one(artifacts, tmp_path, tiny_weights):
     manifests = {read_manifest(p).key.target: read_manifest(p) for p in artifacts.iterdir()
                  if not p.name.startswith(".")}  # fmt: skip
     assert manifests["cpu-2x4"].process_count == 2 and manifests["cpu-8"].process_count == 1
@@ -92,3 +98,15 @@ def test_multi_process_run_needs_all_three_options(tiny_weights, tmp_path):
                      "--num-processes", "2", check=False)  # fmt: skip
     assert result.returncode == 2 and "--coordinator HOST:PORT" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_missing_process_is_a_one_line_error(artifacts, tmp_path, tiny_weights):
+    """jax's coordination client would abort the process (C++) when a peer never arrives."""
+    for process_id, message in ((0, "processes [1] of the 2-process job did not reach"),
+                                (1, "process 0 of the job did not answer")):  # fmt: skip
+        result = run_cli("runtime", "run", "--artifacts", str(artifacts), "--weights",
+                         str(tiny_weights), *RUN, "--out", str(tmp_path / "v.mp4"),
+                         "--coordinator", f"localhost:{_free_port()}", "--num-processes", "2",
+                         "--process-id", str(process_id), "--join-timeout", "2", check=False)  # fmt: skip
+        assert result.returncode == 2 and message in result.stderr, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
