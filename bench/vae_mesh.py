@@ -4,6 +4,9 @@ the spatially sharded (1, N), at several batches (seed 003: B=8 720p on tpu7x-8,
 and collectives per variant.
 
     python bench/vae_mesh.py --target tpu7x-8 --res 1280x720 --frames 81 --batches 2 8
+
+`--meshes` picks the variants (default both); rows already in the results file for other
+(batch, mesh) pairs are kept, so the comparison can be filled in several sittings.
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=81)
     parser.add_argument("--batches", nargs="+", type=int, default=[2, 8])
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "vae_mesh.json")
+    parser.add_argument(
+        "--meshes", nargs="+", choices=["N,1", "1,N"], default=["N,1", "1,N"],
+        help="one video per device (N,1) and/or spatially sharded (1,N)",
+    )  # fmt: skip
     args = parser.parse_args()
     target = targets.parse_target(args.target)
     targets.prepare_environment(target)
@@ -44,11 +51,11 @@ def main() -> None:
     devices = targets.devices(target)
     n = len(devices)
     width, height = (int(v) for v in args.res.split("x"))
-    rows = []
+    rows = json.loads(args.out.read_text())["rows"] if args.out.exists() else []
     for batch in args.batches:
         shape = programs.VideoShape(width, height, args.frames, batch)
         _, _, lat_h, lat_w, _ = shape.latent_shape(config)
-        for vae_mesh in ((n, 1), (1, n)):
+        for vae_mesh in [(n, 1) if m == "N,1" else (1, n) for m in args.meshes]:
             layout = sharding.choose_vae_layout(lat_h, lat_w, vae_mesh[1])
             mesh = sharding.make_mesh(devices, tuple(zip(sharding.VAE_AXES, vae_mesh, strict=True)))
             program = programs.vae_decode_program(config, shape)
@@ -58,6 +65,9 @@ def main() -> None:
                 seconds = time.perf_counter() - start
             module = hlo.parse(compiled.as_text())
             row = {
+                "command": f"python bench/vae_mesh.py --target {args.target} --model {args.model} "
+                f"--res {args.res} --frames {args.frames} --batches {batch} --meshes "
+                f"{'N,1' if vae_mesh[1] == 1 else '1,N'}",
                 "batch": batch,
                 "vae_mesh": list(vae_mesh),
                 "vae_axis": layout.axis,
@@ -68,16 +78,14 @@ def main() -> None:
                     k: v for k, v in hlo.collective_summary(module).items() if v["count"]
                 },
             }
-            rows.append(row)
+            rows = [r for r in rows if r["command"] != row["command"]] + [row]
             print(json.dumps(row), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "command": "python " + " ".join([f"bench/{Path(__file__).name}", *sys.argv[1:]]),
-        "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores",
-        "date": time.strftime("%Y-%m-%d"),
-        "model": args.model, "target": args.target, "res": args.res, "frames": args.frames,
-        "rows": rows,
-    }, indent=1))  # fmt: skip
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({
+                "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores",
+                "date": time.strftime("%Y-%m-%d"),
+                "rows": rows,
+            }, indent=1))  # fmt: skip
 
 
 if __name__ == "__main__":
