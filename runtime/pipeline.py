@@ -186,7 +186,9 @@ class Pipeline:
             else self.config.boundary_ratio * self.config.scheduler.num_train_timesteps
         )
         with no_compilation() as counter:
-            texts = prompts + negatives if key.cfg else prompts
+            # CFG: prompt i then its negative, the step's (cond_i, uncond_i) batch layout.
+            pairs = zip(prompts, negatives, strict=True)
+            texts = [t for pair in pairs for t in pair] if key.cfg else prompts
             ids, mask = tokenizer.tokenize(
                 self.tokenizer, texts, self.config.text_encoder.max_length
             )

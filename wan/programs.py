@@ -212,11 +212,14 @@ def denoise_step_program(config: ModelConfig, shape: VideoShape, attention: str)
         model = nnx.merge(graphdef, params)
         x = latents.astype(config.dtype)
         if shape.cfg:
-            x = jnp.concatenate([x, x])
+            # Pairs (cond_i, uncond_i) side by side, as the prompts are encoded: a device holding
+            # a video's latents holds both of its passes, so guidance needs no collective.
+            x = jnp.repeat(x, 2, axis=0)
         t = jnp.broadcast_to(row["timestep"], (x.shape[0],))
         flow = model(x, t, kv_cache=kv).astype(jnp.float32)
         if shape.cfg:
-            cond, uncond = jnp.split(flow, 2)
+            pairs = flow.reshape(-1, 2, *flow.shape[1:])
+            cond, uncond = pairs[:, 0], pairs[:, 1]
             flow = uncond + guidance * (cond - uncond)
         new, new_state = schedulers.step(
             row, schedulers.SamplerState(**state), flow, latents.astype(jnp.float32)
