@@ -60,7 +60,7 @@ def cli() -> None:
 @click.option(
     "--target",
     required=True,
-    help="cpu-N, current, tpu-v5e-8, tpu-v6e-8, tpu-v5p-8, tpu7x-8, tpu-<gen>:<topology>.",
+    help="cpu-N, cpu-PxN (P processes), current, tpu-v5e-8, tpu-v6e-8, tpu-v5p-8, tpu7x-8, tpu-<gen>:<topology>.",
 )
 @click.option(
     "--mesh",
