@@ -66,7 +66,7 @@ def parse_target(name: str) -> Target:
     if topology is None and name.startswith("tpu-") and _TOPOLOGY.match(name[4:]):
         topology = name[4:]
     if topology is None:
-        known = ", ".join(["cpu-N", "current", *TPU_ALIASES, "tpu-<gen>:<AxB[xC]>"])
+        known = ", ".join(["cpu-N", "cpu-PxN", "current", *TPU_ALIASES, "tpu-<gen>:<AxB[xC]>"])
         raise TargetError(f"unknown target {name!r}: use one of {known}")
     return Target(name, "tpu", topology=topology)
 
