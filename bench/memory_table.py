@@ -11,7 +11,7 @@ kept, so the table can be filled in several sittings.
     python bench/memory_table.py --models wan2.1-t2v-1.3b wan2.1-t2v-14b wan2.2-t2v-a14b \\
         --targets tpu7x-8 tpu-v6e-8 --batches 1 2 8 --jobs 2
 
-Results: bench/results/memory_table.json (one record per model, target, batch).
+Results: bench/results/memory_table.json (one row per model, target, batch).
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
-import os
-import platform
 import subprocess
 import sys
 import time
@@ -28,6 +26,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import record  # noqa: E402  (bench/record.py, beside this script)
+
 GiB = float(1 << 30)
 TRANSFORMER_PROGRAMS = ["text_encode", "kv_cache", "denoise_step"]
 
@@ -80,23 +80,23 @@ def run_one(model: str, target: str, batch: int, args: argparse.Namespace, only:
     result = subprocess.run(cmd, capture_output=True, text=True)
     command = (f"python bench/memory_table.py --models {model} --targets {target} --batches "
                f"{batch} --res {args.res} --frames {args.frames}")  # fmt: skip
-    record = {"model": model, "target": target, "batch": batch, "command": command}
+    row = {"model": model, "target": target, "batch": batch, "command": command}
     if result.returncode != 0:
-        return record | {"error": result.stderr.strip().splitlines()[-1:]}
-    return record | {"wall_seconds": round(time.time() - start, 1)} | json.loads(result.stdout)
+        return row | {"error": result.stderr.strip().splitlines()[-1:]}
+    return row | {"wall_seconds": round(time.time() - start, 1)} | json.loads(result.stdout)
 
 
-def markdown(records: list[dict]) -> str:
+def markdown(rows: list[dict]) -> str:
     """Per program: peak GiB per device / compile seconds / peak RSS GiB of the compiling
     process; one row per (model, target, batch)."""
     names = [*TRANSFORMER_PROGRAMS, "vae_decode"]
     vae = {(r["target"], r["batch"]): r["programs"]["vae_decode"]
-           for r in records if "vae_decode" in r.get("programs", {})}  # fmt: skip
+           for r in rows if "vae_decode" in r.get("programs", {})}  # fmt: skip
     lines = [
         "| model | target (HBM GiB) | B | mesh | VAE mesh | " + " | ".join(names) + " |",
         "|---|---|---|---|---|" + "---|" * len(names),
     ]
-    for r in sorted(records, key=lambda r: (r["model"], r["target"], r["batch"])):
+    for r in sorted(rows, key=lambda r: (r["model"], r["target"], r["batch"])):
         if "programs" not in r:
             lines.append(f"| {r['model']} | {r['target']} | {r['batch']} | error: {r['error']} |")
             continue
@@ -134,7 +134,7 @@ def main() -> None:
     parser.add_argument("--markdown", action="store_true", help="print the results as a table")
     args = parser.parse_args()
     if args.markdown:
-        print(markdown(json.loads(args.out.read_text())["builds"]))
+        print(markdown(record.rows(args.out)))
         return
     if args.one:
         model, target, batch = args.one
@@ -148,8 +148,7 @@ def main() -> None:
         if resolve_model(model).vae != resolve_model(first).vae:
             parser.error(f"{model} has another VAE than {first}: run it separately")
     keys = ("model", "target", "batch", "res", "frames")
-    records = json.loads(args.out.read_text())["builds"] if args.out.exists() else []
-    done = {tuple(r[k] for k in keys) for r in records if "error" not in r}
+    done = {tuple(r[k] for k in keys) for r in record.rows(args.out) if "error" not in r}
     jobs = [
         (m, t, b, TRANSFORMER_PROGRAMS + (["vae_decode"] if m == first else []))
         for t in args.targets for b in args.batches for m in args.models
@@ -158,18 +157,11 @@ def main() -> None:
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
         futures = [pool.submit(run_one, m, t, b, args, only) for m, t, b, only in jobs]
         for future in concurrent.futures.as_completed(futures):
-            record = future.result() | {"res": args.res, "frames": args.frames}
-            if "programs" in record and "vae_decode" not in record["programs"]:
-                record["vae_decode_from"] = first  # the same VAE program: see the docstring
-            print(json.dumps(record), flush=True)
-            key = tuple(record[k] for k in keys)
-            records = [r for r in records if tuple(r[k] for k in keys) != key] + [record]
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps({
-                "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores",
-                "date": time.strftime("%Y-%m-%d"),
-                "builds": records,
-            }, indent=1))  # fmt: skip
+            row = future.result() | {"res": args.res, "frames": args.frames}
+            if "programs" in row and "vae_decode" not in row["programs"]:
+                row["vae_decode_from"] = first  # the same VAE program: see the docstring
+            print(json.dumps(row), flush=True)
+            record.save(args.out, row)
 
 
 if __name__ == "__main__":

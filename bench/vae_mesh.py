@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import record  # noqa: E402  (bench/record.py, beside this script)
+
 from aot import targets  # noqa: E402
 
 GiB = float(1 << 30)
@@ -51,7 +51,6 @@ def main() -> None:
     devices = targets.devices(target)
     n = len(devices)
     width, height = (int(v) for v in args.res.split("x"))
-    rows = json.loads(args.out.read_text())["rows"] if args.out.exists() else []
     for batch in args.batches:
         shape = programs.VideoShape(width, height, args.frames, batch)
         _, _, lat_h, lat_w, _ = shape.latent_shape(config)
@@ -78,14 +77,8 @@ def main() -> None:
                     k: v for k, v in hlo.collective_summary(module).items() if v["count"]
                 },
             }
-            rows = [r for r in rows if r["command"] != row["command"]] + [row]
             print(json.dumps(row), flush=True)
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps({
-                "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores",
-                "date": time.strftime("%Y-%m-%d"),
-                "rows": rows,
-            }, indent=1))  # fmt: skip
+            record.save(args.out, row)
 
 
 if __name__ == "__main__":
