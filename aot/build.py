@@ -248,21 +248,21 @@ def compile_plan(
     gather = latents.spec[0] is not None and plan.vae_mesh[1] > 1
     progs = wan_programs.programs(plan.config, plan.shape, plan.attention, frames_dtype, gather)
     progs = [p for p in progs if only is None or p.name in only]
-    placed = {"vae_decode": {1: latents}}
     # Every process of a multi-process job needs whole frames on its host (np.asarray of an
     # array it cannot address fails), so there the decode replicates its output.
-    replicated_out = {"vae_decode"} if _process_count(devs) > 1 else set()
+    multi_process = _process_count(devs) > 1
     for index, program in enumerate(progs, 1):
         mesh = meshes[program.mesh]
         label = f"[{index}/{len(progs)}] {plan.key.folder_name()} {program.name}"
         with _Ticker(label, progress), RssSampler() as rss:
             start = time.perf_counter()
+            decode = program.name == "vae_decode"
             compiled = compile_program(
                 program,
                 mesh,
                 *rules[program.mesh],
-                placed=placed.get(program.name, {}),
-                replicated_out=program.name in replicated_out,
+                placed={1: latents} if decode else None,
+                replicated_out=decode and multi_process,
             )
             seconds = time.perf_counter() - start
         yield program, compiled, mesh, seconds, rss.peak
@@ -308,7 +308,7 @@ def _compile_all(
 
 
 def _process_count(devs: list[Any]) -> int:
-    """Hosts of a job: a TPU topology's devices name theirs as a running job's do."""
+    """Processes (hosts) the devices belong to; topology devices carry theirs too."""
     return len({d.process_index for d in devs})
 
 
@@ -328,10 +328,12 @@ def compile_program(
         for i, (a, ax) in enumerate(zip(program.args, program.arg_axes, strict=True))
     )
     out_shapes = jax.eval_shape(program.fn, *program.args)
-    out_axes = jax.tree.map(lambda s: (None,) * len(s.shape), out_shapes)
-    out_shardings = wan_programs.shardings(
-        mesh, out_shapes, out_axes if replicated_out else program.out_axes, rules
+    out_axes = (
+        jax.tree.map(lambda s: (None,) * len(s.shape), out_shapes)
+        if replicated_out
+        else program.out_axes
     )
+    out_shardings = wan_programs.shardings(mesh, out_shapes, out_axes, rules)
     # keep_unused: every executable takes its whole parameter tree (kv_cache reads a few of the
     # transformer's weights), so all programs of a component share one placed copy.
     # A fresh function per call: the rules are read while tracing, and jax would reuse a trace

@@ -21,7 +21,8 @@ from aot.targets import Target
 from runtime import processes
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this machine now (for a local job's coordinator)."""
     with socket.socket() as s:
         s.bind(("localhost", 0))
         return s.getsockname()[1]
@@ -35,7 +36,7 @@ def local_job(target: Target) -> Iterator[None]:
         return
     import jax
 
-    coordinator = f"localhost:{_free_port()}"
+    coordinator = f"localhost:{free_port()}"
     local = target.num_devices // target.num_processes
     peers = [
         subprocess.Popen(

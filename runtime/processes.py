@@ -7,16 +7,13 @@ from __future__ import annotations
 import os
 import re
 import socket
-import sys
 import time
 
 JOIN_TIMEOUT_S = 120  # a process that never arrives fails the job instead of hanging it
 
 
 def use_host_devices(count: int) -> None:
-    """Give this process `count` CPU devices; a no-op once jax is imported (it is fixed then)."""
-    if "jax" in sys.modules:
-        return
+    """Give this process `count` CPU devices (read when jax starts its backends)."""
     flags = re.sub(
         r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")
     )

@@ -5,25 +5,19 @@ sharded VAE through the in-program gather and the frames come back replicated to
 
 from __future__ import annotations
 
-import socket
 import subprocess
 
 import numpy as np
 import pytest
 from conftest import BIN, run_cli
 
+from aot.local_job import free_port
 from aot.targets import TargetError, parse_target
 from runtime.artifact import ArtifactError, read_manifest
 from runtime.loader import Request, match_build
 
 SHAPE = ["--res", "64x96", "--frames", "5", "--batch", "2"]
 RUN = ["--prompt", "a red cat", "--steps", "3", "--seed", "3", *SHAPE]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 def test_parse_multi_process_target():
@@ -56,7 +50,7 @@ def test_two_processes_equal_one(artifacts, tmp_path, tiny_weights):
             str(tiny_weights), *RUN]  # fmt: skip
     run_cli("runtime", *base[1:], "--out", str(tmp_path / "one.mp4"), "--save-frames",
             str(tmp_path / "one.npy"))  # fmt: skip
-    coordinator = f"localhost:{_free_port()}"
+    coordinator = f"localhost:{free_port()}"
     procs = [
         subprocess.Popen(
             [
@@ -106,7 +100,7 @@ def test_missing_process_is_a_one_line_error(artifacts, tmp_path, tiny_weights):
                                 (1, "process 0 of the job did not answer")):  # fmt: skip
         result = run_cli("runtime", "run", "--artifacts", str(artifacts), "--weights",
                          str(tiny_weights), *RUN, "--out", str(tmp_path / "v.mp4"),
-                         "--coordinator", f"localhost:{_free_port()}", "--num-processes", "2",
+                         "--coordinator", f"localhost:{free_port()}", "--num-processes", "2",
                          "--process-id", str(process_id), "--join-timeout", "2", check=False)  # fmt: skip
         assert result.returncode == 2 and message in result.stderr, result.stderr
         assert len(result.stderr.strip().splitlines()) == 1
