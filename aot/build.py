@@ -94,9 +94,7 @@ def plan_build(
     if shape.batch < 1:
         raise BuildError(f"--batch {shape.batch}: batch must be >= 1")
     if mesh is None:
-        mesh = sharding.default_mesh(
-            num_devices, shape.step_batch, transformer_bytes(config), target.hbm_bytes
-        )
+        mesh = default_mesh_for(config, shape, target, num_devices)
     if mesh.size != num_devices:
         raise BuildError(
             f"mesh {_mesh_text(mesh)} has {mesh.size} devices but target {target.name} has {num_devices}"
@@ -133,6 +131,14 @@ def plan_build(
     return BuildPlan(config, shape, target, mesh, vae_mesh, layout, attention, key)
 
 
+def default_mesh_for(
+    config: ModelConfig, shape: wan_programs.VideoShape, target: Target, num_devices: int
+) -> sharding.MeshShape:
+    return sharding.default_mesh(
+        num_devices, shape.step_batch, transformer_bytes(config), target.hbm_bytes
+    )
+
+
 def _mesh_text(mesh: sharding.MeshShape) -> str:
     return ",".join(f"{a}={n}" for a, n in mesh.items())
 
@@ -148,7 +154,8 @@ def compiler_fingerprint(target: Target) -> str:
     """What besides the key decides the executables: compiler versions, target, and the model
     code that is lowered (a change to wan/ must not reuse a stale build)."""
     versions_text = "|".join(f"{k}={v}" for k, v in sorted(versions().items()))
-    return f"{versions_text}|{target.name}|code={model_code_hash()}"
+    hosts = f"|hosts={target.chips_per_host}" if target.chips_per_host else ""
+    return f"{versions_text}|{target.name}{hosts}|code={model_code_hash()}"
 
 
 @functools.cache
@@ -299,7 +306,9 @@ def _compile_all(
         device_kind=devs[0].device_kind,
         device_ids=[d.id for d in devs],
         process_count=_process_count(devs),
+        local_device_count=len(devs) // _process_count(devs),
         mesh_axes=dict(plan.mesh.items()),
+        default_mesh=plan.mesh == default_mesh_for(plan.config, plan.shape, plan.target, len(devs)),
         vae_mesh_axes=dict(zip(sharding.VAE_AXES, plan.vae_mesh, strict=True)),
         hbm_bytes=plan.target.hbm_bytes,
         notes=notes,

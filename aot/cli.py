@@ -60,7 +60,12 @@ def cli() -> None:
 @click.option(
     "--target",
     required=True,
-    help="cpu-N, cpu-PxN (P processes), current, tpu-v5e-8, tpu-v6e-8, tpu-v5p-8, tpu7x-8, tpu-<gen>:<topology>.",
+    help=(
+        "cpu-N, cpu-PxN (P processes of N), current, single-host TPU VMs, one "
+        f"process ({targets.describe_aliases()}), tpu-<gen>:<topology> (a slice in hosts of the "
+        "generation's VM: v5e/v6e 8 chips, v4/v5p/tpu7x 4), tpu-<gen>:<topology>/<host> "
+        "(other VM sizes, e.g. tpu-v6e:4x4/2x2)."
+    ),
 )
 @click.option(
     "--mesh",

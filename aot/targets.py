@@ -3,7 +3,8 @@
 `cpu-N` is N host devices of this process, `cpu-PxN` P processes of N host devices each (a
 multi-host job emulated on this machine, see aot.local_job), `current` whatever this machine has
 (GPU included), and TPU slices come from libtpu's topology description, so a CPU host compiles
-for them.
+for them. A TPU target names its host layout too (chips per host, hence the processes of the job
+that runs it): an executable is compiled for one layout and a process holds its host's chips.
 `prepare_environment` must run before jax is imported: host device counts and libtpu's
 deviceless mode are process-wide settings.
 """
@@ -22,7 +23,16 @@ GiB = 1 << 30
 
 # Per-chip HBM by TPU generation (topology-name prefix).
 TPU_HBM = {"v4": 32 * GiB, "v5e": 16 * GiB, "v5p": 95 * GiB, "v6e": 32 * GiB, "tpu7x": 192 * GiB}
-# Short names for the common 8-chip (v5p: 4-chip) slices.
+# Chips per host (x, y, z) of the VMs each generation is sold in: v5e and v6e up to 8 chips
+# (2x4) per host, v4, v5p and tpu7x 4 (2x2x1). libtpu's own default is 4 for every generation.
+HOST_BOUNDS = {
+    "v4": (2, 2, 1),
+    "v5e": (2, 4, 1),
+    "v5p": (2, 2, 1),
+    "v6e": (2, 4, 1),
+    "tpu7x": (2, 2, 1),
+}
+# Short names for the common single-host VMs: one process with all of the host's chips.
 TPU_ALIASES = {
     "tpu-v4-8": "v4:2x2x1",
     "tpu-v5e-8": "v5e:2x4",
@@ -30,7 +40,7 @@ TPU_ALIASES = {
     "tpu-v5p-8": "v5p:2x2x1",
     "tpu7x-8": "tpu7x:2x2x1",
 }
-_TOPOLOGY = re.compile(r"^(v4|v5e|v5p|v6e|tpu7x):\d+(x\d+){1,2}$")
+_TOPOLOGY = re.compile(r"^(v4|v5e|v5p|v6e|tpu7x):(\d+(?:x\d+){1,2})(?:/(\d+(?:x\d+){1,2}))?$")
 
 
 class TargetError(ValueError):
@@ -44,6 +54,7 @@ class Target:
     topology: str | None = None  # TPU topology name, e.g. "v6e:2x4"
     num_devices: int | None = None  # all processes' (cpu); TPU and current: from the devices
     num_processes: int = 1
+    chips_per_host: tuple[int, int, int] | None = None  # TPU host layout (x, y, z)
 
     @property
     def hbm_bytes(self) -> int | None:
@@ -53,8 +64,9 @@ class Target:
 
 
 def parse_target(name: str) -> Target:
-    """`cpu-N`, `cpu-PxN`, `current`, a TPU alias (tpu-v6e-8, ...) or `tpu-<topology>`
-    (tpu-v6e:4x4)."""
+    """`cpu-N`, `cpu-PxN`, `current`, a TPU alias (tpu-v6e-8, ...), `tpu-<topology>`
+    (tpu-v6e:4x4: hosts of the generation's VM size) or `tpu-<topology>/<host>` (tpu-v6e:4x4/2x2:
+    hosts of 2x2 chips)."""
     if m := re.fullmatch(r"cpu-(?:(\d+)x)?(\d+)", name):
         procs, local = int(m.group(1) or 1), int(m.group(2))
         if procs < 1 or local < 1:
@@ -62,13 +74,47 @@ def parse_target(name: str) -> Target:
         return Target(name, "cpu", num_devices=procs * local, num_processes=procs)
     if name == "current":
         return Target(name, "current")
-    topology = TPU_ALIASES.get(name)
-    if topology is None and name.startswith("tpu-") and _TOPOLOGY.match(name[4:]):
-        topology = name[4:]
-    if topology is None:
-        known = ", ".join(["cpu-N", "cpu-PxN", "current", *TPU_ALIASES, "tpu-<gen>:<AxB[xC]>"])
+    spec = TPU_ALIASES.get(name) or (name[4:] if name.startswith("tpu-") else "")
+    if not (m := _TOPOLOGY.match(spec)):
+        known = ", ".join(
+            ["cpu-N", "cpu-PxN", "current", *TPU_ALIASES, "tpu-<gen>:<AxB[xC]>[/<host AxB[xC]>]"]
+        )
         raise TargetError(f"unknown target {name!r}: use one of {known}")
-    return Target(name, "tpu", topology=topology)
+    generation, chips, host = m.groups()
+    return Target(
+        name,
+        "tpu",
+        topology=f"{generation}:{chips}",
+        chips_per_host=host_bounds(generation, _dims(chips), _dims(host) if host else None),
+    )
+
+
+def _dims(text: str) -> tuple[int, int, int]:
+    dims = tuple(int(n) for n in text.split("x"))
+    return (*dims, 1) if len(dims) == 2 else dims  # type: ignore[return-value]
+
+
+def host_bounds(
+    generation: str, chips: tuple[int, int, int], host: tuple[int, int, int] | None = None
+) -> tuple[int, int, int]:
+    """Chips per host for a slice of `chips`: `host` as given, else the generation's VM size
+    capped by the slice (a slice smaller than a VM is one host)."""
+    bounds = host or tuple(map(min, HOST_BOUNDS[generation], chips))
+    if any(b < 1 or c % b for c, b in zip(chips, bounds, strict=True)):
+        raise TargetError(
+            f"slice {_text(chips)} is not a whole number of {_text(bounds)} hosts: give a host "
+            "layout that divides it, e.g. tpu-v6e:4x4/2x2"
+        )
+    return bounds  # type: ignore[return-value]
+
+
+def _text(dims: tuple[int, ...]) -> str:
+    return "x".join(map(str, dims))
+
+
+def describe_aliases() -> str:
+    """What each TPU alias means (for --help)."""
+    return ", ".join(f"{alias} = {topology}" for alias, topology in TPU_ALIASES.items())
 
 
 def prepare_environment(target: Target) -> None:
@@ -111,7 +157,11 @@ def devices(target: Target) -> list[Any]:
 
     try:
         return list(
-            topologies.get_topology_desc(platform="tpu", topology_name=target.topology).devices
+            topologies.get_topology_desc(
+                platform="tpu",
+                topology_name=target.topology,
+                chips_per_host_bounds=target.chips_per_host,
+            ).devices
         )
     except Exception as e:  # libtpu raises plain RuntimeErrors for unknown shapes
         raise TargetError(f"libtpu does not know topology {target.topology!r}: {e}") from None

@@ -49,7 +49,7 @@ class BuildKey:
         cfg = "" if self.cfg else "_nocfg"
         return (
             f"{self.model}_{self.width}x{self.height}_f{self.frames}_b{self.batch}{cfg}"
-            f"_{self.target}_{mesh}_{vae}_{self.attention}"
+            f"_{self.target.replace('/', '-host')}_{mesh}_{vae}_{self.attention}"
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -110,8 +110,10 @@ class Manifest:
     platform: str
     device_kind: str
     device_ids: list[int]  # in mesh order
-    process_count: int
+    process_count: int  # hosts of the job that runs it: one process per host
+    local_device_count: int  # devices of each process
     mesh_axes: dict[str, int]
+    default_mesh: bool  # the mesh `aot build` picks for this shape and target without --mesh
     vae_mesh_axes: dict[str, int]
     hbm_bytes: int | None  # per device, when known for the target
     notes: list[str]
@@ -128,6 +130,9 @@ class Manifest:
             raise ArtifactError(
                 f"manifest schema {raw.get('schema_version')} is not {SCHEMA_VERSION}: rebuild with `aot build`"
             )
+        # Manifests older than the field: every process held an equal share of the devices.
+        raw.setdefault("local_device_count", len(raw["device_ids"]) // raw["process_count"])
+        raw.setdefault("default_mesh", False)
         programs = {}
         for name, p in raw["programs"].items():
             programs[name] = ProgramEntry(
