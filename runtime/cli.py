@@ -17,8 +17,10 @@ import numpy as np
 from tqdm import tqdm
 
 from runtime import processes
-from runtime.artifact import ArtifactError
-from runtime.loader import Request, match_build
+from runtime.artifact import ArtifactError, Manifest
+from runtime.loader import Present, Request, match_build
+from runtime.outputs import OutputError, check_writable
+from runtime.video import video_paths
 from wan.configs import ModelConfig
 from wan.presets import model_spec
 
@@ -91,6 +93,11 @@ def cli() -> None:
     help="Output .mp4 (stem_i.mp4 for a batch).",
 )
 @click.option(
+    "--build",
+    "build_name",
+    help="The build folder to use when several in --artifacts serve the request.",
+)
+@click.option(
     "--coordinator",
     help="Multi-process builds: host:port of process 0; run one `runtime run` per process.",
 )
@@ -105,8 +112,8 @@ def cli() -> None:
 )
 def run_cmd(
     artifacts, weights, prompt, negative_prompt, resolution, frames, batch, steps, guidance,
-    guidance_2, seed, init_noise, save_frames, report_path, out, coordinator, num_processes,
-    process_id, join_timeout,
+    guidance_2, seed, init_noise, save_frames, report_path, out, build_name, coordinator,
+    num_processes, process_id, join_timeout,
 ) -> None:  # fmt: skip
     """Generate a video with the build that matches --res/--frames/--batch.
 
@@ -122,29 +129,47 @@ def run_cmd(
             "a multi-process run needs --coordinator HOST:PORT, --num-processes P > 1 and "
             "--process-id in [0, P)"
         )
+    outputs = [(p, "--out") for p in video_paths(out, batch)]
+    outputs += [(save_frames, "--save-frames"), (report_path, "--report")]
     try:
+        for path, option in outputs:
+            if path is not None:
+                check_writable(path, option)
         config = ModelConfig.from_folder(weights)
-        request = Request(
-            width, height, frames, batch, guidance > 1.0, config.hash(), num_processes
-        )
-        _, manifest = match_build(artifacts, request, model_spec(config, weights))
-    except (ArtifactError, ValueError, OSError) as e:
+        request = Request(width, height, frames, batch, guidance > 1.0, config.hash())
+    except (OutputError, ValueError, OSError) as e:
         raise CliError(str(e)) from None
-    if manifest.key.target.startswith("cpu-"):  # cpu-N, cpu-PxN: host devices per process
-        processes.use_host_devices(len(manifest.device_ids) // manifest.process_count)
+
+    def match(present: Present) -> tuple[Path, Manifest]:
+        try:
+            return match_build(artifacts, request, model_spec(config, weights), present, build_name)
+        except (ArtifactError, OSError) as e:
+            raise CliError(str(e)) from None
+
+    # Host CPU devices are arranged for a cpu-N/cpu-PxN build before jax starts; accelerators
+    # are counted.
+    on_cpu = processes.host_platform() == "cpu"
+    if on_cpu:
+        folder, manifest = match(Present.host_cpu(num_processes))
+        if manifest.key.target.startswith("cpu-"):
+            processes.use_host_devices(manifest.local_device_count)
     if num_processes > 1:
         try:
             processes.join(coordinator, num_processes, process_id, join_timeout)
         except processes.JobError as e:
             raise CliError(str(e)) from None
+    import jax
+
+    if not on_cpu:
+        folder, manifest = match(Present.of(jax.devices()))
 
     from runtime.pipeline import Pipeline
-    from runtime.video import video_paths, write_mp4
+    from runtime.video import write_mp4
     from wan.tokenizer import TokenizerError
     from wan.weights import WeightError
 
     try:
-        pipe = Pipeline.load(artifacts, weights, request)
+        pipe = Pipeline.from_build(folder, manifest, weights, config)
         noise = np.load(init_noise) if init_noise else None
         with tqdm(total=steps, desc="denoising", unit="step", file=sys.stderr) as bar:
 
@@ -165,15 +190,16 @@ def run_cmd(
             )
     except (ArtifactError, WeightError, TokenizerError, ValueError, OSError) as e:
         raise CliError(str(e)) from None
-    import jax
-
     if jax.process_index() != 0:
         return
-    paths = [write_mp4(v, p) for v, p in zip(videos, video_paths(out, batch), strict=True)]
-    if save_frames:
-        np.save(save_frames, videos)
-    if report_path:
-        report_path.write_text(json.dumps(dataclasses.asdict(report), indent=1))
+    try:
+        paths = [write_mp4(v, p) for v, p in zip(videos, video_paths(out, batch), strict=True)]
+        if save_frames:
+            np.save(save_frames, videos)
+        if report_path:
+            report_path.write_text(json.dumps(dataclasses.asdict(report), indent=1))
+    except OSError as e:
+        raise CliError(f"cannot write the output: {e}") from None
     click.echo(
         f"wrote {', '.join(map(str, paths))} ({report.steps} steps, {report.steps_per_second:.2f} it/s, "
         f"{report.compile_count} compilations, build {report.build})"

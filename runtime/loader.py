@@ -3,6 +3,7 @@ sha256 -> platform, devices, versions -> device order -> restricted deserialisat
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import importlib.metadata
@@ -29,7 +30,26 @@ class Request:
     batch: int
     cfg: bool
     model_hash: str | None = None  # the weights' model config hash, when known
-    processes: int = 1  # processes of the jax.distributed job that will run it
+
+
+@dataclasses.dataclass(frozen=True)
+class Present:
+    """The devices a build must fit. A CPU host not yet started (`host_cpu`) gets the device
+    count of whichever build is chosen, so only its platform and processes count then."""
+
+    platform: str
+    device_kind: str | None  # None: host CPU devices, arranged for the build
+    devices: int | None  # all processes'; None as for device_kind
+    processes: int = 1
+
+    @classmethod
+    def of(cls, devices: list[Any]) -> Present:
+        processes, _ = host_layout(devices)
+        return cls(devices[0].platform, devices[0].device_kind, len(devices), processes)
+
+    @classmethod
+    def host_cpu(cls, processes: int = 1) -> Present:
+        return cls("cpu", None, None, processes)
 
 
 def candidate_builds(artifacts: Path) -> list[tuple[Path, Manifest]]:
@@ -49,50 +69,65 @@ def candidate_builds(artifacts: Path) -> list[tuple[Path, Manifest]]:
     return found
 
 
-def match_build(artifacts: Path, request: Request, model_name: str) -> tuple[Path, Manifest]:
-    """The build for `request`; when none matches, the error lists what exists and the command
-    that would make the missing one."""
+def passed_over(manifest: Manifest, request: Request, present: Present) -> str | None:
+    """Why the build of `manifest` cannot serve `request` on `present` devices; None if it can."""
+    k, m = manifest.key, manifest
+    if (k.width, k.height, k.frames, k.batch, k.cfg) != (
+        request.width, request.height, request.frames, request.batch, request.cfg,
+    ):  # fmt: skip
+        return f"another shape ({k.width}x{k.height} f{k.frames} b{k.batch}{'' if k.cfg else ' nocfg'})"
+    if request.model_hash is not None and m.model_hash != request.model_hash:
+        return "another model config than the weights"
+    if m.platform != present.platform:
+        return f"for {m.platform} devices ({m.device_kind}), this host has {present.platform}"
+    if present.device_kind is not None and m.device_kind != present.device_kind:
+        return f"for {m.device_kind} devices, these are {present.device_kind}"
+    if m.process_count != present.processes:
+        return (
+            f"a {m.process_count}-process job, this one has {present.processes}: run one "
+            "`runtime run` per process with --coordinator, --num-processes and --process-id"
+        )
+    if present.devices is not None and len(m.device_ids) != present.devices:
+        return f"needs {len(m.device_ids)} {m.platform} devices, this process has {present.devices}"
+    return None
+
+
+def match_build(
+    artifacts: Path,
+    request: Request,
+    model_name: str,
+    present: Present,
+    build: str | None = None,
+) -> tuple[Path, Manifest]:
+    """The build for `request` on `present` devices: the one named `build`, else the only
+    candidate, else the only candidate whose mesh is the default for its shape and devices.
+    A refusal names every build, one line each, with why it was passed over."""
     builds = candidate_builds(artifacts)
-    other_model, other_job = [], []
-    for folder, m in builds:
-        k = m.key
-        if (k.width, k.height, k.frames, k.batch, k.cfg) != (
-            request.width, request.height, request.frames, request.batch, request.cfg,
-        ):  # fmt: skip
-            continue
-        if request.model_hash is not None and m.model_hash != request.model_hash:
-            other_model.append(folder.name)
-            continue
-        if m.process_count != request.processes:
-            other_job.append(f"{folder.name} (a {m.process_count}-process job)")
-            continue
-        return folder, m
-    have = (
-        "; ".join(
-            f"{m.key.model} {m.key.width}x{m.key.height} f{m.key.frames} b{m.key.batch}"
-            f"{'' if m.key.cfg else ' nocfg'} {m.key.target}"
-            for _, m in builds
-        )
-        or "none"
-    )
-    target = builds[0][1].key.target if builds else "cpu-8"
-    command = (
-        f"aot build --model {model_name} --res {request.width}x{request.height} --frames {request.frames} "
-        f"--batch {request.batch}{'' if request.cfg else ' --no-cfg'} --target {target} --out {artifacts}"
-    )
-    if other_job:
-        why = (
-            f"{', '.join(other_job)} has this shape for another number of processes than "
-            f"{request.processes}: run one `runtime run` per process with --coordinator, "
-            "--num-processes and --process-id, or build for this job"
-        )
-    elif other_model:
-        why = f"{', '.join(other_model)} has this shape but another model config than the weights"
+    reasons = {folder.name: passed_over(m, request, present) for folder, m in builds}
+    fits = [(f, m) for f, m in builds if reasons[f.name] is None]
+    if build is not None:
+        chosen = [(f, m) for f, m in builds if f.name == build]
+        if chosen and reasons[build] is None:
+            return chosen[0]
+        why = f"build {build} {'cannot serve this request' if chosen else 'is not there'}"
+    elif len(fits) == 1:
+        return fits[0]
+    elif len(defaults := [(f, m) for f, m in fits if m.default_mesh]) == 1:
+        return defaults[0]
+    elif fits:
+        why = f"{len(fits)} builds serve this request: choose one with --build NAME"
     else:
-        why = f"have: {have}"
-    raise ArtifactError(
-        f"no build in {artifacts} serves this request ({why}); make it with: {command}"
-    )
+        command = (
+            f"aot build --model {model_name} --res {request.width}x{request.height} "
+            f"--frames {request.frames} --batch {request.batch}{'' if request.cfg else ' --no-cfg'}"
+            f" --target {builds[0][1].key.target if builds else 'cpu-8'} --out {artifacts}"
+        )
+        why = f"no build serves this request; make it with: {command}"
+    lines = [f"{why} (builds in {artifacts}: {len(builds)})"]
+    for folder, m in builds:
+        mark = "default mesh" if m.default_mesh else "chosen mesh"
+        lines.append(f"  {folder.name}: {reasons[folder.name] or f'fits ({mark})'}")
+    raise ArtifactError("\n".join(lines))
 
 
 def installed_versions() -> dict[str, str]:
@@ -125,6 +160,20 @@ def check_environment(manifest: Manifest, devices: list[Any]) -> None:
     kind = devices[0].device_kind
     if kind != manifest.device_kind:
         raise ArtifactError(f"build is for {manifest.device_kind} devices but these are {kind}")
+    layout = host_layout(devices)
+    if layout != (manifest.process_count, manifest.local_device_count):
+        raise ArtifactError(
+            f"build is for {manifest.process_count} process(es) of {manifest.local_device_count} "
+            f"devices, this job is {layout[0]} of {layout[1]}: run it on the hosts of its target "
+            f"({manifest.key.target}), one `runtime run` per host"
+        )
+
+
+def host_layout(devices: list[Any]) -> tuple[int, int]:
+    """(processes, devices per process) of a job's devices; (n, 0) when they are unequal."""
+    per_process = collections.Counter(d.process_index for d in devices)
+    counts = set(per_process.values())
+    return len(per_process), counts.pop() if len(counts) == 1 else 0
 
 
 def ordered_devices(manifest: Manifest, devices: list[Any], blobs: dict[str, bytes]) -> list[Any]:

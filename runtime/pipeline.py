@@ -18,8 +18,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from runtime.artifact import ArtifactError, BuildKey
-from runtime.loader import Request, load_build, match_build
+from runtime.artifact import ArtifactError, BuildKey, Manifest
+from runtime.loader import Present, Request, load_build, match_build
 from wan import checkpoint, schedulers, tokenizer
 from wan.configs import ModelConfig
 from wan.presets import model_spec
@@ -119,13 +119,28 @@ class Pipeline:
         self.key, self.name = key, name
 
     @classmethod
-    def load(cls, artifacts: str | Path, weights: str | Path, request: Request) -> Pipeline:
-        """The build in `artifacts` that serves `request`, with the weights of `weights`."""
+    def load(
+        cls,
+        artifacts: str | Path,
+        weights: str | Path,
+        request: Request,
+        build: str | None = None,
+    ) -> Pipeline:
+        """The build in `artifacts` that serves `request` on this job's devices (the one
+        named `build`, if given), with the weights of `weights`."""
         config = ModelConfig.from_folder(weights)
-        request = dataclasses.replace(
-            request, model_hash=config.hash(), processes=jax.process_count()
+        request = dataclasses.replace(request, model_hash=config.hash())
+        present = Present.of(jax.devices())
+        folder, manifest = match_build(
+            Path(artifacts), request, model_spec(config, weights), present, build
         )
-        folder, manifest = match_build(Path(artifacts), request, model_spec(config, weights))
+        return cls.from_build(folder, manifest, weights, config)
+
+    @classmethod
+    def from_build(
+        cls, folder: Path, manifest: Manifest, weights: str | Path, config: ModelConfig
+    ) -> Pipeline:
+        """The build in `folder` (already matched), with the weights of `weights`."""
         exe = load_build(folder, manifest, jax.devices())
         return cls.assemble(exe, weights, manifest.key, folder.name, config)
 

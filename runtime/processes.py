@@ -8,6 +8,7 @@ import os
 import re
 import socket
 import time
+from pathlib import Path
 
 JOIN_TIMEOUT_S = 120  # a process that never arrives fails the job instead of hanging it
 
@@ -19,6 +20,17 @@ def use_host_devices(count: int) -> None:
     )
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
     os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def host_platform() -> str:
+    """The platform jax will start on here, told without starting it: JAX_PLATFORMS when set,
+    else a TPU (Google PCI vendor id) or an NVIDIA GPU when one is attached, else cpu."""
+    if chosen := os.environ.get("JAX_PLATFORMS"):
+        return chosen.split(",")[0]
+    vendors = (p.read_text().strip() for p in Path("/sys/bus/pci/devices").glob("*/vendor"))
+    if "0x1ae0" in vendors:
+        return "tpu"
+    return "gpu" if Path("/dev/nvidia0").exists() else "cpu"
 
 
 class JobError(RuntimeError):

@@ -14,7 +14,7 @@ from conftest import BIN, run_cli
 from aot.local_job import free_port
 from aot.targets import TargetError, parse_target
 from runtime.artifact import ArtifactError, read_manifest
-from runtime.loader import Request, match_build
+from runtime.loader import Present, Request, match_build
 
 SHAPE = ["--res", "64x96", "--frames", "5", "--batch", "2"]
 RUN = ["--prompt", "a red cat", "--steps", "3", "--seed", "3", *SHAPE]
@@ -42,7 +42,7 @@ def test_two_processes_equal_one(artifacts, tmp_path, tiny_weights):
                  if not p.name.startswith(".")}  # fmt: skip
     assert manifests["cpu-2x4"].process_count == 2 and manifests["cpu-8"].process_count == 1
     with pytest.raises(ArtifactError, match="2-process job.*--num-processes"):
-        match_build(artifacts, Request(64, 96, 5, 2, True, processes=3), "tiny")
+        match_build(artifacts, Request(64, 96, 5, 2, True), "tiny", Present.host_cpu(3))
     decode = manifests["cpu-2x4"].programs["vae_decode"]
     assert decode.outputs[0].sharding == "P(None, None, None, None, None)"
 
