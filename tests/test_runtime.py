@@ -9,6 +9,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -27,10 +28,7 @@ RUN = ["--prompt", PROMPT, "--steps", "3", "--seed", "7", "--guidance", "5"]
 
 
 def _run(build_root, weights, tmp_path, *extra, check=True, env=None):
-    return run_cli(
-        "runtime", "run", "--artifacts", str(build_root), "--weights", str(weights), *TINY_SHAPE,
-        *RUN, "--out", str(tmp_path / "video.mp4"), *extra, check=check, env=env,
-    )  # fmt: skip
+    return _run_to(build_root, weights, tmp_path / "video.mp4", *extra, check=check, env=env)
 
 
 def test_run_compiles_nothing_and_equals_plain_jit(tiny_build, tiny_weights, tmp_path):
@@ -199,3 +197,59 @@ def test_runtime_matches_diffusers(tmp_path):
     ours = np.load(tmp_path / "frames.npy").astype(np.float32) / 255
     assert ours.shape == expected.shape
     assert np.abs(ours - expected).max() <= 2 / 255
+
+
+def _under_a_file(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    return tmp_path / "afile" / "v.mp4", "is a file"
+
+
+def _parent_cannot_be_made(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    return tmp_path / "afile" / "sub" / "v.mp4", "is a file"
+
+
+def _unwritable(tmp_path):
+    folder = tmp_path / "locked"
+    folder.mkdir()
+    folder.chmod(0o500)
+    return folder / "v.mp4", "is not writable"
+
+
+def _a_folder(tmp_path):
+    return tmp_path, "is a folder"
+
+
+@pytest.mark.parametrize(
+    ("option", "bad"),
+    [("--out", _under_a_file), ("--out", _parent_cannot_be_made), ("--out", _unwritable),
+     ("--out", _a_folder), ("--save-frames", _under_a_file), ("--report", _parent_cannot_be_made)],
+)  # fmt: skip
+def test_bad_output_path_is_a_one_line_error(tiny_build, tiny_weights, tmp_path, option, bad):
+    path, message = bad(tmp_path)
+    if bad is _unwritable and os.geteuid() == 0:
+        pytest.skip("root may write into any folder")
+    out = path if option == "--out" else tmp_path / "ok.mp4"
+    extra = [] if option == "--out" else [option, str(path)]
+    result = _run_to(tiny_build.parent, tiny_weights, out, *extra)
+    assert result.returncode == 2 and f"{option} {path}" in result.stderr
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in result.stderr and not (tmp_path / "ok.mp4").exists()
+
+
+def test_bad_output_path_fails_before_the_weights_load(tiny_build, tiny_weights, tmp_path):
+    """A refused --out costs a small part of what a run spends before its first step."""
+    path, _ = _under_a_file(tmp_path)
+    start = time.perf_counter()
+    assert _run_to(tiny_build.parent, tiny_weights, path).returncode == 2
+    refused = time.perf_counter() - start
+    start = time.perf_counter()
+    _run_to(tiny_build.parent, tiny_weights, tmp_path / "v.mp4", "--steps", "1", check=True)
+    assert refused < 0.5 * (time.perf_counter() - start)
+
+
+def _run_to(build_root, weights, out, *extra, check=False, env=None):
+    return run_cli(
+        "runtime", "run", "--artifacts", str(build_root), "--weights", str(weights), *TINY_SHAPE,
+        *RUN, "--out", str(out), *extra, check=check, env=env,
+    )  # fmt: skip
