@@ -253,3 +253,18 @@ def _run_to(build_root, weights, out, *extra, check=False, env=None):
         "runtime", "run", "--artifacts", str(build_root), "--weights", str(weights), *TINY_SHAPE,
         *RUN, "--out", str(out), *extra, check=check, env=env,
     )  # fmt: skip
+
+
+def test_a_whole_run_imports_no_torch(tiny_build, tiny_weights, tmp_path):
+    """`runtime run` to the end (lazy imports included) without torch, transformers or flax."""
+    code = (
+        "import sys; from runtime.cli import cli; cli.main(sys.argv[1:], standalone_mode=False);"
+        "bad = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'flax'});"
+        "assert not bad, bad"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code, "run", "--artifacts", str(tiny_build.parent), "--weights",
+         str(tiny_weights), *TINY_SHAPE, *RUN, "--steps", "1", "--out", str(tmp_path / "v.mp4")],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    assert (tmp_path / "v.mp4").is_file()

@@ -13,7 +13,7 @@ import pytest
 import torch
 from diffusers.pipelines.wan.pipeline_wan import WanPipeline, prompt_clean
 from flax import nnx
-from transformers import UMT5Config, UMT5EncoderModel
+from transformers import AutoTokenizer, UMT5Config, UMT5EncoderModel
 from transformers.models.umt5.modeling_umt5 import UMT5Attention
 
 from wan.configs import TextEncoderConfig
@@ -63,10 +63,21 @@ def reference(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
+def tokenizer_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tokenizer")
     build_word_tokenizer(folder, vocab_size=CFG.vocab_size)
-    return load_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_folder):
+    return load_tokenizer(tokenizer_folder)
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(tokenizer_folder):
+    """transformers' AutoTokenizer of the same folder: the reference (diffusers uses it)."""
+    return AutoTokenizer.from_pretrained(tokenizer_folder, local_files_only=True)
 
 
 def test_encoder_matches_transformers(reference, tokenizer):
@@ -81,11 +92,11 @@ def test_encoder_matches_transformers(reference, tokenizer):
     np.testing.assert_allclose(got, want.numpy(), atol=1e-4, rtol=0)
 
 
-def test_prompt_embeds_match_diffusers(reference, tokenizer):
+def test_prompt_embeds_match_diffusers(reference, tokenizer, hf_tokenizer):
     """Tokenize + encode + prompt_embeddings == diffusers' WanPipeline._get_t5_prompt_embeds."""
     model, encode = reference
     pipe = types.SimpleNamespace(
-        tokenizer=tokenizer, text_encoder=model, _execution_device=torch.device("cpu")
+        tokenizer=hf_tokenizer, text_encoder=model, _execution_device=torch.device("cpu")
     )
     with torch.no_grad():
         want = WanPipeline._get_t5_prompt_embeds(pipe, PROMPTS, max_sequence_length=LENGTH).numpy()
@@ -118,22 +129,24 @@ def test_relative_position_buckets_match_transformers():
     np.testing.assert_array_equal(np.asarray(got), want.numpy())
 
 
-def test_tokenize_like_diffusers(tokenizer):
-    prompts = [" a  cat\n\ton the &amp;amp; street  ", "dog " * 40, ""]
+def test_tokenize_like_diffusers(tokenizer, hf_tokenizer):
+    prompts = [" a  cat\n\ton the &amp;amp; street  ", "dog " * 40, "", "Ünïcode ~ {x} 42!"]
     ids, mask = tokenize(tokenizer, prompts, max_length=16)
-    assert ids.dtype == mask.dtype == np.int32 and ids.shape == mask.shape == (3, 16)
-    want = tokenizer(
+    assert ids.dtype == mask.dtype == np.int32 and ids.shape == mask.shape == (4, 16)
+    want = hf_tokenizer(
         [prompt_clean(p) for p in prompts], padding="max_length", max_length=16,
         truncation=True, add_special_tokens=True, return_attention_mask=True, return_tensors="np",
     )  # fmt: skip
     np.testing.assert_array_equal(ids, want["input_ids"])
     np.testing.assert_array_equal(mask, want["attention_mask"])
     lengths = mask.sum(1)
-    assert lengths[1] == 16 and lengths[2] == 1  # truncated; empty prompt is just </s>
+    # truncated; the empty prompt is just </s>
+    assert lengths[1] == 16 and lengths[2] == 1 and lengths[3] > 5
     for row, length in enumerate(lengths):
-        assert ids[row, length - 1] == tokenizer.eos_token_id == 1
-        assert (ids[row, length:] == tokenizer.pad_token_id).all() and tokenizer.pad_token_id == 0
-    assert tokenizer.convert_ids_to_tokens(ids[0, :5].tolist()) == [
+        assert ids[row, length - 1] == hf_tokenizer.eos_token_id == 1
+        assert (ids[row, length:] == hf_tokenizer.pad_token_id).all()
+    assert hf_tokenizer.pad_token_id == 0
+    assert hf_tokenizer.convert_ids_to_tokens(ids[0, :5].tolist()) == [
         "▁a",
         "▁cat",
         "▁on",

@@ -1,7 +1,9 @@
 """Prompt tokenization on the host, exactly as diffusers' `WanPipeline._get_t5_prompt_embeds`.
 
 No jax here: the runtime tokenizes with numpy and hands the arrays to the `text_encode`
-executable.
+executable. A folder's `tokenizer.json` is read with the `tokenizers` library (what
+transformers' fast tokenizers run on, so the ids are the same); transformers, which pulls in
+torch, is imported only for a folder without one.
 
 Prompt cleaning follows diffusers' `prompt_clean`: `ftfy.fix_text` when ftfy is installed
 (diffusers makes the same check), then HTML unescaping twice, whitespace runs collapsed to one
@@ -12,13 +14,16 @@ also what diffusers does without ftfy.
 
 from __future__ import annotations
 
+import dataclasses
 import html
+import json
 import re
 import string
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, T5Tokenizer
+import tokenizers
 
 try:
     import ftfy
@@ -30,16 +35,37 @@ class TokenizerError(ValueError):
     """A tokenizer folder is missing or cannot be loaded."""
 
 
-def load_tokenizer(folder: str | Path) -> PreTrainedTokenizerBase:
+@dataclasses.dataclass(frozen=True)
+class TextTokenizer:
+    """A `tokenizers` tokenizer (its post-processor appends </s>) and its padding token."""
+
+    backend: tokenizers.Tokenizer
+    pad_token: str
+
+
+def load_tokenizer(folder: str | Path) -> TextTokenizer:
     """The tokenizer saved in `folder` (a diffusers `tokenizer/` folder), loaded offline."""
     folder = Path(folder)
     if not folder.is_dir():
         raise TokenizerError(f"tokenizer folder {folder} does not exist")
     try:
-        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    except Exception as error:  # transformers raises OSError, ValueError, TypeError, ...
+        if (folder / "tokenizer.json").is_file():
+            config = folder / "tokenizer_config.json"
+            pad = json.loads(config.read_text()).get("pad_token") if config.is_file() else None
+            backend = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+            return TextTokenizer(backend, _token_text(pad) or "<pad>")
+        from transformers import AutoTokenizer
+
+        hf = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        return TextTokenizer(hf.backend_tokenizer, hf.pad_token)
+    except Exception as error:  # tokenizers/transformers raise OSError, ValueError, Exception, ...
         reason = " ".join(str(error).split()) or type(error).__name__
         raise TokenizerError(f"cannot load a tokenizer from {folder}: {reason}") from error
+
+
+def _token_text(token: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: text, or an AddedToken dict."""
+    return token.get("content") if isinstance(token, dict) else token
 
 
 def clean_prompt(text: str) -> str:
@@ -51,22 +77,19 @@ def clean_prompt(text: str) -> str:
 
 
 def tokenize(
-    tokenizer: PreTrainedTokenizerBase, prompts: list[str], max_length: int = 512
+    tokenizer: TextTokenizer, prompts: list[str], max_length: int = 512
 ) -> tuple[np.ndarray, np.ndarray]:
     """Token ids and attention mask, both int32 (len(prompts), max_length): end-of-sequence
-    appended, truncated to and padded up to `max_length`."""
-    encoded = tokenizer(
-        [clean_prompt(p) for p in prompts],
-        padding="max_length",
-        max_length=max_length,
-        truncation=True,
-        add_special_tokens=True,
-        return_attention_mask=True,
-        return_tensors="np",
-    )
+    appended, truncated to and padded up to `max_length` (transformers' padding="max_length",
+    truncation=True)."""
+    backend = tokenizer.backend
+    pad_id = backend.token_to_id(tokenizer.pad_token)
+    backend.enable_truncation(max_length)
+    backend.enable_padding(length=max_length, pad_id=pad_id, pad_token=tokenizer.pad_token)
+    encoded = backend.encode_batch([clean_prompt(p) for p in prompts], add_special_tokens=True)
     return (
-        np.asarray(encoded["input_ids"], dtype=np.int32),
-        np.asarray(encoded["attention_mask"], dtype=np.int32),
+        np.asarray([e.ids for e in encoded], dtype=np.int32),
+        np.asarray([e.attention_mask for e in encoded], dtype=np.int32),
     )
 
 
@@ -139,7 +162,7 @@ WORDS = [
 ]
 
 
-def build_word_tokenizer(folder: str | Path, vocab_size: int = 256) -> T5Tokenizer:
+def build_word_tokenizer(folder: str | Path, vocab_size: int = 256) -> Any:
     """For the `tiny` preset (tests, demo), which has no released tokenizer: a T5-style
     Unigram tokenizer built offline (<pad>=0, </s>=1, <unk>=2, "</s>" appended, right padding),
     saved with transformers' `T5Tokenizer` so that AutoTokenizer and diffusers load it.
@@ -154,6 +177,8 @@ def build_word_tokenizer(folder: str | Path, vocab_size: int = 256) -> T5Tokeniz
     pieces += [(f"▁x{i}", -9.0) for i in range(vocab_size - len(pieces))]
     if len(pieces) != vocab_size:
         raise ValueError(f"vocab_size must be at least {len(pieces)}")
+    from transformers import T5Tokenizer
+
     tokenizer = T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=512)
     tokenizer.save_pretrained(folder)
     return tokenizer
