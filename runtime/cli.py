@@ -10,13 +10,14 @@ import dataclasses
 import json
 import re
 import sys
+import time
 from pathlib import Path
 
 import click
 import numpy as np
 from tqdm import tqdm
 
-from runtime import processes
+from runtime import clock, processes
 from runtime.artifact import ArtifactError, Manifest
 from runtime.loader import Present, Request, match_build
 from runtime.outputs import OutputError, check_writable
@@ -168,6 +169,8 @@ def run_cmd(
     from wan.tokenizer import TokenizerError
     from wan.weights import WeightError
 
+    process_start = clock.process_start_time()
+    imports = time.time() - process_start
     try:
         pipe = Pipeline.from_build(folder, manifest, weights, config)
         noise = np.load(init_noise) if init_noise else None
@@ -193,9 +196,19 @@ def run_cmd(
     if jax.process_index() != 0:
         return
     try:
+        written = time.time()
         paths = [write_mp4(v, p) for v, p in zip(videos, video_paths(out, batch), strict=True)]
         if save_frames:
             np.save(save_frames, videos)
+        report = dataclasses.replace(
+            report,
+            seconds_from_process_start_to_video=round(time.time() - process_start, 4),
+            phases={
+                "imports": round(imports, 4),
+                **report.phases,
+                "write": round(time.time() - written, 4),
+            },
+        )
         if report_path:
             report_path.write_text(json.dumps(dataclasses.asdict(report), indent=1))
     except OSError as e:

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from runtime import clock
 from runtime.artifact import ArtifactError, BuildKey, Manifest
 from runtime.loader import Present, Request, load_build, match_build
 from wan import checkpoint, schedulers, tokenizer
@@ -94,13 +95,19 @@ def _abstract(args_info: Any, shardings: Any) -> Any:
 @dataclasses.dataclass
 class GenerationReport:
     compile_count: int
-    started_at: float  # epoch seconds when generation began (benchmarks relate it to process start)
-    seconds_to_first_step: float  # prompt encoding and KV caches done, step 0 starts
+    started_at: float  # epoch seconds when generation began
+    seconds_to_first_step: float  # from generate(): prompt encoding and KV caches done
     seconds_denoising: float
     seconds_total: float
     steps: int
     steps_per_second: float
     build: str
+    # From the OS's start of this process: what a user of a fresh process waits for.
+    seconds_from_process_start_to_first_step: float
+    seconds_from_process_start_to_video: float  # frames on the host (`runtime run`: files written)
+    # Seconds per phase: deserialize, weights (Pipeline.load), text_encode, kv_cache, denoise,
+    # vae_decode; `runtime run` adds imports (process start to loading) and write.
+    phases: dict[str, float]
 
 
 class Pipeline:
@@ -117,6 +124,7 @@ class Pipeline:
     ):
         self.exe, self.params, self.config, self.tokenizer = executables, params, config, tok
         self.key, self.name = key, name
+        self.load_phases: dict[str, float] = {}  # set by from_build
 
     @classmethod
     def load(
@@ -141,8 +149,15 @@ class Pipeline:
         cls, folder: Path, manifest: Manifest, weights: str | Path, config: ModelConfig
     ) -> Pipeline:
         """The build in `folder` (already matched), with the weights of `weights`."""
+        start = time.perf_counter()
         exe = load_build(folder, manifest, jax.devices())
-        return cls.assemble(exe, weights, manifest.key, folder.name, config)
+        loaded = time.perf_counter()
+        pipe = cls.assemble(exe, weights, manifest.key, folder.name, config)
+        pipe.load_phases = {
+            "deserialize": round(loaded - start, 4),
+            "weights": round(time.perf_counter() - loaded, 4),
+        }
+        return pipe
 
     @classmethod
     def assemble(
@@ -212,7 +227,8 @@ class Pipeline:
                 place(ids, self._in_sharding("text_encode", 1)),
                 place(mask, self._in_sharding("text_encode", 2)),
             )
-            emb = handoff(emb, self._in_sharding("kv_cache", 1))
+            emb = handoff(jax.block_until_ready(emb), self._in_sharding("kv_cache", 1))
+            encoded = time.perf_counter() - start
             experts = ["transformer"] + (["transformer_2"] if boundary is not None else [])
             kv = jax.block_until_ready(
                 {e: self.exe["kv_cache"](self.params[e], emb) for e in experts}
@@ -242,6 +258,13 @@ class Pipeline:
             frames = self.exe["vae_decode"](self.params["vae"], x)
             frames = np.asarray(frames)  # replicated in multi-process builds: local data
         total = time.perf_counter() - start
+        process_start = clock.process_start_time()
+        phases = {
+            "text_encode": encoded,
+            "kv_cache": first_step - encoded,
+            "denoise": denoise,
+            "vae_decode": total - first_step - denoise,
+        }
         report = GenerationReport(
             compile_count=counter.count,
             started_at=started_at,
@@ -251,6 +274,11 @@ class Pipeline:
             steps=steps,
             steps_per_second=round(steps / max(denoise, 1e-9), 4),
             build=self.name,
+            seconds_from_process_start_to_first_step=round(
+                started_at + first_step - process_start, 4
+            ),
+            seconds_from_process_start_to_video=round(started_at + total - process_start, 4),
+            phases={**self.load_phases, **{k: round(v, 4) for k, v in phases.items()}},
         )
         return frames, report
 

@@ -36,6 +36,12 @@ def test_run_compiles_nothing_and_equals_plain_jit(tiny_build, tiny_weights, tmp
                   "--report", str(tmp_path / "r.json"))  # fmt: skip
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["compile_count"] == 0 and "0 compilations" in result.stdout
+    phases = report["phases"]
+    assert list(phases) == ["imports", "deserialize", "weights", "text_encode", "kv_cache",
+                            "denoise", "vae_decode", "write"]  # fmt: skip
+    to_step = report["seconds_from_process_start_to_first_step"]
+    assert to_step > phases["imports"] + phases["weights"] + phases["text_encode"]
+    assert report["seconds_from_process_start_to_video"] > to_step + phases["vae_decode"]
     frames = np.load(tmp_path / "f.npy")
     assert frames.dtype == np.uint8 and frames.shape == (1, 9, 320, 192, 3)
     assert (tmp_path / "video.mp4").stat().st_size > 1000
@@ -268,3 +274,11 @@ def test_a_whole_run_imports_no_torch(tiny_build, tiny_weights, tmp_path):
         check=True, capture_output=True,
     )  # fmt: skip
     assert (tmp_path / "v.mp4").is_file()
+
+
+def test_process_start_comes_from_the_os():
+    before = time.time()
+    code = "import time; from runtime.clock import process_start_time; print(process_start_time())"
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    started = float(out.stdout)
+    assert before - 0.02 <= started <= before + 0.5  # the interpreter's start, not the import
