@@ -352,6 +352,7 @@ def compile_program(
         in_shardings=in_shardings,
         out_shardings=out_shardings,
         keep_unused=True,
+        donate_argnums=program.donate,
     )
     with jax.set_mesh(mesh), sharding.axis_rules(rules, uneven):
         return jitted.lower(*program.args).compile()

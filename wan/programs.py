@@ -119,6 +119,9 @@ class Program:
     arg_axes: tuple[Tree, ...]  # matching pytrees whose leaves are logical-axes tuples
     out_axes: Tree
     mesh: str  # "transformer" or "vae"
+    # Arguments the program consumes (their buffers may hold its outputs): the caller must not
+    # use them after the call.
+    donate: tuple[int, ...] = ()
 
 
 def _is_axes(x: Any) -> bool:
@@ -241,6 +244,7 @@ def denoise_step_program(config: ModelConfig, shape: VideoShape, attention: str)
         ),
         (LATENTS, state_axes),
         "transformer",
+        donate=(1, 4),  # latents and sampler state: a step holds one copy of each
     )
 
 
