@@ -4,7 +4,10 @@ finished video, for
   (B) the same pipeline under plain jax.jit in a fresh process, no cache (bench/jit_run.py),
   (C) (B) with JAX's persistent compilation cache warm.
 Runs alternate A, B, C, A, B, C, ... so that machine noise hits all three alike; the result is
-medians and the ratios A/B and A/C.
+medians and the ratios A/B and A/C. First step is counted from the OS's start of each process
+(the report's seconds_from_process_start_to_first_step). The floor of A's first step, measured
+in the same run: a bare `python -c "import jax; jax.devices()"`, `cat` of the weight files, and
+the programs' own seconds to the first step (text_encode + kv_cache, from A's report).
 
     python bench/cold_start.py --model tiny --res 192x320 --frames 9 --steps 3 --repeats 3
 """
@@ -24,18 +27,28 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+SUMMARY = ("median", "floor", "ratio_first_step", "A_first_step_over_floor", "ratio_total")
 
 
 def timed(cmd: list[str], report: Path, env: dict | None = None) -> dict[str, float]:
-    """Run `cmd` in a fresh process; seconds from its start to the first step and to the end."""
+    """Run `cmd` in a fresh process; seconds from its start to the first step and to the end,
+    and the programs' own seconds to the first step."""
     start = time.time()
     subprocess.run(cmd, check=True, capture_output=True, env=env)
     end = time.time()
     r = json.loads(report.read_text())
     return {
-        "first_step": r["started_at"] + r["seconds_to_first_step"] - start,
+        "first_step": r["seconds_from_process_start_to_first_step"],
         "total": end - start,
+        "programs_to_first_step": r["phases"]["text_encode"] + r["phases"]["kv_cache"],
+        **{f"phase_{k}": v for k, v in r["phases"].items()},
     }
+
+
+def wall(cmd: list[str], env: dict | None = None) -> float:
+    start = time.perf_counter()
+    subprocess.run(cmd, check=True, capture_output=True, env=env)
+    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -81,16 +94,26 @@ def main() -> None:
         )
         warm_cmd, warm_env = variants["C_jit_cache"]
         timed(warm_cmd, report, warm_env)  # fills the persistent cache
+        weight_files = sorted(str(f) for f in weights.rglob("*") if f.is_file())
+        bare_jax = [str(BIN / "python"), "-c", "import jax; jax.devices()"]
+        host = {**os.environ, "JAX_PLATFORMS": "cpu"}
         runs: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
+        floor_runs: list[dict[str, float]] = []
         for _ in range(args.repeats):
             for name, (cmd, env) in variants.items():
                 runs[name].append(timed(cmd, report, env))
                 print(name, runs[name][-1], flush=True)
+            floor_runs.append({"bare_jax": wall(bare_jax, host), "cat_weights": wall(
+                ["sh", "-c", 'cat "$@" > /dev/null', "cat", *weight_files])})  # fmt: skip
+            print("floor", floor_runs[-1], flush=True)
+        weight_bytes = sum(Path(f).stat().st_size for f in weight_files)
 
     med = {
-        name: {k: statistics.median(r[k] for r in rs) for k in ("first_step", "total")}
-        for name, rs in runs.items()
+        name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()
     }
+    floor = {k: statistics.median(r[k] for r in floor_runs) for k in floor_runs[0]}
+    floor["programs_to_first_step"] = med["A_runtime"]["programs_to_first_step"]
+    floor["first_step"] = sum(floor.values())
     result = {
         "command": "python " + " ".join([f"bench/{Path(__file__).name}", *sys.argv[1:]]),
         "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores",
@@ -104,6 +127,9 @@ def main() -> None:
             "A/B": med["A_runtime"]["first_step"] / med["B_jit"]["first_step"],
             "A/C": med["A_runtime"]["first_step"] / med["C_jit_cache"]["first_step"],
         },
+        "weight_bytes": weight_bytes,
+        "floor": floor,
+        "A_first_step_over_floor": med["A_runtime"]["first_step"] / floor["first_step"],
         "ratio_total": {
             "A/B": med["A_runtime"]["total"] / med["B_jit"]["total"],
             "A/C": med["A_runtime"]["total"] / med["C_jit_cache"]["total"],
@@ -111,9 +137,7 @@ def main() -> None:
     }  # fmt: skip
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
-    print(
-        json.dumps({k: result[k] for k in ("median", "ratio_first_step", "ratio_total")}, indent=1)
-    )
+    print(json.dumps({k: result[k] for k in SUMMARY}, indent=1))
 
 
 if __name__ == "__main__":
