@@ -36,6 +36,7 @@ from runtime.artifact import (
     file_entry,
     read_manifest,
 )
+from runtime.loader import host_layout
 from wan import programs as wan_programs
 from wan import sharding
 from wan.atomic import atomic_folder
@@ -62,6 +63,7 @@ class BuildPlan:
     vae_layout: sharding.VaeLayout
     attention: str
     key: BuildKey
+    default_mesh: bool  # the mesh is the one chosen without --mesh (the runtime prefers it)
 
 
 @dataclasses.dataclass
@@ -93,8 +95,10 @@ def plan_build(
         raise BuildError(f"--frames {shape.frames}: frames must be {tf}k+1 (e.g. 9, 17, 81)")
     if shape.batch < 1:
         raise BuildError(f"--batch {shape.batch}: batch must be >= 1")
-    if mesh is None:
-        mesh = default_mesh_for(config, shape, target, num_devices)
+    default = sharding.default_mesh(
+        num_devices, shape.step_batch, transformer_bytes(config), target.hbm_bytes
+    )
+    mesh = mesh or default
     if mesh.size != num_devices:
         raise BuildError(
             f"mesh {_mesh_text(mesh)} has {mesh.size} devices but target {target.name} has {num_devices}"
@@ -128,15 +132,7 @@ def plan_build(
         vae_axis=layout.axis,
         attention=attention,
     )
-    return BuildPlan(config, shape, target, mesh, vae_mesh, layout, attention, key)
-
-
-def default_mesh_for(
-    config: ModelConfig, shape: wan_programs.VideoShape, target: Target, num_devices: int
-) -> sharding.MeshShape:
-    return sharding.default_mesh(
-        num_devices, shape.step_batch, transformer_bytes(config), target.hbm_bytes
-    )
+    return BuildPlan(config, shape, target, mesh, vae_mesh, layout, attention, key, mesh == default)
 
 
 def _mesh_text(mesh: sharding.MeshShape) -> str:
@@ -257,7 +253,7 @@ def compile_plan(
     progs = [p for p in progs if only is None or p.name in only]
     # Every process of a multi-process job needs whole frames on its host (np.asarray of an
     # array it cannot address fails), so there the decode replicates its output.
-    multi_process = _process_count(devs) > 1
+    multi_process = host_layout(devs)[0] > 1
     for index, program in enumerate(progs, 1):
         mesh = meshes[program.mesh]
         label = f"[{index}/{len(progs)}] {plan.key.folder_name()} {program.name}"
@@ -289,6 +285,7 @@ def _compile_all(
         if os.environ.get(KILL_AFTER_ENV) == program.name:
             os.kill(os.getpid(), signal.SIGKILL)
     devs = devices(plan.target)  # both meshes lay the devices out in this order
+    process_count, local_device_count = host_layout(devs)
     notes = []
     if plan.vae_layout.padded:
         notes.append(
@@ -305,20 +302,15 @@ def _compile_all(
         platform=devs[0].platform,
         device_kind=devs[0].device_kind,
         device_ids=[d.id for d in devs],
-        process_count=_process_count(devs),
-        local_device_count=len(devs) // _process_count(devs),
+        process_count=process_count,
+        local_device_count=local_device_count,
         mesh_axes=dict(plan.mesh.items()),
-        default_mesh=plan.mesh == default_mesh_for(plan.config, plan.shape, plan.target, len(devs)),
+        default_mesh=plan.default_mesh,
         vae_mesh_axes=dict(zip(sharding.VAE_AXES, plan.vae_mesh, strict=True)),
         hbm_bytes=plan.target.hbm_bytes,
         notes=notes,
         programs=entries,
     )
-
-
-def _process_count(devs: list[Any]) -> int:
-    """Processes (hosts) the devices belong to; topology devices carry theirs too."""
-    return len({d.process_index for d in devs})
 
 
 def compile_program(
