@@ -10,6 +10,7 @@ import functools
 import gzip
 import hashlib
 import importlib.metadata
+import math
 import os
 import shutil
 import signal
@@ -23,7 +24,7 @@ from typing import Any
 import jax
 
 from aot import hlo
-from aot.targets import Target, devices
+from aot.targets import SPLASH_BLOCKS, Target, devices, peak_flops
 from runtime.artifact import (
     MANIFEST,
     SCHEMA_VERSION,
@@ -37,6 +38,7 @@ from runtime.artifact import (
     read_manifest,
 )
 from runtime.loader import host_layout
+from wan import attention as attention_lib
 from wan import programs as wan_programs
 from wan import sharding
 from wan.atomic import atomic_folder
@@ -83,8 +85,10 @@ def plan_build(
     mesh: sharding.MeshShape | None = None,
     vae_spatial: int | None = None,
     attention: str | None = None,
+    context_parallel: str | None = None,
 ) -> BuildPlan:
-    """Validate a request and resolve its defaults (mesh, VAE mesh and axis, attention)."""
+    """Validate a request and resolve its defaults (mesh, VAE mesh and axis, attention and
+    context parallelism)."""
     factor = config.vae.spatial_factor * config.transformer.patch_size[1]
     if shape.width % factor or shape.height % factor or shape.width <= 0 or shape.height <= 0:
         raise BuildError(
@@ -114,11 +118,8 @@ def plan_build(
         raise BuildError(str(e)) from None
     _, _, lat_h, lat_w, _ = shape.latent_shape(config)
     layout = sharding.choose_vae_layout(lat_h, lat_w, vae_mesh[1])
-    if attention is None:
-        t, h, w = shape.latent_shape(config)[1:4]
-        p = config.transformer.patch_size
-        tokens = (t // p[0]) * (h // p[1]) * (w // p[2])
-        attention = "blockwise" if tokens > BLOCKWISE_MIN_TOKENS else "dot"
+    attention = choose_attention(attention, target, shape.tokens(config))
+    context_parallel = choose_context_parallel(context_parallel, config, shape, mesh)
     key = BuildKey(
         model=model_name,
         width=shape.width,
@@ -131,8 +132,107 @@ def plan_build(
         vae_mesh=vae_mesh,
         vae_axis=layout.axis,
         attention=attention,
+        context_parallel=context_parallel,
     )
     return BuildPlan(config, shape, target, mesh, vae_mesh, layout, attention, key, mesh == default)
+
+
+def choose_attention(requested: str | None, target: Target, tokens: int) -> str:
+    """The attention kernel of a build, with its block sizes: `auto` (None) is dot for short
+    sequences, else the target's flash kernel (splash on TPU, cuDNN on GPU, blockwise on CPU)."""
+    platform = target_platform(target)
+    if requested is None:
+        requested = (
+            "dot"
+            if tokens <= BLOCKWISE_MIN_TOKENS
+            else {"tpu": "splash", "gpu": "cudnn"}.get(platform, "blockwise")
+        )
+    kernel = attention_lib.kernel_name(requested)
+    runs_on = {"splash": "tpu", "cudnn": "gpu"}.get(kernel, platform)
+    if runs_on != platform:
+        raise BuildError(
+            f"--attention {requested}: {kernel} runs on {runs_on} targets, {target.name} is "
+            f"{platform}: use blockwise or dot"
+        )
+    if requested == "splash":
+        requested = "splash:" + ":".join(map(str, SPLASH_BLOCKS[target.generation]))
+    try:
+        attention_lib.resolve(requested)
+    except ValueError as e:
+        raise BuildError(str(e)) from None
+    return requested
+
+
+def choose_context_parallel(
+    requested: str | None,
+    config: ModelConfig,
+    shape: wan_programs.VideoShape,
+    mesh: sharding.MeshShape,
+) -> str:
+    """`ulysses` where the heads per device divide over the sequence shards, else `gather`."""
+    shards, local_heads = _query_layout(config, shape, mesh)
+    if requested is None:
+        return "ulysses" if shards > 1 and local_heads % shards == 0 else "gather"
+    if requested not in attention_lib.CONTEXT_PARALLEL:
+        raise BuildError(f"--context-parallel {requested}: use gather or ulysses")
+    if requested == "ulysses" and local_heads % shards:
+        raise BuildError(
+            f"--context-parallel ulysses: {local_heads} heads per device do not divide over "
+            f"{shards} sequence shards (mesh {_mesh_text(mesh)}): use gather or another --mesh"
+        )
+    return requested
+
+
+def ulysses_all_to_alls(plan: BuildPlan) -> int:
+    """All-to-alls per denoise step the Ulysses design puts there: q, k, v in and the output
+    back, in each layer's self-attention (none when the sequence is not sharded)."""
+    shards, _ = _query_layout(plan.config, plan.shape, plan.mesh)
+    ulysses = plan.key.context_parallel == "ulysses" and shards > 1
+    return 4 * plan.config.transformer.num_layers if ulysses else 0
+
+
+def kernel_flops(plan: BuildPlan) -> float:
+    """FLOPs per device per denoise step of the attention kernels that the HLO counts as opaque
+    custom calls (splash, cuDNN): self- and cross-attention of every layer; 0 for XLA kernels."""
+    if attention_lib.kernel_name(plan.attention) in attention_lib.PARTITIONABLE:
+        return 0.0
+    tc = plan.config.transformer
+    spec, mesh_shape = _query_spec(plan.config, plan.shape, plan.mesh)
+    q_shape = _query_shape(plan.config, plan.shape)
+    per_layer = attention_lib.flops(q_shape, q_shape[1]) + attention_lib.flops(
+        q_shape, plan.config.text_encoder.max_length
+    )
+    split = math.prod(mesh_shape[a] for entry in spec for a in attention_lib.spec_axes(entry))
+    return per_layer * tc.num_layers / split
+
+
+def _query_shape(config: ModelConfig, shape: wan_programs.VideoShape) -> tuple[int, ...]:
+    tc = config.transformer
+    return (shape.step_batch, shape.tokens(config), tc.num_attention_heads, tc.attention_head_dim)
+
+
+def _query_spec(
+    config: ModelConfig, shape: wan_programs.VideoShape, mesh: sharding.MeshShape
+) -> tuple[jax.sharding.PartitionSpec, dict[str, int]]:
+    """How a denoise step lays out its self-attention queries, and the mesh's sizes."""
+    mesh_shape = dict(mesh.items())
+    spec = sharding.logical_to_spec(
+        attention_lib.Q_AXES, _query_shape(config, shape), mesh_shape, sharding.TRANSFORMER_RULES
+    )
+    return spec, mesh_shape
+
+
+def _query_layout(
+    config: ModelConfig, shape: wan_programs.VideoShape, mesh: sharding.MeshShape
+) -> tuple[int, int]:
+    """(sequence shards, heads per device) of the self-attention queries of a denoise step."""
+    spec, mesh_shape = _query_spec(config, shape, mesh)
+    return attention_lib.sequence_layout(spec, mesh_shape, config.transformer.num_attention_heads)
+
+
+def target_platform(target: Target) -> str:
+    """cpu, tpu or gpu: what the target's devices are (`current`: this machine's)."""
+    return devices(target)[0].platform if target.platform == "current" else target.platform
 
 
 def _mesh_text(mesh: sharding.MeshShape) -> str:
@@ -249,7 +349,9 @@ def compile_plan(
         sharding.TRANSFORMER_RULES,
     )
     gather = latents.spec[0] is not None and plan.vae_mesh[1] > 1
-    progs = wan_programs.programs(plan.config, plan.shape, plan.attention, frames_dtype, gather)
+    progs = wan_programs.programs(
+        plan.config, plan.shape, plan.attention, frames_dtype, gather, plan.key.context_parallel
+    )
     progs = [p for p in progs if only is None or p.name in only]
     # Every process of a multi-process job needs whole frames on its host (np.asarray of an
     # array it cannot address fails), so there the decode replicates its output.
@@ -282,6 +384,8 @@ def _compile_all(
     entries: dict[str, ProgramEntry] = {}
     for program, compiled, mesh, seconds, rss in compile_plan(plan, progress):
         entries[program.name] = _write_program(folder, program, compiled, mesh, seconds, rss)
+        if program.name == "denoise_step":
+            entries[program.name].kernel_flops = kernel_flops(plan)
         if os.environ.get(KILL_AFTER_ENV) == program.name:
             os.kill(os.getpid(), signal.SIGKILL)
     devs = devices(plan.target)  # both meshes lay the devices out in this order
@@ -308,6 +412,8 @@ def _compile_all(
         default_mesh=plan.default_mesh,
         vae_mesh_axes=dict(zip(sharding.VAE_AXES, plan.vae_mesh, strict=True)),
         hbm_bytes=plan.target.hbm_bytes,
+        peak_flops=peak_flops(plan.target, devs[0].device_kind),
+        ulysses_all_to_alls=ulysses_all_to_alls(plan),
         notes=notes,
         programs=entries,
     )

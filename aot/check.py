@@ -11,7 +11,8 @@ Policy (TOML; the default ships as `aot/policy.toml`; format in docs/check.md):
 
     [programs.<program>]          # text_encode, kv_cache, denoise_step, vae_decode
     forbid = ["all-to-all"]       # kinds that must not occur at all
-    max_count = {all-gather = 200}          # executions per run, summed over the kind
+    max_count = {all-gather = 200}          # executions per run, summed over the kind;
+                                  # "ulysses": the count the build states for its attention
     max_bytes = {all-reduce = 1_073_741_824}  # bytes per device per run, summed over the kind
 
     [targets."*"]                 # every target; a table named after a target (e.g.
@@ -98,7 +99,7 @@ class CheckInputError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class ProgramRules:
     forbid: tuple[str, ...] = ()
-    max_count: dict[str, int] = dataclasses.field(default_factory=dict)
+    max_count: dict[str, int | str] = dataclasses.field(default_factory=dict)  # or ULYSSES
     max_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
@@ -208,18 +209,25 @@ def _kind(kind: Any, where: str) -> str:
     return kind
 
 
-def _count(value: Any, where: str) -> int:
+# A max_count that each build states for itself: the all-to-alls its Ulysses attention needs.
+ULYSSES = "ulysses"
+
+
+def _count(value: Any, where: str, stated: bool) -> int | str:
+    if stated and value == ULYSSES:
+        return value
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise CheckInputError(f"{where}: must be a non-negative integer")
+        or_stated = f' or "{ULYSSES}"' if stated else ""
+        raise CheckInputError(f"{where}: must be a non-negative integer{or_stated}")
     return value
 
 
-def _limits(rules: dict[str, Any], key: str, where: str) -> dict[str, int]:
+def _limits(rules: dict[str, Any], key: str, where: str) -> dict[str, int | str]:
     table = rules.get(key, {})
     if not isinstance(table, dict):
         raise CheckInputError(f"{where} {key}: must be a table of kind = limit")
     return {
-        _kind(kind, f"{where} {key}"): _count(v, f"{where} {key}.{kind}")
+        _kind(kind, f"{where} {key}"): _count(v, f"{where} {key}.{kind}", key == "max_count")
         for kind, v in table.items()
     }
 
@@ -300,7 +308,7 @@ def check_build(folder: Path, policy: Policy) -> BuildCheck:
         program = ProgramCheck(entry.memory["peak"], collectives)
         programs[name] = program
         violations += _collective_violations(
-            folder, name, collectives, policy.programs.get(name, ProgramRules())
+            folder, name, collectives, policy.programs.get(name, ProgramRules()), manifest
         )
         if budget is not None and program.peak_bytes > budget:
             message = (
@@ -339,7 +347,11 @@ def _budget_text(budget: int, hbm_bytes: int | None) -> str:
 
 
 def _collective_violations(
-    folder: Path, program: str, collectives: Sequence[hlo.Collective], rules: ProgramRules
+    folder: Path,
+    program: str,
+    collectives: Sequence[hlo.Collective],
+    rules: ProgramRules,
+    manifest: Manifest,
 ) -> list[Violation]:
     def of_kind(kind: str) -> tuple[hlo.Collective, ...]:
         found = (c for c in collectives if c.kind == kind)
@@ -351,10 +363,12 @@ def _collective_violations(
             runs = sum(c.count for c in found)
             message = f"{kind} forbidden: {len(found)} in the HLO, {runs} executions per run"
             out.append(Violation(folder, program, "forbid", kind, 0, runs, message, found))
-    for kind, limit in rules.max_count.items():
+    for kind, stated in rules.max_count.items():
         found = of_kind(kind)
+        limit = manifest.ulysses_all_to_alls if stated == ULYSSES else stated
         if (runs := sum(c.count for c in found)) > limit:
-            message = f"{kind}: {runs} executions per run > max_count {limit}"
+            source = f" (the build's {ULYSSES} attention)" if stated == ULYSSES else ""
+            message = f"{kind}: {runs} executions per run > max_count {limit}{source}"
             out.append(Violation(folder, program, "max_count", kind, limit, runs, message, found))
     for kind, limit in rules.max_bytes.items():
         found = of_kind(kind)

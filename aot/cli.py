@@ -81,9 +81,22 @@ def cli() -> None:
 )
 @click.option(
     "--attention",
-    type=click.Choice(["auto", "dot", "blockwise"]),
     default="auto",
     show_default=True,
+    help=(
+        "auto, dot, blockwise[:<q>:<kv>], splash[:<q>:<kv>:<kv_compute>] (TPU) or cudnn (GPU). "
+        "auto: dot up to 8192 tokens, else splash on TPU, cudnn on GPU, blockwise on CPU."
+    ),
+)
+@click.option(
+    "--context-parallel",
+    type=click.Choice(["auto", "gather", "ulysses"]),
+    default="auto",
+    show_default=True,
+    help=(
+        "How sequence-sharded self-attention meets its keys: gather them, or all-to-all to "
+        "head sharding (ulysses). auto: ulysses when the heads divide over the sequence shards."
+    ),
 )
 @click.option(
     "--no-cfg",
@@ -100,8 +113,8 @@ def cli() -> None:
 @POLICY_OPTION
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def build_cmd(
-    model, resolutions, frames_list, batches, target, mesh_text, vae_spatial, attention, no_cfg,
-    out, force, strict, policy_path, as_json,
+    model, resolutions, frames_list, batches, target, mesh_text, vae_spatial, attention,
+    context_parallel, no_cfg, out, force, strict, policy_path, as_json,
 ) -> None:  # fmt: skip
     """Compile the program matrix (--res x --frames x --batch) for one target."""
     from aot import build as builder
@@ -147,6 +160,7 @@ def build_cmd(
                             mesh,
                             spatial,
                             None if attention == "auto" else attention,
+                            None if context_parallel == "auto" else context_parallel,
                         )  # fmt: skip
                     )
                 except builder.BuildError as e:

@@ -51,6 +51,16 @@ def _all_collectives(manifest: Manifest) -> dict[str, dict[str, int]]:
     return total
 
 
+def _step_flops(manifest: Manifest) -> float:
+    step = manifest.programs["denoise_step"]
+    return step.flops + step.kernel_flops
+
+
+def _lower_bound_text(manifest: Manifest) -> str:
+    bound = manifest.step_lower_bound()
+    return "unknown peak" if bound is None else f"{bound:.3f} s"
+
+
 def builds_table(results: Sequence[Any]) -> str:
     rows = []
     for r in results:
@@ -59,7 +69,8 @@ def builds_table(results: Sequence[Any]) -> str:
             r.folder.name,
             "up to date" if r.skipped else "built",
             _peak_text(m),
-            f"{m.programs['denoise_step'].flops / 1e12:.3f}",
+            f"{_step_flops(m) / 1e12:.3f}",
+            _lower_bound_text(m),
             _collectives_text(_all_collectives(m)),
             f"{sum(p.compile_seconds for p in m.programs.values()):.1f}",
         ])  # fmt: skip
@@ -68,6 +79,7 @@ def builds_table(results: Sequence[Any]) -> str:
         "status",
         "peak memory/device",
         "TFLOP/step/device",
+        "step lower bound",
         "collectives",
         "compile s",
     ]
@@ -108,7 +120,16 @@ def inspect_text(m: Manifest) -> str:
         f"model      {k.model} (config {m.model_hash})",
         f"video      {k.width}x{k.height} (WxH), {k.frames} frames, batch {k.batch}, cfg {'on' if k.cfg else 'off'}",
         f"target     {k.target}: {m.platform} {m.device_kind}, devices {m.device_ids}, {m.process_count} process(es)",
-        f"mesh       {m.mesh_axes}; vae {m.vae_mesh_axes}, spatial axis {k.vae_axis}; attention {k.attention}",
+        f"mesh       {m.mesh_axes}; vae {m.vae_mesh_axes}, spatial axis {k.vae_axis}",
+        f"attention  {k.attention}, context parallelism {k.context_parallel}",
+        *(
+            [
+                f"roofline   step lower bound {_lower_bound_text(m)}: {_step_flops(m) / 1e12:.3f} "
+                f"TFLOP per device at {m.peak_flops / 1e12:.0f} TFLOP/s bf16"
+            ]
+            if m.peak_flops and "denoise_step" in m.programs
+            else []
+        ),
         f"versions   {', '.join(f'{n} {v}' for n, v in m.versions.items())}",
         *(f"note       {n}" for n in m.notes),
         *(

@@ -23,6 +23,25 @@ GiB = 1 << 30
 
 # Per-chip HBM by TPU generation (topology-name prefix).
 TPU_HBM = {"v4": 32 * GiB, "v5e": 16 * GiB, "v5p": 95 * GiB, "v6e": 32 * GiB, "tpu7x": 192 * GiB}
+# Peak dense bf16 FLOP/s per chip (the roofline's denominator), by TPU generation and GPU kind.
+PEAK_BF16_FLOPS = {
+    "v4": 275e12,
+    "v5e": 197e12,
+    "v5p": 459e12,
+    "v6e": 918e12,
+    "tpu7x": 2307e12,
+    "H100": 989e12,
+    "H200": 989e12,
+}
+# Largest splash attention blocks (queries, keys, keys per compute step) by TPU generation,
+# balanced to each sequence at trace time (wan.attention.balanced_block).
+SPLASH_BLOCKS = {
+    "v4": (3072, 2048, 1024),
+    "v5e": (3072, 2048, 1024),
+    "v5p": (3072, 2048, 1024),
+    "v6e": (3072, 2048, 1024),
+    "tpu7x": (6400, 2048, 2048),
+}
 # Chips per host (x, y, z) of the VMs each generation is sold in: v5e and v6e up to 8 chips
 # (2x4) per host, v4, v5p and tpu7x 4 (2x2x1). libtpu's own default is 4 for every generation.
 HOST_BOUNDS = {
@@ -57,10 +76,20 @@ class Target:
     chips_per_host: tuple[int, int, int] | None = None  # TPU host layout (x, y, z)
 
     @property
+    def generation(self) -> str | None:
+        """TPU generation (v6e, tpu7x, ...); None for other targets."""
+        return self.topology.split(":")[0] if self.topology else None
+
+    @property
     def hbm_bytes(self) -> int | None:
-        if self.topology:
-            return TPU_HBM[self.topology.split(":")[0]]
-        return None
+        return TPU_HBM[self.generation] if self.generation else None
+
+
+def peak_flops(target: Target, device_kind: str) -> float | None:
+    """Peak bf16 FLOP/s of one device of `target` (None when unknown: CPUs, other GPUs)."""
+    if target.generation:
+        return PEAK_BF16_FLOPS[target.generation]
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in device_kind), None)
 
 
 def parse_target(name: str) -> Target:

@@ -41,15 +41,18 @@ class BuildKey:
     mesh: tuple[tuple[str, int], ...]  # transformer mesh axes in order, e.g. (("data", 2), ...)
     vae_mesh: tuple[int, int]  # (redundant, vae_spatial)
     vae_axis: str  # "width" or "height": the VAE's sharded spatial axis, chosen once
-    attention: str
+    attention: str  # kernel and its largest blocks, e.g. "splash:3072:2048:1024"
+    context_parallel: str = "gather"  # or "ulysses" (wan.attention)
 
     def folder_name(self) -> str:
         mesh = "-".join(f"{name[0]}{size}" for name, size in self.mesh)
         vae = f"vae{self.vae_mesh[0]}x{self.vae_mesh[1]}{self.vae_axis[0]}"
         cfg = "" if self.cfg else "_nocfg"
+        attention = self.attention.replace(":", "-")
+        ulysses = "_ulysses" if self.context_parallel == "ulysses" else ""
         return (
             f"{self.model}_{self.width}x{self.height}_f{self.frames}_b{self.batch}{cfg}"
-            f"_{self.target.replace('/', '-host')}_{mesh}_{vae}_{self.attention}"
+            f"_{self.target.replace('/', '-host')}_{mesh}_{vae}_{attention}{ulysses}"
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -97,6 +100,7 @@ class ProgramEntry:
     collectives: dict[str, dict[str, int]]  # kind -> count, bytes (per device, trips applied)
     # vae_decode: bytes all-gathered per device per latent frame (the steady-state chunk)
     gathered_bytes_per_latent_frame: int | None = None
+    kernel_flops: float = 0.0  # per device: custom-call kernels' work, which `flops` cannot see
 
 
 @dataclasses.dataclass
@@ -116,8 +120,18 @@ class Manifest:
     default_mesh: bool  # the mesh `aot build` picks for this shape and target without --mesh
     vae_mesh_axes: dict[str, int]
     hbm_bytes: int | None  # per device, when known for the target
+    peak_flops: float | None  # bf16 FLOP/s per device, when known for the target
+    ulysses_all_to_alls: int  # all-to-alls per denoise step that Ulysses attention puts there
     notes: list[str]
     programs: dict[str, ProgramEntry]
+
+    def step_lower_bound(self) -> float | None:
+        """Seconds a denoise step takes at the device's peak bf16 rate (the roofline): a
+        measured step over it is the step's MFU."""
+        step = self.programs.get("denoise_step")
+        if step is None or not self.peak_flops:
+            return None
+        return (step.flops + step.kernel_flops) / self.peak_flops
 
     def to_json(self) -> dict[str, Any]:
         raw = dataclasses.asdict(self)
@@ -133,6 +147,8 @@ class Manifest:
         # Manifests older than the field: every process held an equal share of the devices.
         raw.setdefault("local_device_count", len(raw["device_ids"]) // raw["process_count"])
         raw.setdefault("default_mesh", False)
+        raw.setdefault("peak_flops", None)
+        raw.setdefault("ulysses_all_to_alls", 0)
         programs = {}
         for name, p in raw["programs"].items():
             programs[name] = ProgramEntry(

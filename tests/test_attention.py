@@ -1,11 +1,21 @@
-"""Blockwise (flash-style) attention equals plain softmax attention; its memory is linear."""
+"""Every attention kernel equals plain softmax attention, at any length and on any layout;
+blockwise memory is linear."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from wan.attention import attention, blockwise_attention, dot_product_attention, resolve
+from wan import sharding
+from wan.attention import (
+    SplashBlocks,
+    attention,
+    balanced_block,
+    blockwise_attention,
+    dot_product_attention,
+    resolve,
+    splash_attention,
+)
 
 
 def _qkv(q_len: int, kv_len: int, heads: int = 3, dim: int = 8, seed: int = 0):
@@ -81,3 +91,62 @@ def test_blockwise_temporaries_are_linear_in_length():
     dot = temp_bytes(dot_product_attention)
     assert dot >= seq * seq * 4
     assert blockwise < 64 * seq * heads * dim * 4  # a few copies of q/k/v plus one score block
+
+
+@pytest.mark.parametrize(
+    "q_len, kv_len, heads",
+    [
+        (300, 300, 3),  # self-attention, no length a block multiple
+        (200, 77, 5),  # cross-attention: one padded key block
+        (128, 256, 1),  # exact blocks
+    ],
+)
+def test_splash_equals_reference(q_len, kv_len, heads):
+    """Pallas splash in interpret mode, fp32; padded keys never contribute."""
+    q, k, v = _qkv(q_len, kv_len, heads, dim=16)
+    got = splash_attention(q, k, v, blocks=SplashBlocks(128, 256, 128), interpret=True)
+    np.testing.assert_allclose(got, _reference(q, k, v), atol=1e-5, rtol=0)
+
+
+def test_balanced_blocks():
+    assert balanced_block(75600, 3072, 128) == 3072  # 25 blocks, 1.6% padding
+    assert balanced_block(9450, 3072, 128) == 2432  # 4 blocks of 2363 -> 2432, not 4 x 3072
+    assert balanced_block(512, 2048, 128) == 512
+    assert balanced_block(77, 2048, 128) == 128
+
+
+def test_splash_block_sizes_checked():
+    for bad in ("splash:100:256:128", "splash:128:384:256", "splash:128"):
+        with pytest.raises(ValueError):
+            resolve(bad)
+
+
+MESH = sharding.MeshShape(data=2, context=4)
+
+
+def _on_mesh(fn, *args):
+    mesh = sharding.make_mesh(jax.devices("cpu")[:8], MESH.items())
+    with jax.set_mesh(mesh), sharding.axis_rules(sharding.TRANSFORMER_RULES):
+        return jax.jit(fn)(*args)
+
+
+@pytest.mark.parametrize("impl", ["dot", "blockwise:32:32", "splash:128:128:128"])
+def test_gather_with_heads_that_do_not_divide_the_context_axis(impl):
+    """3 heads, 40 tokens over context=4: every device's queries see all keys."""
+    q, k, v = _qkv(40, 40, heads=3)
+    got = _on_mesh(lambda q, k, v: attention(q, k, v, impl, "gather"), q, k, v)
+    np.testing.assert_allclose(got, _reference(q, k, v), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("impl", ["dot", "splash:128:128:128"])
+def test_ulysses_equals_reference(impl):
+    """8 heads, 2 per sequence shard after the all-to-all; 36 tokens, 9 per device."""
+    q, k, v = _qkv(36, 36, heads=8)
+    got = _on_mesh(lambda q, k, v: attention(q, k, v, impl, "ulysses"), q, k, v)
+    np.testing.assert_allclose(got, _reference(q, k, v), atol=1e-5, rtol=0)
+
+
+def test_ulysses_refuses_heads_that_do_not_divide():
+    q, k, v = _qkv(40, 40, heads=3)
+    with pytest.raises(ValueError, match="use context parallelism 'gather'"):
+        _on_mesh(lambda q, k, v: attention(q, k, v, "dot", "ulysses"), q, k, v)

@@ -16,6 +16,7 @@ checked: the program's inputs and output and the chunk scan's carry (every featu
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import sys
@@ -323,20 +324,41 @@ def single_device(program: programs.Program, *args):
     return jax.jit(program.fn)(*jax.device_put(args, CPU8[0]))
 
 
-def test_denoise_step_sharded_equals_single_device():
+# The tiny transformer with 4 heads of 8 channels (same width): heads that divide over 4
+# sequence shards, so Ulysses attention applies on context=4.
+FOUR_HEADS = dataclasses.replace(
+    TINY,
+    transformer=dataclasses.replace(TINY.transformer, num_attention_heads=4, attention_head_dim=8),
+)
+
+
+@pytest.mark.parametrize(
+    "config, attention, context_parallel, atol",
+    [
+        (TINY, "dot", "gather", 1e-5),
+        (FOUR_HEADS, "blockwise:16:16", "ulysses", 1e-5),
+        # Pallas splash in interpret mode inside shard_map, q/k/v all-to-all'd to heads.
+        (FOUR_HEADS, "splash:128:128:128", "ulysses", 1e-4),
+        (TINY, "splash:128:128:128", "gather", 1e-4),
+    ],
+    ids=["dot-gather", "blockwise-ulysses", "splash-ulysses", "splash-gather"],
+)
+def test_denoise_step_sharded_equals_single_device(config, attention, context_parallel, atol):
+    """data=2 x context=4 on 8 host devices == the single-device dot step."""
     shape = programs.VideoShape(width=64, height=64, frames=5, batch=1)
     mesh = transformer_mesh(CPU8, sharding.MeshShape(data=2, context=4))
-    compiled = compile_program(programs.denoise_step_program(TINY, shape, "dot"), mesh, RULES)
+    sharded = programs.denoise_step_program(config, shape, attention, context_parallel)
+    compiled = compile_program(sharded, mesh, RULES)
 
-    program = programs.denoise_step_program(TINY, shape, "dot")
+    program = programs.denoise_step_program(config, shape, "dot")
     rng = np.random.default_rng(0)
 
     def draw(s: jax.ShapeDtypeStruct) -> np.ndarray:
         return rng.standard_normal(s.shape).astype(s.dtype)
 
-    params = random_params(TINY, "transformer", seed=2)
+    params = random_params(config, "transformer", seed=2)
     _, latents, kv, _, state, _ = program.args
-    row = {k: np.asarray(v) for k, v in schedulers.make_tables(TINY.scheduler, 4).row(1).items()}
+    row = {k: np.asarray(v) for k, v in schedulers.make_tables(config.scheduler, 4).row(1).items()}
     args = (
         params,
         draw(latents),
@@ -350,7 +372,11 @@ def test_denoise_step_sharded_equals_single_device():
     kv_in = compiled.input_shardings[0][2][0]
     assert (kv_in.spec[1], kv_in.spec[3]) == ("data", None)  # CFG batch 2 over data=2
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(g, w, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(g, w, atol=atol, rtol=0)
+    module = hlo.parse(compiled.as_text())
+    all_to_alls = sum(c.count for c in hlo.collectives(module) if c.kind == "all-to-all")
+    ulysses = 4 * config.transformer.num_layers if context_parallel == "ulysses" else 0
+    assert all_to_alls == ulysses  # q, k, v and the output of each layer's self-attention
 
 
 # Latent 8 x 6 (H x W): (1, 8) and (2, 4) shard height (6 divides by neither), (8, 1) the batch.

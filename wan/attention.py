@@ -1,19 +1,33 @@
-"""Multi-head attention kernels on (batch, length, heads, head_dim) tensors, in pure JAX.
+"""Multi-head attention on (batch, length, heads, head_dim) tensors, and how it is sharded.
 
-`dot_product_attention` materialises the full score matrix; `blockwise_attention` is the
-flash-attention recurrence (online softmax over key blocks, queries processed block by block),
-so its temporaries are linear in the sequence length: at 720p x 81 frames (75,600 tokens,
-40 heads) the full score matrix alone would be ~0.9 TB in fp32.
+Kernels: `dot` materialises the full score matrix; `blockwise` is the flash-attention recurrence
+in pure JAX (online softmax over key blocks, linear memory: at 720p x 81 frames, 75,600 tokens
+and 40 heads, the full score matrix alone would be ~0.9 TB in fp32); `splash` is the Pallas TPU
+flash kernel; `cudnn` is cuDNN's fused flash attention on NVIDIA GPUs.
+
+Context parallelism (the video tokens sharded over devices): `gather` keeps queries sharded on
+length and gives every device all keys and values; `ulysses` all-to-alls q, k and v from
+length-sharded to head-sharded, attends the whole sequence for the local heads, and all-to-alls
+the result back. Pallas kernels and Ulysses run inside `shard_map`; `dot` and `blockwise` with
+`gather` are left to XLA's partitioner.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 import re
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu.splash_attention import (
+    splash_attention_kernel as splash_kernel,
+)
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
+
+from wan import sharding
 
 Attention = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -96,21 +110,186 @@ def blockwise_attention(
     return out.transpose(1, 2, 0, 3, 4).reshape(b, -1, h, d)[:, :q_len]
 
 
-def resolve(impl: str) -> Attention:
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def balanced_block(length: int, largest: int, multiple: int) -> int:
+    """The block of at most `largest` (a multiple of `multiple`) that splits `length` into the
+    fewest blocks with the least padding: 75,600 tokens and 3072 give 25 blocks of 3072."""
+    largest = max(multiple, largest // multiple * multiple)
+    count = -(-length // largest)
+    return min(largest, _round_up(-(-length // count), multiple))
+
+
+@dataclasses.dataclass(frozen=True)
+class SplashBlocks:
+    """Largest splash block sizes (queries, keys, keys per compute step); each call balances
+    them to its lengths. Multiples of the TPU lane width (128)."""
+
+    q: int
+    kv: int
+    kv_compute: int
+
+
+SPLASH_LANES = 128
+
+
+def splash_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, blocks: SplashBlocks, interpret: bool
+) -> jax.Array:
+    """Pallas splash attention (TPU; `interpret` runs the same kernel in plain JAX elsewhere).
+
+    Lengths need not be block multiples: queries and keys are zero-padded to their blocks,
+    padded keys get another segment id than every query (so they never contribute) and the
+    padded query rows are sliced off."""
+    b, q_len, heads, d = q.shape
+    kv_len = k.shape[1]
+    bq = balanced_block(q_len, blocks.q, SPLASH_LANES)
+    bkv = balanced_block(kv_len, blocks.kv, SPLASH_LANES)
+    bkv_compute = balanced_block(bkv, min(blocks.kv_compute, bkv), SPLASH_LANES)
+    if bkv % bkv_compute:
+        bkv_compute = bkv
+    q_pad, kv_pad = _round_up(q_len, bq), _round_up(kv_len, bkv)
+    mask = splash_mask.MultiHeadMask([splash_mask.FullMask((q_pad, kv_pad))] * heads)
+    kernel = splash_kernel.make_splash_mha(
+        mask,
+        block_sizes=splash_kernel.BlockSizes(
+            block_q=bq, block_kv=bkv, block_kv_compute=bkv_compute
+        ),
+        head_shards=1,
+        q_seq_shards=1,
+        interpret=interpret,
+    )
+    segments = splash_kernel.SegmentIds(
+        q=jnp.zeros((q_pad,), jnp.int32), kv=(jnp.arange(kv_pad) >= kv_len).astype(jnp.int32)
+    )
+
+    def heads_major(x: jax.Array, length: int) -> jax.Array:  # (B, S, H, D) -> (B, H, S', D)
+        return jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+
+    scaled = (q.astype(jnp.float32) * d**-0.5).astype(q.dtype)
+    out = jax.vmap(kernel, in_axes=(0, 0, 0, None))(
+        heads_major(scaled, q_pad), heads_major(k, kv_pad), heads_major(v, kv_pad), segments
+    )
+    return out.transpose(0, 2, 1, 3)[:, :q_len].astype(q.dtype)
+
+
+def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """cuDNN's fused flash attention (NVIDIA GPUs), any lengths."""
+    return jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
+
+
+KERNELS = ("dot", "blockwise", "splash", "cudnn")
+CONTEXT_PARALLEL = ("gather", "ulysses")
+# Kernels XLA's SPMD partitioner can split by itself; the others run inside shard_map.
+PARTITIONABLE = ("dot", "blockwise")
+Q_AXES = ("batch", "length", "heads", None)
+KV_AXES = ("batch", "kv_length", "heads", None)  # gathered: every query sees every key
+
+_SIZES = r"(?::([1-9]\d*))"
+
+
+def kernel_name(impl: str) -> str:
+    """'splash:3072:2048:1024' -> 'splash'."""
+    return impl.partition(":")[0]
+
+
+def flops(q_shape: tuple[int, ...], kv_length: int) -> int:
+    """Multiply-adds x 2 of q k^T and p v for queries of `q_shape` (B, S, H, D)."""
+    b, s, h, d = q_shape
+    return 4 * b * s * h * kv_length * d
+
+
+def resolve(impl: str, *, interpret: bool = False) -> Attention:
     """The attention function an implementation name selects: 'dot', 'blockwise' (default
-    blocks) or 'blockwise:<q_block>:<kv_block>'."""
+    blocks), 'blockwise:<q_block>:<kv_block>', 'splash:<q>:<kv>:<kv_compute>' (largest block
+    sizes) or 'cudnn'. `interpret`: run Pallas kernels in interpret mode (not on a TPU)."""
     if impl == "dot":
         return dot_product_attention
+    if impl == "cudnn":
+        return cudnn_attention
     if impl == "blockwise":
         return blockwise_attention
-    if sizes := re.fullmatch(r"blockwise:([1-9]\d*):([1-9]\d*)", impl):
+    if sizes := re.fullmatch(f"blockwise{_SIZES}{_SIZES}", impl):
         return functools.partial(blockwise_attention, q_block=int(sizes[1]), kv_block=int(sizes[2]))
+    if sizes := re.fullmatch(f"splash{_SIZES}{_SIZES}{_SIZES}", impl):
+        blocks = SplashBlocks(*(int(s) for s in sizes.groups()))
+        if (
+            any(n % SPLASH_LANES for n in (blocks.q, blocks.kv_compute))
+            or blocks.kv % blocks.kv_compute
+        ):
+            raise ValueError(
+                f"attention {impl!r}: splash block sizes q and kv_compute must be multiples of "
+                f"{SPLASH_LANES}, and kv a multiple of kv_compute"
+            )
+        return functools.partial(splash_attention, blocks=blocks, interpret=interpret)
     raise ValueError(
-        f"unknown attention implementation {impl!r}: use 'dot', 'blockwise' or "
-        "'blockwise:<q_block>:<kv_block>'"
+        f"unknown attention implementation {impl!r}: use 'dot', 'blockwise[:<q>:<kv>]', "
+        "'splash:<q>:<kv>:<kv_compute>' or 'cudnn'"
     )
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, impl: str = "dot") -> jax.Array:
-    """Multi-head attention computed by the implementation `impl` names (see `resolve`)."""
-    return resolve(impl)(q, k, v)
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    impl: str = "dot",
+    context_parallel: str = "gather",
+) -> jax.Array:
+    """Multi-head attention by the kernel `impl` names (see `resolve`), laid out on the current
+    mesh by `context_parallel` ('gather' or 'ulysses'; k and v must then be as long as q)."""
+    if context_parallel not in CONTEXT_PARALLEL:
+        raise ValueError(f"context parallelism {context_parallel!r}: use gather or ulysses")
+    mesh = jax.sharding.get_abstract_mesh()
+    platform = jax.default_backend() if mesh.empty else mesh.abstract_device.platform
+    kernel = resolve(impl, interpret=platform != "tpu")
+    kv_axes = Q_AXES if context_parallel == "ulysses" else KV_AXES
+    q_spec = sharding.current_spec(Q_AXES, q.shape)
+    kv_spec = sharding.current_spec(kv_axes, k.shape)
+    if q_spec is None:  # one device: nothing to lay out
+        return kernel(q, k, v)
+    if kernel_name(impl) in PARTITIONABLE and context_parallel == "gather":
+        q, k, v = sharding.constrain(q, Q_AXES), *(sharding.constrain(t, kv_axes) for t in (k, v))
+        return kernel(q, k, v)
+    body = kernel if context_parallel == "gather" else _ulysses(kernel, q_spec, q.shape[2])
+    return jax.shard_map(
+        body, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec, check_vma=False
+    )(q, k, v)
+
+
+def spec_axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry."""
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
+def sequence_layout(
+    spec: jax.sharding.PartitionSpec, mesh_shape: dict[str, int], heads: int
+) -> tuple[int, int]:
+    """(sequence shards, heads per device) of queries laid out by `spec` (Q_AXES)."""
+    shards = math.prod(mesh_shape[a] for a in spec_axes(spec[1]))
+    return shards, heads // math.prod(mesh_shape[a] for a in spec_axes(spec[2]))
+
+
+def _ulysses(kernel: Attention, spec: jax.sharding.PartitionSpec, heads: int) -> Attention:
+    """`kernel` over the whole sequence for this device's heads: q, k, v arrive and the output
+    leaves sharded on length as `spec` (Q_AXES) lays them out."""
+    axes = spec_axes(spec[1])
+    if not axes:
+        return kernel
+    mesh_shape = dict(jax.sharding.get_abstract_mesh().shape)
+    shards, local_heads = sequence_layout(spec, mesh_shape, heads)
+    if local_heads % shards:
+        raise ValueError(
+            f"ulysses context parallelism needs the {local_heads} heads per device divisible by "
+            f"the {shards} sequence shards ({'x'.join(axes)}): use context parallelism 'gather'"
+        )
+
+    def body(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        to_heads = functools.partial(
+            jax.lax.all_to_all, axis_name=axes, split_axis=2, concat_axis=1, tiled=True
+        )
+        out = kernel(to_heads(q), to_heads(k), to_heads(v))
+        return jax.lax.all_to_all(out, axes, split_axis=1, concat_axis=2, tiled=True)
+
+    return body

@@ -50,6 +50,12 @@ class VideoShape:
     def step_batch(self) -> int:
         return 2 * self.batch if self.cfg else self.batch
 
+    def tokens(self, config: ModelConfig) -> int:
+        """Video tokens the transformer attends over: the latent grid over its patch."""
+        _, t, h, w, _ = self.latent_shape(config)
+        pt, ph, pw = config.transformer.patch_size
+        return (t // pt) * (h // ph) * (w // pw)
+
     def latent_shape(self, config: ModelConfig) -> tuple[int, int, int, int, int]:
         """Channels-last latents (B, T, H/8, W/8, C)."""
         vae = config.vae
@@ -63,14 +69,23 @@ class VideoShape:
 
 
 def make_module(
-    config: ModelConfig, component: str, attention: str = "dot", rngs: nnx.Rngs | None = None
+    config: ModelConfig,
+    component: str,
+    attention: str = "dot",
+    rngs: nnx.Rngs | None = None,
+    context_parallel: str = "gather",
 ) -> nnx.Module:
     """The module of a component with freshly initialised (random) weights."""
     dtype = jnp.dtype(config.dtype)
     rngs = rngs or nnx.Rngs(0)
     if component in ("transformer", "transformer_2"):
         return WanTransformer(
-            config.transformer, attention=attention, dtype=dtype, param_dtype=dtype, rngs=rngs
+            config.transformer,
+            attention=attention,
+            context_parallel=context_parallel,
+            dtype=dtype,
+            param_dtype=dtype,
+            rngs=rngs,
         )
     if component == "text_encoder":
         return UMT5Encoder(config.text_encoder, dtype=dtype, param_dtype=dtype, rngs=rngs)
@@ -79,9 +94,13 @@ def make_module(
     raise ValueError(f"unknown component {component!r}")
 
 
-def abstract_module(config: ModelConfig, component: str, attention: str = "dot") -> nnx.Module:
+def abstract_module(
+    config: ModelConfig, component: str, attention: str = "dot", context_parallel: str = "gather"
+) -> nnx.Module:
     """The module of a component, built abstractly (no weights allocated)."""
-    return nnx.eval_shape(lambda: make_module(config, component, attention))
+    return nnx.eval_shape(
+        lambda: make_module(config, component, attention, context_parallel=context_parallel)
+    )
 
 
 def components(config: ModelConfig) -> tuple[str, ...]:
@@ -202,8 +221,12 @@ def sampler_row_shapes(config: ModelConfig) -> dict[str, jax.ShapeDtypeStruct]:
     return {k: _sds(np.shape(v), np.float32) for k, v in row.items()}
 
 
-def denoise_step_program(config: ModelConfig, shape: VideoShape, attention: str) -> Program:
-    graphdef, params, axes = split_abstract(abstract_module(config, "transformer", attention))
+def denoise_step_program(
+    config: ModelConfig, shape: VideoShape, attention: str, context_parallel: str = "gather"
+) -> Program:
+    graphdef, params, axes = split_abstract(
+        abstract_module(config, "transformer", attention, context_parallel)
+    )
     latents = _sds(shape.latent_shape(config), jnp.float32)
     kv = kv_shape(config, shape)
     kv_axes = ("layers", "batch", "kv_length", "heads")
@@ -292,10 +315,11 @@ def programs(
     attention: str,
     frames_dtype: str = "uint8",
     gather_latents: bool = False,
+    context_parallel: str = "gather",
 ) -> list[Program]:
     return [
         text_encode_program(config, shape),
         kv_cache_program(config, shape, attention),
-        denoise_step_program(config, shape, attention),
+        denoise_step_program(config, shape, attention, context_parallel),
         vae_decode_program(config, shape, frames_dtype, gather_latents),
     ]

@@ -71,14 +71,20 @@ def logical_to_spec(
     return P(*spec)
 
 
-def constrain(x: jax.Array, logical: LogicalAxes) -> jax.Array:
-    """Pin `x` to the layout its logical axes get under the current mesh and rules."""
+def current_spec(logical: LogicalAxes, shape: Sequence[int]) -> P | None:
+    """The PartitionSpec of an array of `shape` under the current mesh and rules; None outside
+    a mesh or without rules."""
     mesh = jax.sharding.get_abstract_mesh()
     rules, uneven = current_rules()
     if mesh.empty or not rules:
-        return x
-    spec = logical_to_spec(logical, x.shape, dict(mesh.shape), rules, uneven)
-    return jax.lax.with_sharding_constraint(x, spec)
+        return None
+    return logical_to_spec(logical, shape, dict(mesh.shape), rules, uneven)
+
+
+def constrain(x: jax.Array, logical: LogicalAxes) -> jax.Array:
+    """Pin `x` to the layout its logical axes get under the current mesh and rules."""
+    spec = current_spec(logical, x.shape)
+    return x if spec is None else jax.lax.with_sharding_constraint(x, spec)
 
 
 # ----------------------------------------------------------------------------------------------

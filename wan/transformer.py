@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 from jax.typing import DTypeLike
 
+from wan.attention import CONTEXT_PARALLEL
 from wan.attention import attention as multi_head_attention
 from wan.attention import resolve as resolve_attention
 from wan.configs import TransformerConfig
@@ -166,6 +167,7 @@ class Attention(nnx.Module):
         heads: int,
         eps: float,
         impl: str,
+        context_parallel: str,
         *,
         dtype: DTypeLike,
         param_dtype: DTypeLike,
@@ -182,6 +184,7 @@ class Attention(nnx.Module):
         self.norm_k = nnx.RMSNorm(dim, scale_init=rms_init, **rms)
         self.heads = heads
         self.impl = impl
+        self.context_parallel = context_parallel
 
     def key_value(self, source: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Normalised keys and values of `source` (B, L, dim), heads not yet split."""
@@ -198,9 +201,7 @@ class Attention(nnx.Module):
         q, k, v = (t.reshape(*t.shape[:-1], self.heads, -1) for t in (q, k, v))
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        q = constrain(q, ("batch", "length", "heads", None))
-        k, v = (constrain(t, ("batch", "kv_length", "heads", None)) for t in (k, v))
-        out = multi_head_attention(q, k, v, self.impl)
+        out = multi_head_attention(q, k, v, self.impl, self.context_parallel)
         return self.to_out(out.reshape(*x.shape[:-1], -1))
 
 
@@ -211,6 +212,7 @@ class WanBlock(nnx.Module):
         self,
         cfg: TransformerConfig,
         impl: str,
+        context_parallel: str,
         *,
         dtype: DTypeLike,
         param_dtype: DTypeLike,
@@ -219,8 +221,10 @@ class WanBlock(nnx.Module):
         dim, eps = cfg.inner_dim, cfg.eps
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.norm1 = _layer_norm(dim, eps, affine=False, rngs=rngs)
-        self.attn1 = Attention(dim, cfg.num_attention_heads, eps, impl, **kw)
-        self.attn2 = Attention(dim, cfg.num_attention_heads, eps, impl, **kw)
+        heads = cfg.num_attention_heads
+        self.attn1 = Attention(dim, heads, eps, impl, context_parallel, **kw)
+        # The prompt's 512 tokens are not sharded: every device's queries see all of them.
+        self.attn2 = Attention(dim, heads, eps, impl, "gather", **kw)
         self.norm2 = _layer_norm(dim, eps, affine=True, rngs=rngs) if cfg.cross_attn_norm else None
         self.ffn = MLP(dim, cfg.ffn_dim, dim, gelu_tanh, "embed", **kw)
         self.norm3 = _layer_norm(dim, eps, affine=False, rngs=rngs)
@@ -287,11 +291,14 @@ class WanTransformer(nnx.Module):
         cfg: TransformerConfig,
         *,
         attention: str = "dot",
+        context_parallel: str = "gather",
         dtype: DTypeLike = jnp.float32,
         param_dtype: DTypeLike = jnp.float32,
         rngs: nnx.Rngs,
     ):
         resolve_attention(attention)  # fail at construction on an unknown implementation
+        if context_parallel not in CONTEXT_PARALLEL:
+            raise ValueError(f"context parallelism {context_parallel!r}: use gather or ulysses")
         dim = cfg.inner_dim
         kw = dict(dtype=dtype, param_dtype=param_dtype)
         self.config = cfg
@@ -312,7 +319,7 @@ class WanTransformer(nnx.Module):
         @nnx.split_rngs(splits=cfg.num_layers)
         @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def stacked_blocks(rngs: nnx.Rngs) -> WanBlock:
-            return WanBlock(cfg, attention, rngs=rngs, **kw)
+            return WanBlock(cfg, attention, context_parallel, rngs=rngs, **kw)
 
         self.blocks = stacked_blocks(rngs)
         self.norm_out = _layer_norm(dim, cfg.eps, affine=False, rngs=rngs)
