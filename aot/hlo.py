@@ -407,6 +407,22 @@ def _parse_instruction(line: str, computation: str, tables: _StackTables) -> Ins
     )
 
 
+def _open_brackets(text: str) -> int:
+    """Brackets opened and not closed in `text`, outside string literals."""
+    depth, quoted, escaped = 0, False, False
+    for ch in text:
+        if quoted:
+            quoted = escaped or ch != '"'
+            escaped = not escaped and ch == "\\"
+        elif ch == '"':
+            quoted = True
+        elif ch in "({[":
+            depth += 1
+        elif ch in ")}]":
+            depth -= 1
+    return depth
+
+
 def parse(hlo_text: str) -> Module:
     """Parse the text of one HLO module (as printed by `compiled.as_text()`)."""
     module_name, entry = "", None
@@ -414,8 +430,14 @@ def parse(hlo_text: str) -> Module:
     computations: dict[str, Computation] = {}
     section = None  # stack-table section being read
     current: tuple[str, bool, list[tuple[Instruction, bool]]] | None = None  # (ins, is_root)
+    pending = ""  # an instruction whose attributes span lines (a Pallas kernel's metadata)
     for line in hlo_text.splitlines():
         stripped = line.strip()
+        if current is not None and (pending or (stripped.endswith("{") and "=" in stripped)):
+            pending = f"{pending} {stripped}" if pending else stripped
+            if _open_brackets(pending) > 0:
+                continue
+            stripped, pending = pending, ""
         if current is not None:
             # A computation closes with "}" or, for one on another execution thread (TPU
             # SparseCore), '}, execution_thread="sparsecore"'.

@@ -126,7 +126,9 @@ ENTRY %main (x: f32[8,128]) -> f32[8,128] {{
   %n0 = s32[] constant(4)
   %free-init = {T3} tuple(%s0, %n0, %y)
   %free = {T3} while(%free-init), condition=%free_cond, body=%free_body
-  %kernel = f32[8,128]{{1,0}} custom-call(%y), custom_call_target="tpu_custom_call", backend_config="{{\\"custom_call_config\\": {{\\"body\\": \\"TUxJUu{{(\\"}}}}"
+  %kernel = f32[8,128]{{1,0}} custom-call(%y), custom_call_target="tpu_custom_call", frontend_attributes={{kernel_metadata={{
+"xprof_metadata":"{{\\"block_q\\": 128}}"
+}}}}, backend_config="{{\\"custom_call_config\\": {{\\"body\\": \\"TUxJUu{{(\\"}}}}"
   %scratch = f32[8,128]{{1,0}} custom-call(), custom_call_target="AllocateBuffer"
   ROOT %z = f32[8,128]{{1,0:T(8,128)}} get-tuple-element(%free), index=2
 }}
@@ -144,6 +146,9 @@ def test_handmade_module_parses():
     assert m.instructions["oout"].operands[-1] == "cp-done"
     assert m.computations["outer_body"].root.name == "oout"
     assert m.instructions["inner"].calls == (("condition", "inner_cond"), ("body", "inner_body"))
+    # A Pallas kernel's attributes span lines; the instruction after it is still its own.
+    assert m.instructions["kernel"].attrs["custom_call_target"] == '"tpu_custom_call"'
+    assert m.instructions["scratch"].opcode == "custom-call"
 
 
 def test_handmade_loops_and_multipliers():

@@ -436,3 +436,25 @@ def test_upsampling_gathers_no_activation(width, height, axis):
     budget = 0.1 * BENCH.REFERENCE_BYTES * (width * height) / (1280 * 720)
     assert g.trips == 2 and g.all_to_all == 0
     assert g.per_latent_frame <= budget, g.top
+
+
+def test_720p_denoise_step_runs_splash_on_tpu(tpu_devices):
+    """`--attention auto` for tpu-v6e-8 at a 720p-length sequence (75,600 tokens): the
+    self-attention is the Mosaic kernel, and no blockwise loop is left (the layer scan is the
+    only while loop)."""
+    from aot.build import plan_build
+
+    shape = programs.VideoShape(width=1280, height=720, frames=81, batch=1)
+    target = targets.parse_target("tpu-v6e-8")
+    plan = plan_build("tiny", TINY, shape, target, len(tpu_devices))
+    assert shape.tokens(TINY) == 75600
+    assert plan.attention == "splash:3072:2048:1024"
+    assert plan.key.context_parallel == "gather"  # 2 heads do not divide over 4 shards
+    mesh = transformer_mesh(tpu_devices, plan.mesh)
+    program = programs.denoise_step_program(TINY, shape, plan.attention)
+    with jax.default_matmul_precision("default"):
+        text = compile_program(program, mesh, RULES).as_text()
+    assert "tpu_custom_call" in text
+    module = hlo.parse(text)
+    loops = [i for c in module.computations.values() for i in c.instructions if i.opcode == "while"]
+    assert len(loops) == 1, [i.name for i in loops]
