@@ -213,7 +213,7 @@ def _kind(kind: Any, where: str) -> str:
 ULYSSES = "ulysses"
 
 
-def _count(value: Any, where: str, stated: bool) -> int | str:
+def _count(value: Any, where: str, stated: bool = False) -> int | str:
     if stated and value == ULYSSES:
         return value
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:

@@ -11,6 +11,12 @@ kept, so the table can be filled in several sittings.
     python bench/memory_table.py --models wan2.1-t2v-1.3b wan2.1-t2v-14b wan2.2-t2v-a14b \\
         --targets tpu7x-8 tpu-v6e-8 --batches 1 2 8 --jobs 2
 
+Attention side by side (the denoise step only, auto = splash on TPU, against blockwise):
+
+    python bench/memory_table.py --models wan2.1-t2v-14b --targets tpu-v6e-8 tpu7x-8 \\
+        --batches 1 8 --attentions auto blockwise --programs denoise_step \\
+        --out bench/results/attention_720p.json
+
 Results: bench/results/memory_table.json (one row per model, target, batch).
 """
 
@@ -33,21 +39,23 @@ TRANSFORMER_PROGRAMS = ["text_encode", "kv_cache", "denoise_step"]
 
 
 def compile_one(model: str, target_name: str, batch: int, res: str, frames: int,
-                only: list[str]) -> dict:  # fmt: skip
+                only: list[str], attention: str) -> dict:  # fmt: skip
     """Runs in its own process: plan as `aot build` does, compile `only`, measure."""
     from aot import targets
 
     target = targets.parse_target(target_name)
     targets.prepare_environment(target)
     from aot import hlo
-    from aot.build import compile_plan, memory_stats, plan_build
+    from aot.build import compile_plan, kernel_flops, memory_stats, plan_build, ulysses_all_to_alls
     from wan.presets import resolve_model
     from wan.programs import VideoShape
 
     config = resolve_model(model)
     width, height = (int(v) for v in res.split("x"))
     num_devices = len(targets.devices(target))
-    plan = plan_build(model, config, VideoShape(width, height, frames, batch), target, num_devices)
+    shape = VideoShape(width, height, frames, batch)
+    requested = None if attention == "auto" else attention
+    plan = plan_build(model, config, shape, target, num_devices, attention=requested)
     programs = {}
     for program, compiled, _, seconds, rss in compile_plan(plan, only=only):
         module = hlo.parse(compiled.as_text())
@@ -59,6 +67,13 @@ def compile_one(model: str, target_name: str, batch: int, res: str, frames: int,
             "compile_seconds": round(seconds, 1),
             "peak_rss_gib": round(rss / GiB, 2),
             "tflops": round(hlo.flops(module) / 1e12, 3),
+            # the custom-call kernels' FLOPs, which the HLO count cannot see (denoise_step)
+            "kernel_tflops": round(
+                (kernel_flops(plan) if program.name == "denoise_step" else 0) / 1e12, 3
+            ),
+            "tpu_custom_calls": sum(
+                t == "tpu_custom_call" for t in hlo.cost(module).custom_calls.values()
+            ),
             "collectives": {
                 k: v["count"] for k, v in hlo.collective_summary(module).items() if v["count"]
             },
@@ -68,22 +83,33 @@ def compile_one(model: str, target_name: str, batch: int, res: str, frames: int,
         "mesh": dict(plan.mesh.items()),
         "vae_mesh": list(plan.vae_mesh),
         "vae_axis": plan.vae_layout.axis,
+        "attention": plan.attention,
+        "context_parallel": plan.key.context_parallel,
+        "ulysses_all_to_alls": ulysses_all_to_alls(plan),
+        "peak_tflops": (targets.peak_flops(target, "") or 0) / 1e12,
         "hbm_gib": target.hbm_bytes / GiB if target.hbm_bytes else None,
         "programs": programs,
     }
 
 
-def run_one(model: str, target: str, batch: int, args: argparse.Namespace, only: list[str]) -> dict:
+def run_one(model: str, target: str, batch: int, attention: str, args: argparse.Namespace,
+            only: list[str]) -> dict:  # fmt: skip
     cmd = [sys.executable, __file__, "--one", model, target, str(batch), "--res", args.res,
-           "--frames", str(args.frames), "--only", *only]  # fmt: skip
+           "--frames", str(args.frames), "--attentions", attention, "--only", *only]  # fmt: skip
     start = time.time()
     result = subprocess.run(cmd, capture_output=True, text=True)
     command = (f"python bench/memory_table.py --models {model} --targets {target} --batches "
-               f"{batch} --res {args.res} --frames {args.frames}")  # fmt: skip
-    row = {"model": model, "target": target, "batch": batch, "command": command}
+               f"{batch} --res {args.res} --frames {args.frames} --attentions {attention} "
+               f"--programs {' '.join(only)}")  # fmt: skip
+    row = {"model": model, "target": target, "batch": batch, "requested_attention": attention,
+           "command": command}  # fmt: skip
     if result.returncode != 0:
         return row | {"error": result.stderr.strip().splitlines()[-1:]}
     return row | {"wall_seconds": round(time.time() - start, 1)} | json.loads(result.stdout)
+
+
+def _order(row: dict) -> tuple:
+    return row["model"], row["target"], row["batch"], row.get("attention", "")
 
 
 def markdown(rows: list[dict]) -> str:
@@ -93,10 +119,12 @@ def markdown(rows: list[dict]) -> str:
     vae = {(r["target"], r["batch"]): r["programs"]["vae_decode"]
            for r in rows if "vae_decode" in r.get("programs", {})}  # fmt: skip
     lines = [
-        "| model | target (HBM GiB) | B | mesh | VAE mesh | " + " | ".join(names) + " |",
-        "|---|---|---|---|---|" + "---|" * len(names),
+        "| model | target (HBM GiB) | B | mesh | VAE mesh | attention | "
+        + " | ".join(names)
+        + " | step lower bound s |",
+        "|---|---|---|---|---|---|" + "---|" * len(names) + "---|",
     ]
-    for r in sorted(rows, key=lambda r: (r["model"], r["target"], r["batch"])):
+    for r in sorted(rows, key=_order):
         if "programs" not in r:
             lines.append(f"| {r['model']} | {r['target']} | {r['batch']} | error: {r['error']} |")
             continue
@@ -109,9 +137,18 @@ def markdown(rows: list[dict]) -> str:
         ]
         mesh = ",".join(f"{k}={v}" for k, v in r["mesh"].items() if v > 1)
         hbm = f" ({r['hbm_gib']:.0f})" if r["hbm_gib"] else ""
+        attention = f"{r.get('attention', 'blockwise')} {r.get('context_parallel', 'gather')}"
+        step = r["programs"].get("denoise_step")
+        bound = (
+            f"{(step['tflops'] + step.get('kernel_tflops', 0)) / r['peak_tflops']:.2f}"
+            if step and r.get("peak_tflops")
+            else "-"
+        )
         lines.append(
             f"| {r['model']} | {r['target']}{hbm} | {r['batch']} | {mesh} | "
-            f"{tuple(r['vae_mesh'])} {r['vae_axis']} | " + " | ".join(cells) + " |"
+            f"{tuple(r['vae_mesh'])} {r['vae_axis']} | {attention} | "
+            + " | ".join(cells)
+            + f" | {bound} |"
         )
     return "\n".join(lines)
 
@@ -124,6 +161,10 @@ def main() -> None:
     parser.add_argument("--res", default="1280x720")
     parser.add_argument("--frames", type=int, default=81)
     parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument(
+        "--attentions", nargs="+", default=["auto"], help="aot build --attention values"
+    )
+    parser.add_argument("--programs", nargs="+", default=None, help="compile only these")
     parser.add_argument(
         "--out", type=Path, default=ROOT / "bench" / "results" / "memory_table.json"
     )
@@ -138,7 +179,10 @@ def main() -> None:
         return
     if args.one:
         model, target, batch = args.one
-        print(json.dumps(compile_one(model, target, int(batch), args.res, args.frames, args.only)))
+        row = compile_one(
+            model, target, int(batch), args.res, args.frames, args.only, args.attentions[0]
+        )
+        print(json.dumps(row))
         return
 
     from wan.presets import resolve_model
@@ -147,15 +191,19 @@ def main() -> None:
     for model in args.models[1:]:
         if resolve_model(model).vae != resolve_model(first).vae:
             parser.error(f"{model} has another VAE than {first}: run it separately")
-    keys = ("model", "target", "batch", "res", "frames")
-    done = {tuple(r[k] for k in keys) for r in record.rows(args.out) if "error" not in r}
+    keys = ("model", "target", "batch", "requested_attention", "res", "frames")
+    done = {
+        tuple(r.get(k, "auto") for k in keys) for r in record.rows(args.out) if "error" not in r
+    }
+    every = TRANSFORMER_PROGRAMS + ["vae_decode"]
     jobs = [
-        (m, t, b, TRANSFORMER_PROGRAMS + (["vae_decode"] if m == first else []))
-        for t in args.targets for b in args.batches for m in args.models
-        if (m, t, b, args.res, args.frames) not in done
+        (m, t, b, a, [p for p in every if p in (args.programs or every)
+                      and (p != "vae_decode" or m == first)])
+        for t in args.targets for b in args.batches for m in args.models for a in args.attentions
+        if (m, t, b, a, args.res, args.frames) not in done
     ]  # fmt: skip
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        futures = [pool.submit(run_one, m, t, b, args, only) for m, t, b, only in jobs]
+        futures = [pool.submit(run_one, m, t, b, a, args, only) for m, t, b, a, only in jobs]
         for future in concurrent.futures.as_completed(futures):
             row = future.result() | {"res": args.res, "frames": args.frames}
             if "programs" in row and "vae_decode" not in row["programs"]:

@@ -320,3 +320,14 @@ def test_ci_portrait_tpu_v6e_8(tmp_path):
     # 720x1280 takes ~9 min to compile for TPU here; 48x64 (latent 6 x 8) has the same layout
     # and the same VAE program structure (9 frames: temporal upsampling included) in ~25 s.
     build_and_check(tmp_path, "48x64", "tpu-v6e-8")
+
+
+def test_ulysses_limit_is_the_builds_own(tiny_build, tmp_path):
+    """`max_count = {all-to-all = "ulysses"}` reads the manifest: a gather build allows none."""
+    strict = tmp_path / "strict.toml"
+    strict.write_text('[programs.denoise_step]\nmax_count = {all-to-all = "ulysses"}\n')
+    assert aot_check(tiny_build, "--policy", strict).exit_code == 0
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[programs.denoise_step]\nmax_bytes = {all-to-all = "ulysses"}\n')
+    result = aot_check(tiny_build, "--policy", bad)
+    assert result.exit_code == 2 and "must be a non-negative integer" in result.output

@@ -379,6 +379,16 @@ def test_denoise_step_sharded_equals_single_device(config, attention, context_pa
     assert all_to_alls == ulysses  # q, k, v and the output of each layer's self-attention
 
 
+def test_denoise_step_with_fsdp_has_no_all_to_all():
+    """Batch 8 (step batch 16) over data=2 x fsdp=4: the time embedding leaves the weights'
+    fsdp layout without an all-to-all."""
+    shape = programs.VideoShape(width=64, height=64, frames=5, batch=8)
+    mesh = transformer_mesh(CPU8, sharding.MeshShape(data=2, fsdp=4))
+    compiled = compile_program(programs.denoise_step_program(TINY, shape, "dot"), mesh, RULES)
+    kinds = {c.kind for c in hlo.collectives(hlo.parse(compiled.as_text()))}
+    assert "all-to-all" not in kinds
+
+
 # Latent 8 x 6 (H x W): (1, 8) and (2, 4) shard height (6 divides by neither), (8, 1) the batch.
 DECODE_LATENT = dict(width=48, height=64, frames=5)
 

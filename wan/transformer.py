@@ -372,6 +372,9 @@ class WanTransformer(nnx.Module):
 
         x, _ = jax.lax.scan(layer, x, (params, *kv_cache))
 
+        # Batch-sharded like the tokens; left to XLA, the weights' fsdp layout of the time
+        # embedding's channels reaches here and is undone by an all-to-all.
+        temb = constrain(temb, ("batch", "act_embed"))
         shift, scale = jnp.split(self.scale_shift_table[...] + temb[:, None], 2, axis=1)
         x = (self.norm_out(x.astype(jnp.float32)) * (1 + scale) + shift).astype(self.dtype)
         return self._unpatchify(self.proj_out(x), grid)
