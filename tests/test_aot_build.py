@@ -142,3 +142,44 @@ def test_scanned_flops_equal_unrolled(monkeypatch):
     xla_scanned = scanned.cost_analysis()["flops"]
     assert abs(ours - xla_unrolled) <= 0.01 * xla_unrolled, (ours, xla_unrolled)
     assert xla_scanned < 0.8 * xla_unrolled  # the correction matters
+
+
+@pytest.mark.parametrize(
+    "target, requested, chosen",
+    [
+        ("cpu-8", None, "blockwise"),  # 720p tokens on CPU
+        ("tpu-v6e-8", None, "splash:3072:2048:1024"),
+        ("tpu7x-8", None, "splash:6400:2048:2048"),
+        ("tpu-v6e-8", "splash:1024:1024:512", "splash:1024:1024:512"),
+    ],
+)
+def test_attention_auto_choice(target, requested, chosen):
+    from aot.build import choose_attention
+
+    assert choose_attention(requested, parse_target(target), tokens=75600) == chosen
+    assert choose_attention(None, parse_target(target), tokens=4096) == "dot"
+
+
+def test_attention_the_target_cannot_run_is_refused():
+    from aot.build import BuildError
+
+    shape = programs.VideoShape(64, 96, 9, 1)
+    cpu8 = parse_target("cpu-8")
+    for impl, message in [("splash", "splash runs on tpu targets"), ("cudnn", "runs on gpu")]:
+        with pytest.raises(BuildError, match=message):
+            plan_build("tiny", PRESETS["tiny"], shape, cpu8, 8, attention=impl)
+    with pytest.raises(BuildError, match="multiples of 128"):
+        plan_build(
+            "tiny",
+            PRESETS["tiny"],
+            shape,
+            parse_target("tpu-v6e-8"),
+            8,
+            attention="splash:100:128:128",
+        )
+    # 2 heads over context=4: Ulysses cannot split them; auto gathers.
+    mesh = sharding.MeshShape(data=2, context=4)
+    plan = plan_build("tiny", PRESETS["tiny"], shape, cpu8, 8, mesh)
+    assert plan.key.context_parallel == "gather"
+    with pytest.raises(BuildError, match="2 heads per device do not divide over 4 sequence shards"):
+        plan_build("tiny", PRESETS["tiny"], shape, cpu8, 8, mesh, context_parallel="ulysses")
