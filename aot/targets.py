@@ -40,7 +40,8 @@ SPLASH_BLOCKS = {
     "v5e": (3072, 2048, 1024),
     "v5p": (3072, 2048, 1024),
     "v6e": (3072, 2048, 1024),
-    "tpu7x": (6400, 2048, 2048),
+    # 6400/2048/2048 overflows tpu7x's 64 MiB VMEM (81.8 MiB at 14B 720p): smaller query blocks.
+    "tpu7x": (2048, 2048, 1024),
 }
 # Chips per host (x, y, z) of the VMs each generation is sold in: v5e and v6e up to 8 chips
 # (2x4) per host, v4, v5p and tpu7x 4 (2x2x1). libtpu's own default is 4 for every generation.
