@@ -22,8 +22,8 @@ from runtime.artifact import ArtifactError, Manifest
 from runtime.loader import Present, Request, match_build
 from runtime.outputs import OutputError, check_writable
 from runtime.video import video_paths
+from wan import lora
 from wan.configs import ModelConfig
-from wan.lora import parse_spec
 from wan.presets import model_spec
 
 
@@ -164,13 +164,22 @@ def run_cmd(
                 check_writable(path, option)
         config = ModelConfig.from_folder(weights)
         request = Request(width, height, frames, batch, guidance > 1.0, config.hash())
-    except (OutputError, ValueError, OSError) as e:
+        lora.check_experts(config.num_experts, loras_2)
+    except (OutputError, ValueError, OSError) as e:  # LoraError is a ValueError
         raise CliError(str(e)) from None
 
     def match(present: Present) -> tuple[Path, Manifest]:
+        """The build, and the LoRAs checked against its transformer's shapes: a LoRA that does
+        not fit fails before anything loads."""
         try:
-            return match_build(artifacts, request, model_spec(config, weights), present, build_name)
-        except (ArtifactError, OSError) as e:
+            found = match_build(
+                artifacts, request, model_spec(config, weights), present, build_name
+            )
+            shapes = found[1].parameter_shapes("kv_cache")
+            for specs in (loras, loras_2):
+                lora.check(specs, shapes)
+            return found
+        except (ArtifactError, lora.LoraError, OSError) as e:
             raise CliError(str(e)) from None
 
     # Host CPU devices are arranged for a cpu-N/cpu-PxN build before jax starts; accelerators
@@ -192,7 +201,6 @@ def run_cmd(
 
     from runtime.pipeline import Pipeline
     from runtime.video import write_mp4
-    from wan.lora import LoraError
     from wan.tokenizer import TokenizerError
     from wan.weights import WeightError
 
@@ -220,7 +228,7 @@ def run_cmd(
                 sampler=sampler,
                 shift=shift,
             )
-    except (ArtifactError, LoraError, WeightError, TokenizerError, ValueError, OSError) as e:
+    except (ArtifactError, lora.LoraError, WeightError, TokenizerError, ValueError, OSError) as e:
         raise CliError(str(e)) from None
     if jax.process_index() != 0:
         return
@@ -251,7 +259,7 @@ def run_cmd(
 
 def _loras(args: tuple[str, ...], option: str) -> list[tuple[Path, float]]:
     """FILE[:SCALE] arguments as (path, scale); a missing file fails before anything loads."""
-    specs = [parse_spec(a) for a in args]
+    specs = [lora.parse_spec(a) for a in args]
     for path, _ in specs:
         if not path.is_file():
             raise CliError(f"{option} {path}: no such file")

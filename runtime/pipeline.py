@@ -196,11 +196,7 @@ class Pipeline:
         users = {"text_encoder": "text_encode", "transformer": "kv_cache", "vae": "vae_decode"}
         if config.num_experts == 2:
             users["transformer_2"] = "kv_cache"
-        elif loras_2:
-            raise lora.LoraError(
-                "--lora-2 (loras_2) is for the low-noise expert of a two-expert model; "
-                f"{config.name} has one transformer: use --lora"
-            )
+        lora.check_experts(config.num_experts, loras_2)
         abstracts = {
             component: _abstract(
                 executables[program].args_info[0][0], executables[program].input_shardings[0][0]

@@ -250,6 +250,20 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def check_experts(num_experts: int, loras_2: Sequence[object]) -> None:
+    if loras_2 and num_experts == 1:
+        raise LoraError(
+            "--lora-2 (loras_2) is for the low-noise expert of a two-expert model; this model "
+            "has one transformer: use --lora"
+        )
+
+
+def check(specs: Sequence[tuple[str | Path, float]], shapes: Mapping[Path_, tuple[int, ...]]):
+    """Raise LoraError for the first LoRA of `specs` that does not fit a transformer with
+    parameters of `shapes` (reads the files' headers and tensor shapes, no weights)."""
+    _collect(specs, shapes)
+
+
 def prepare(
     specs: Sequence[tuple[str | Path, float]],
     shapes: Mapping[Path_, tuple[int, ...]],
@@ -258,8 +272,23 @@ def prepare(
     """The updates of the LoRA files `specs` ((path, scale) pairs; a file may repeat, the
     scales add up) for a transformer whose parameters have `shapes`, checked against them
     before any weight is read."""
+    terms, files = _collect(specs, shapes)
+    applied = [
+        AppliedLora(str(f.path), file_sha256(f.path), float(scale), transformer, f.format, touched)
+        for f, scale, touched in files
+    ]
+    deltas = {p: ParamDelta(tuple(shapes[p]), tuple(t)) for p, t in terms.items()}
+    return deltas, applied
+
+
+def _collect(
+    specs: Sequence[tuple[str | Path, float]], shapes: Mapping[Path_, tuple[int, ...]]
+) -> tuple[
+    dict[Path_, list[tuple[int | None, LowRank | Dense]]], list[tuple[LoraFile, float, int]]
+]:
+    """(updates by parameter, (file, scale, tensors it changes) per spec)."""
     terms: dict[Path_, list[tuple[int | None, LowRank | Dense]]] = {}
-    applied = []
+    files = []
     for path, scale in specs:
         lora = read_lora(path)
         touched: set[tuple[Path_, int | None]] = set()
@@ -267,14 +296,8 @@ def prepare(
             for param, layer, update in _updates(lora, module, entry, shapes, float(scale)):
                 terms.setdefault(param, []).append((layer, update))
                 touched.add((param, layer))
-        applied.append(
-            AppliedLora(
-                str(lora.path), file_sha256(lora.path), float(scale), transformer, lora.format,
-                len(touched),
-            )
-        )  # fmt: skip
-    deltas = {p: ParamDelta(tuple(shapes[p]), tuple(t)) for p, t in terms.items()}
-    return deltas, applied
+        files.append((lora, float(scale), len(touched)))
+    return terms, files
 
 
 def _updates(
