@@ -5,6 +5,7 @@ Euler at shift 5), on tiny random pipelines and LoRAs made here offline."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -120,9 +121,9 @@ def test_keys_map_to_diffusers_modules(key, fmt, expected):
 
 
 def test_parse_spec():
-    assert lora.parse_spec("a/b.safetensors") == (lora.Path("a/b.safetensors"), 1.0)
-    assert lora.parse_spec("a/b.safetensors:0.5") == (lora.Path("a/b.safetensors"), 0.5)
-    assert lora.parse_spec("a:b.safetensors") == (lora.Path("a:b.safetensors"), 1.0)
+    assert lora.parse_spec("a/b.safetensors") == (Path("a/b.safetensors"), 1.0)
+    assert lora.parse_spec("a/b.safetensors:0.5") == (Path("a/b.safetensors"), 0.5)
+    assert lora.parse_spec("a:b.safetensors") == (Path("a:b.safetensors"), 1.0)
 
 
 def _merged(tree: dict, deltas: dict) -> dict:

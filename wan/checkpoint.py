@@ -1,7 +1,8 @@
 """Model weights on disk: a diffusers-format folder or the project's own orbax checkpoint.
 
 Both load straight into given shardings: `abstract` trees of `jax.ShapeDtypeStruct` carry the
-target sharding of every parameter, and each device receives only its shards. Flax-free, so the
+target sharding of every parameter, and each device receives only its shards. LoRA updates
+(`wan.lora`) are merged on the way, a layer or a shard at a time. Flax-free, so the
 runtime loads weights without model code.
 """
 
