@@ -71,10 +71,11 @@ class LowRank:
     right: np.ndarray  # (rank, out)
     scale: float
 
-    def block(self, index: tuple[slice, ...]) -> np.ndarray:
+    def block(self, index: tuple[slice, ...], out: np.ndarray | None = None) -> np.ndarray:
+        """This update's float32 block `index` (into `out` when given)."""
         rows, cols = index
-        left = self.left[rows].astype(np.float32)
-        return np.float32(self.scale) * (left @ self.right[:, cols].astype(np.float32))
+        left = np.float32(self.scale) * self.left[rows].astype(np.float32)  # (in, rank): small
+        return np.matmul(left, self.right[:, cols].astype(np.float32), out=out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,8 +85,9 @@ class Dense:
     delta: np.ndarray
     scale: float
 
-    def block(self, index: tuple[slice, ...]) -> np.ndarray:
-        return np.float32(self.scale) * self.delta[index].astype(np.float32)
+    def block(self, index: tuple[slice, ...], out: np.ndarray | None = None) -> np.ndarray:
+        """This update's float32 block `index` (into `out` when given)."""
+        return np.multiply(self.delta[index].astype(np.float32), np.float32(self.scale), out=out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,16 +102,16 @@ class ParamDelta:
         rounded once to value's dtype, a stacked parameter one layer at a time."""
         index = _normalized(index, self.shape)
         if self.terms[0][0] is None:
-            value[...] = _added(value, [u for _, u in self.terms], index)
+            _add(value, [u for _, u in self.terms], index, np.empty(value.shape, np.float32))
             return
         layers = range(*index[0].indices(self.shape[0]))
         by_layer: dict[int, list[LowRank | Dense]] = {}
         for layer, update in self.terms:
             by_layer.setdefault(layer, []).append(update)
+        scratch = np.empty(value.shape[1:], np.float32)  # one layer's block, reused
         for layer, updates in sorted(by_layer.items()):
             if layer in layers:
-                i = layers.index(layer)
-                value[i] = _added(value[i], updates, index[1:])
+                _add(value[layers.index(layer)], updates, index[1:], scratch)
 
 
 def _normalized(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
@@ -118,11 +120,16 @@ def _normalized(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice
     return tuple(slice(*s.indices(n)) for s, n in zip(padded, shape, strict=True))
 
 
-def _added(value: np.ndarray, updates: list[LowRank | Dense], index: tuple[slice, ...]):
-    total = value.astype(np.float32)
-    for update in updates:
-        total += update.block(index)
-    return total.astype(value.dtype)
+def _add(
+    value: np.ndarray, updates: list[LowRank | Dense], index: tuple[slice, ...], scratch: np.ndarray
+) -> None:
+    """value = round(value + sum of the updates' blocks), summed in float32 in `scratch`: the
+    first update is computed into it, so a single LoRA makes no other full-size temporary."""
+    updates[0].block(index, out=scratch)
+    for update in updates[1:]:
+        scratch += update.block(index)
+    scratch += value
+    value[...] = scratch
 
 
 @dataclasses.dataclass(frozen=True)
