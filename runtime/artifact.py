@@ -138,6 +138,14 @@ class Manifest:
         raw["key"] = self.key.to_json()
         return raw
 
+    def parameter_shapes(self, program: str) -> dict[tuple[str, ...], tuple[int, ...]]:
+        """Shapes of a program's parameters (its first argument) by path in the tree."""
+        return {
+            tuple(spec.path.split("/")[1:]): tuple(spec.shape)
+            for spec in self.programs[program].inputs
+            if spec.path.startswith("0/")
+        }
+
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> Manifest:
         if raw.get("schema_version") != SCHEMA_VERSION:

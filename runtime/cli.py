@@ -22,6 +22,7 @@ from runtime.artifact import ArtifactError, Manifest
 from runtime.loader import Present, Request, match_build
 from runtime.outputs import OutputError, check_writable
 from runtime.video import video_paths
+from wan import lora
 from wan.configs import ModelConfig
 from wan.presets import model_spec
 
@@ -75,6 +76,30 @@ def cli() -> None:
 )
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option(
+    "--sampler",
+    type=click.Choice(["unipc", "euler"]),
+    help="Sampler (default: the model's scheduler); a host-side table, any build serves it.",
+)
+@click.option(
+    "--shift",
+    type=click.FloatRange(min=0, min_open=True),
+    help="Flow-matching timestep shift (default: the model's scheduler's).",
+)
+@click.option(
+    "--lora",
+    "lora_args",
+    multiple=True,
+    metavar="FILE[:SCALE]",
+    help="A LoRA merged into the transformer at load (repeatable; scales add up; default 1).",
+)
+@click.option(
+    "--lora-2",
+    "lora_2_args",
+    multiple=True,
+    metavar="FILE[:SCALE]",
+    help="Two-expert models: a LoRA for the low-noise expert (transformer_2).",
+)
+@click.option(
     "--init-noise",
     type=click.Path(path_type=Path, exists=True, dir_okay=False),
     help="Latents (B, C, T, H/8, W/8) float32 .npy.",
@@ -113,8 +138,8 @@ def cli() -> None:
 )
 def run_cmd(
     artifacts, weights, prompt, negative_prompt, resolution, frames, batch, steps, guidance,
-    guidance_2, seed, init_noise, save_frames, report_path, out, build_name, coordinator,
-    num_processes, process_id, join_timeout,
+    guidance_2, seed, sampler, shift, lora_args, lora_2_args, init_noise, save_frames, report_path,
+    out, build_name, coordinator, num_processes, process_id, join_timeout,
 ) -> None:  # fmt: skip
     """Generate a video with the build that matches --res/--frames/--batch.
 
@@ -130,6 +155,7 @@ def run_cmd(
             "a multi-process run needs --coordinator HOST:PORT, --num-processes P > 1 and "
             "--process-id in [0, P)"
         )
+    loras, loras_2 = _loras(lora_args, "--lora"), _loras(lora_2_args, "--lora-2")
     outputs = [(p, "--out") for p in video_paths(out, batch)]
     outputs += [(save_frames, "--save-frames"), (report_path, "--report")]
     try:
@@ -138,13 +164,22 @@ def run_cmd(
                 check_writable(path, option)
         config = ModelConfig.from_folder(weights)
         request = Request(width, height, frames, batch, guidance > 1.0, config.hash())
-    except (OutputError, ValueError, OSError) as e:
+        lora.check_experts(config.num_experts, loras_2)
+    except (OutputError, ValueError, OSError) as e:  # LoraError is a ValueError
         raise CliError(str(e)) from None
 
     def match(present: Present) -> tuple[Path, Manifest]:
+        """The build, and the LoRAs checked against its transformer's shapes: a LoRA that does
+        not fit fails before anything loads."""
         try:
-            return match_build(artifacts, request, model_spec(config, weights), present, build_name)
-        except (ArtifactError, OSError) as e:
+            found = match_build(
+                artifacts, request, model_spec(config, weights), present, build_name
+            )
+            shapes = found[1].parameter_shapes("kv_cache")
+            for specs in (loras, loras_2):
+                lora.check(specs, shapes)
+            return found
+        except (ArtifactError, lora.LoraError, OSError) as e:
             raise CliError(str(e)) from None
 
     # Host CPU devices are arranged for a cpu-N/cpu-PxN build before jax starts; accelerators
@@ -172,7 +207,7 @@ def run_cmd(
     process_start = clock.process_start_time()
     imports = time.time() - process_start
     try:
-        pipe = Pipeline.from_build(folder, manifest, weights, config)
+        pipe = Pipeline.from_build(folder, manifest, weights, config, loras, loras_2)
         noise = np.load(init_noise) if init_noise else None
         with tqdm(total=steps, desc="denoising", unit="step", file=sys.stderr) as bar:
 
@@ -190,8 +225,10 @@ def run_cmd(
                 seed,
                 noise,
                 on_step,
+                sampler=sampler,
+                shift=shift,
             )
-    except (ArtifactError, WeightError, TokenizerError, ValueError, OSError) as e:
+    except (ArtifactError, lora.LoraError, WeightError, TokenizerError, ValueError, OSError) as e:
         raise CliError(str(e)) from None
     if jax.process_index() != 0:
         return
@@ -213,10 +250,20 @@ def run_cmd(
             report_path.write_text(json.dumps(dataclasses.asdict(report), indent=1))
     except OSError as e:
         raise CliError(f"cannot write the output: {e}") from None
+    loras_note = f", {len(report.loras)} LoRA(s)" if report.loras else ""
     click.echo(
         f"wrote {', '.join(map(str, paths))} ({report.steps} steps, {report.steps_per_second:.2f} it/s, "
-        f"{report.compile_count} compilations, build {report.build})"
+        f"{report.compile_count} compilations{loras_note}, build {report.build})"
     )
+
+
+def _loras(args: tuple[str, ...], option: str) -> list[tuple[Path, float]]:
+    """FILE[:SCALE] arguments as (path, scale); a missing file fails before anything loads."""
+    specs = [lora.parse_spec(a) for a in args]
+    for path, _ in specs:
+        if not path.is_file():
+            raise CliError(f"{option} {path}: no such file")
+    return specs
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +21,10 @@ import numpy as np
 from runtime import clock
 from runtime.artifact import ArtifactError, BuildKey, Manifest
 from runtime.loader import Present, Request, load_build, match_build
-from wan import checkpoint, schedulers, tokenizer
+from wan import checkpoint, lora, schedulers, tokenizer
 from wan.configs import ModelConfig
 from wan.presets import model_spec
+from wan.weights import flatten
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
@@ -108,6 +109,12 @@ class GenerationReport:
     # Seconds per phase: deserialize, weights (Pipeline.load), text_encode, kv_cache, denoise,
     # vae_decode; `runtime run` adds imports (process start to loading) and write.
     phases: dict[str, float]
+    sampler: str  # the sampler and flow shift the step tables were made for
+    shift: float
+    loras: list[lora.AppliedLora]  # merged into the weights at load
+
+
+LoraSpecs = Sequence[tuple[str | Path, float]]  # (file, scale) pairs
 
 
 class Pipeline:
@@ -121,9 +128,11 @@ class Pipeline:
         tok: Any,
         key: BuildKey,
         name: str,
+        loras: Sequence[lora.AppliedLora] = (),
     ):
         self.exe, self.params, self.config, self.tokenizer = executables, params, config, tok
         self.key, self.name = key, name
+        self.loras = list(loras)  # merged into `params`
         self.load_phases: dict[str, float] = {}  # set by from_build
 
     @classmethod
@@ -133,26 +142,36 @@ class Pipeline:
         weights: str | Path,
         request: Request,
         build: str | None = None,
+        loras: LoraSpecs = (),
+        loras_2: LoraSpecs = (),
     ) -> Pipeline:
         """The build in `artifacts` that serves `request` on this job's devices (the one
-        named `build`, if given), with the weights of `weights`."""
+        named `build`, if given), with the weights of `weights` and the LoRAs `loras` merged
+        into the transformer (`loras_2`: into the low-noise expert of a two-expert model)."""
         config = ModelConfig.from_folder(weights)
         request = dataclasses.replace(request, model_hash=config.hash())
         present = Present.of(jax.devices())
         folder, manifest = match_build(
             Path(artifacts), request, model_spec(config, weights), present, build
         )
-        return cls.from_build(folder, manifest, weights, config)
+        return cls.from_build(folder, manifest, weights, config, loras, loras_2)
 
     @classmethod
     def from_build(
-        cls, folder: Path, manifest: Manifest, weights: str | Path, config: ModelConfig
+        cls,
+        folder: Path,
+        manifest: Manifest,
+        weights: str | Path,
+        config: ModelConfig,
+        loras: LoraSpecs = (),
+        loras_2: LoraSpecs = (),
     ) -> Pipeline:
-        """The build in `folder` (already matched), with the weights of `weights`."""
+        """The build in `folder` (already matched), with the weights of `weights` (and LoRAs,
+        as in `load`)."""
         start = time.perf_counter()
         exe = load_build(folder, manifest, jax.devices())
         loaded = time.perf_counter()
-        pipe = cls.assemble(exe, weights, manifest.key, folder.name, config)
+        pipe = cls.assemble(exe, weights, manifest.key, folder.name, config, loras, loras_2)
         pipe.load_phases = {
             "deserialize": round(loaded - start, 4),
             "weights": round(time.perf_counter() - loaded, 4),
@@ -167,19 +186,37 @@ class Pipeline:
         key: BuildKey,
         name: str,
         config: ModelConfig | None = None,
+        loras: LoraSpecs = (),
+        loras_2: LoraSpecs = (),
     ) -> Pipeline:
-        """Place the weights of `weights` straight into the executables' input shardings."""
+        """Place the weights of `weights` straight into the executables' input shardings,
+        merging the LoRAs into the transformers on the way (all checked before any weight is
+        read)."""
         config = config or ModelConfig.from_folder(weights)
         users = {"text_encoder": "text_encode", "transformer": "kv_cache", "vae": "vae_decode"}
         if config.num_experts == 2:
             users["transformer_2"] = "kv_cache"
-        params = {}
-        for component, program in users.items():
-            compiled = executables[program]
-            abstract = _abstract(compiled.args_info[0][0], compiled.input_shardings[0][0])
-            params[component] = checkpoint.load_component(weights, component, abstract)
+        lora.check_experts(config.num_experts, loras_2)
+        abstracts = {
+            component: _abstract(
+                executables[program].args_info[0][0], executables[program].input_shardings[0][0]
+            )
+            for component, program in users.items()
+        }
+        deltas, applied = {}, []
+        for component, specs in (("transformer", loras), ("transformer_2", loras_2)):
+            if specs:
+                shapes = {p: a.shape for p, a in flatten(abstracts[component]).items()}
+                deltas[component], summary = lora.prepare(specs, shapes, component)
+                applied += summary
+        params = {
+            component: checkpoint.load_component(
+                weights, component, abstract, deltas.get(component)
+            )
+            for component, abstract in abstracts.items()
+        }
         tok = tokenizer.load_tokenizer(Path(weights) / "tokenizer")
-        return cls(executables, params, config, tok, key, name)
+        return cls(executables, params, config, tok, key, name, applied)
 
     def _in_sharding(self, program: str, index: int) -> Any:
         return self.exe[program].input_shardings[0][index]
@@ -194,8 +231,14 @@ class Pipeline:
         seed: int = 0,
         init_noise: np.ndarray | None = None,
         on_step: Callable[[int, int], None] | None = None,
+        sampler: str | None = None,
+        shift: float | None = None,
     ) -> tuple[np.ndarray, GenerationReport]:
-        """uint8 frames (B, F, H, W, 3). `init_noise` in the diffusers layout (B, C, T, h, w)."""
+        """uint8 frames (B, F, H, W, 3). `init_noise` in the diffusers layout (B, C, T, h, w).
+
+        `sampler` ('unipc' or 'euler') and the flow `shift` default to the model's scheduler;
+        both only change the host-side step tables, so any build serves any choice (the
+        solver order, which sizes the sampler state, is the build's)."""
         started_at, start = time.time(), time.perf_counter()
         key = self.key
         prompts = [prompt] * key.batch if isinstance(prompt, str) else list(prompt)
@@ -208,8 +251,13 @@ class Pipeline:
             raise ValueError(f"this build generates batches of {key.batch} prompts")
         latent_shape = tuple(self.exe["denoise_step"].args_info[0][1].shape)
         latents = _initial_latents(latent_shape, seed, init_noise)
-        tables = schedulers.make_tables(self.config.scheduler, steps)
-        state = schedulers.init_state(self.config.scheduler, latent_shape)
+        scheduler = dataclasses.replace(
+            self.config.scheduler,
+            kind=sampler or self.config.scheduler.kind,
+            flow_shift=self.config.scheduler.flow_shift if shift is None else shift,
+        )
+        tables = schedulers.make_tables(scheduler, steps)
+        state = schedulers.init_state(scheduler, latent_shape)
         boundary = (
             None
             if self.config.boundary_ratio is None
@@ -279,6 +327,9 @@ class Pipeline:
             ),
             seconds_from_process_start_to_video=round(started_at + total - process_start, 4),
             phases={**self.load_phases, **{k: round(v, 4) for k, v in phases.items()}},
+            sampler=scheduler.kind,
+            shift=scheduler.flow_shift,
+            loras=list(self.loras),
         )
         return frames, report
 

@@ -1,7 +1,8 @@
 """Model weights on disk: a diffusers-format folder or the project's own orbax checkpoint.
 
 Both load straight into given shardings: `abstract` trees of `jax.ShapeDtypeStruct` carry the
-target sharding of every parameter, and each device receives only its shards. Flax-free, so the
+target sharding of every parameter, and each device receives only its shards. LoRA updates
+(`wan.lora`) are merged on the way, a layer or a shard at a time. Flax-free, so the
 runtime loads weights without model code.
 """
 
@@ -22,6 +23,7 @@ from wan import weights
 from wan.atomic import atomic_folder
 from wan.configs import CHECKPOINT_MARKER as MARKER
 from wan.configs import ModelConfig
+from wan.lora import ParamDelta
 from wan.weights import text_encoder as text_encoder_rules
 from wan.weights import transformer as transformer_rules
 from wan.weights import vae as vae_rules
@@ -69,20 +71,35 @@ def save_checkpoint(
     return folder
 
 
-def load_component(folder: str | Path, component: str, abstract: Tree) -> Tree:
-    """Load one component into the shardings of `abstract` (nested dict of ShapeDtypeStruct).
+def load_component(
+    folder: str | Path,
+    component: str,
+    abstract: Tree,
+    deltas: Mapping[weights.Path_, ParamDelta] | None = None,
+) -> Tree:
+    """Load one component into the shardings of `abstract` (nested dict of ShapeDtypeStruct),
+    with the LoRA updates `deltas` (by parameter path) merged in.
 
-    A diffusers folder is imported tensor by tensor on the host, then each parameter is placed
-    shard by shard; a checkpoint is restored by orbax directly into the shardings.
+    A diffusers folder is imported tensor by tensor on the host, its parameters merged layer by
+    layer in that host copy, then each placed shard by shard; a checkpoint is restored by orbax
+    directly into the shardings, and a parameter with updates is then rewritten one shard at a
+    time through the host.
     """
     folder = Path(folder)
+    deltas = deltas or {}
     if is_checkpoint(folder):
         path = folder / component
         if not path.is_dir():
             raise weights.WeightError(f"checkpoint {folder} has no {component}/")
         _check_checkpoint_shapes(path, abstract)
         with ocp.StandardCheckpointer() as ckptr:
-            return ckptr.restore(path.absolute(), abstract)
+            restored = ckptr.restore(path.absolute(), abstract)
+        if not deltas:
+            return restored
+        flat = weights.flatten(restored)
+        for p, delta in deltas.items():
+            flat[p] = _merge_placed(flat[p], delta)
+        return weights.unflatten_like(abstract, flat)
     source = folder / component
     if not source.is_dir():
         raise weights.WeightError(
@@ -91,6 +108,8 @@ def load_component(folder: str | Path, component: str, abstract: Tree) -> Tree:
     flat_abstract = weights.flatten(abstract)
     expected = {p: (tuple(a.shape), np.dtype(a.dtype)) for p, a in flat_abstract.items()}
     host = weights.import_folder(source, expected, RULES[component])
+    for p, delta in deltas.items():
+        delta.merge_into(host[p], ())
     placed = {p: _place(host.pop(p), a) for p, a in flat_abstract.items()}
     return weights.unflatten_like(abstract, placed)
 
@@ -100,6 +119,24 @@ def _place(value: np.ndarray, target: jax.ShapeDtypeStruct) -> jax.Array:
     if sharding is None:
         return jax.device_put(value)
     return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+def _merge_placed(array: jax.Array, delta: ParamDelta) -> jax.Array:
+    """`array` with `delta` merged, shard by shard: each distinct shard of this process is
+    copied to the host once, merged there and put on every device that holds it (host
+    memory: one shard; no device program, so nothing compiles)."""
+    groups: dict[tuple, list[Any]] = {}
+    for shard in array.addressable_shards:
+        bounds = tuple(s.indices(n) for s, n in zip(shard.index, array.shape, strict=True))
+        groups.setdefault(bounds, []).append(shard)
+    placed = {}
+    for shards in groups.values():
+        host = np.array(shards[0].data)
+        delta.merge_into(host, shards[0].index)
+        for shard in shards:
+            placed[shard.device] = jax.device_put(host, shard.device)
+    pieces = [placed[shard.device] for shard in array.addressable_shards]
+    return jax.make_array_from_single_device_arrays(array.shape, array.sharding, pieces)
 
 
 def _check_checkpoint_shapes(path: Path, abstract: Tree) -> None:

@@ -100,29 +100,69 @@ def unflatten_like(
 def read_safetensors(path: str | Path) -> Iterator[tuple[str, np.ndarray]]:
     """Yield (name, array) from one .safetensors file as read-only memory-mapped views."""
     path = Path(path)
-    header = _header(path)
-    with path.open("rb") as f:
-        header_len = int.from_bytes(f.read(8), "little")
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
+    header, data_start = _header(path)
+    if data_start == path.stat().st_size:
+        return  # no tensor data (a memory map cannot be empty)
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=data_start)
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        if info["dtype"] not in _SAFETENSORS_DTYPES:
-            raise WeightError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
         start, end = info["data_offsets"]
         dtype = np.dtype(_SAFETENSORS_DTYPES[info["dtype"]])
         yield name, data[start:end].view(dtype).reshape(info["shape"])
 
 
-def _header(path: Path) -> dict[str, Any]:
+def safetensors_metadata(path: str | Path) -> dict[str, str]:
+    """The free-form `__metadata__` strings of a .safetensors file ({} when there are none)."""
+    return _header(Path(path))[0].get("__metadata__") or {}
+
+
+def _header(path: Path) -> tuple[dict[str, Any], int]:
+    """(header, offset of the data) of a .safetensors file, checked against the file's size:
+    a file that is not safetensors, or is truncated, fails here rather than as a reshape error
+    (or a read past the end of a memory map) later."""
+    size = path.stat().st_size
     with path.open("rb") as f:
-        return json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        header_len = int.from_bytes(f.read(8), "little") if size >= 8 else 0
+        try:
+            if not 2 <= header_len <= size - 8:
+                raise ValueError
+            header = json.loads(f.read(header_len))
+            if not isinstance(header, dict):
+                raise ValueError
+        except (ValueError, UnicodeDecodeError):
+            raise WeightError(
+                f"{path} is not a safetensors file (or is cut short in its header)"
+            ) from None
+    data_size = size - 8 - header_len
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            start, end = (int(x) for x in info["data_offsets"])
+            count = int(np.prod([int(d) for d in info["shape"]]))
+            dtype = info["dtype"]
+        except (KeyError, TypeError, ValueError):
+            raise WeightError(f"{path} is not a safetensors file (entry {name})") from None
+        if dtype not in _SAFETENSORS_DTYPES:
+            raise WeightError(f"{path}: tensor {name} has unsupported dtype {dtype}")
+        nbytes = count * np.dtype(_SAFETENSORS_DTYPES[dtype]).itemsize
+        if end > data_size:
+            raise WeightError(
+                f"{path} is truncated: tensor {name} ends at byte {8 + header_len + end}, "
+                f"the file has {size}"
+            )
+        if end - start != nbytes:
+            raise WeightError(
+                f"{path}: tensor {name} has {end - start} bytes, its shape needs {nbytes}"
+            )
+    return header, 8 + header_len
 
 
 def stored_dtype(folder: str | Path) -> str:
     """The floating dtype of the weights in a component folder ('float32', 'bfloat16', ...)."""
     for file in safetensors_files(folder):
-        for name, info in _header(file).items():
+        for name, info in _header(file)[0].items():
             if name != "__metadata__" and info["dtype"] in ("F32", "BF16", "F16"):
                 return np.dtype(_SAFETENSORS_DTYPES[info["dtype"]]).name
     raise WeightError(f"no floating-point weights in {folder}")

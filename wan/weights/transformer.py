@@ -21,6 +21,49 @@ _RENAMES = {
 _NORMS = {"norm_q", "norm_k", "norm2"}  # weight -> scale, no layout change
 _BLOCK = re.compile(r"blocks\.(\d+)\.(.+)")
 _IGNORED = ("norm_added_q",)  # diffusers ignores these unexpected keys on load too
+_TABLES = ("scale_shift_table",)  # raw parameters: the tensor is named after the module
+
+# The original Wan module names (its own checkpoints, ComfyUI and kohya/musubi LoRAs) ->
+# diffusers'. Inside a block; the original norm3 is the cross-attention norm, diffusers' norm2.
+ORIGINAL_BLOCK_MODULES = {
+    **{f"self_attn.{o}": f"attn1.{d}" for o, d in (("q", "to_q"), ("k", "to_k"), ("v", "to_v"))},
+    **{f"cross_attn.{o}": f"attn2.{d}" for o, d in (("q", "to_q"), ("k", "to_k"), ("v", "to_v"))},
+    "self_attn.o": "attn1.to_out.0",
+    "cross_attn.o": "attn2.to_out.0",
+    "self_attn.norm_q": "attn1.norm_q",
+    "self_attn.norm_k": "attn1.norm_k",
+    "cross_attn.norm_q": "attn2.norm_q",
+    "cross_attn.norm_k": "attn2.norm_k",
+    "ffn.0": "ffn.net.0.proj",
+    "ffn.2": "ffn.net.2",
+    "norm3": "norm2",
+    "modulation": "scale_shift_table",
+}
+ORIGINAL_MODULES = {
+    "patch_embedding": "patch_embedding",
+    "text_embedding.0": "condition_embedder.text_embedder.linear_1",
+    "text_embedding.2": "condition_embedder.text_embedder.linear_2",
+    "time_embedding.0": "condition_embedder.time_embedder.linear_1",
+    "time_embedding.2": "condition_embedder.time_embedder.linear_2",
+    "time_projection.1": "condition_embedder.time_proj",
+    "head.head": "proj_out",
+    "head.modulation": "scale_shift_table",
+}
+
+
+def from_original(module: str) -> str | None:
+    """The diffusers name of an original-Wan module (`blocks.3.self_attn.q` ->
+    `blocks.3.attn1.to_q`); None for a name the original model does not have."""
+    if match := _BLOCK.fullmatch(module):
+        local = ORIGINAL_BLOCK_MODULES.get(match[2])
+        return None if local is None else f"blocks.{match[1]}.{local}"
+    return ORIGINAL_MODULES.get(module)
+
+
+def tensor_name(module: str, leaf: str) -> str:
+    """The diffusers tensor of a module's `leaf` ('weight' or 'bias'): raw tables are named
+    after their module."""
+    return module if module.rpartition(".")[2] in _TABLES else f"{module}.{leaf}"
 
 
 def rule(name: str) -> Target | None:
@@ -31,7 +74,7 @@ def rule(name: str) -> Target | None:
     layer, prefix, local = None, (), name
     if match := _BLOCK.fullmatch(name):
         layer, prefix, local = int(match[1]), ("blocks",), match[2]
-    if local == "scale_shift_table":
+    if local in _TABLES:
         return Target((*prefix, local), layer, identity)
     module, _, leaf = local.rpartition(".")
     module = _RENAMES.get(module, module)

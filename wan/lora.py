@@ -1,0 +1,388 @@
+"""LoRA files merged into the transformer's weights while they are placed: no rebuild, since
+the weights are inputs of the compiled programs.
+
+A file is read as memory-mapped tensors, its key format detected, and every key mapped to a
+diffusers tensor name and from there, through the weight import's own rule
+(`wan.weights.transformer.rule`), to a parameter of the project's tree. What is merged is
+
+    W' = W + sum over files of  scale * (alpha / rank) * up @ down   (and scale * diff)
+
+in float32, rounded once to the weight's dtype. The low-rank factors stay as they are in the
+file; a parameter's update is computed for one block of it at a time (a layer of a stacked
+parameter, or one device's shard), so no full-size float32 copy of a stacked tensor is made.
+
+Flax-free: the runtime imports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from wan.weights import Path_, WeightError, linear, read_safetensors, safetensors_metadata
+from wan.weights import transformer as transformer_rules
+
+FORMATS = (
+    "diffusers/PEFT (transformer.blocks.N.attn1.to_q.lora_A.weight, .lora_B.weight), "
+    "ComfyUI (diffusion_model.blocks.N.self_attn.q.lora_down.weight, .lora_up.weight, .alpha), "
+    "kohya (lora_unet_blocks_N_self_attn_q.lora_down.weight), full deltas (.diff, .diff_b)"
+)
+# Key suffix -> the part of a module's update it holds; longest first.
+_PARTS = (
+    (".lora_down.weight", "down"),
+    (".lora_A.weight", "down"),
+    (".lora_up.weight", "up"),
+    (".lora_B.weight", "up"),
+    (".lora_B.bias", "diff_b"),  # diffusers' name for a bias delta
+    (".diff_b", "diff_b"),
+    (".alpha", "alpha"),
+    (".diff", "diff"),
+)
+# Module names only the original Wan model uses: a file naming them is in its format.
+_ORIGINAL_HINT = re.compile(
+    r"(^|\.)(self_attn|cross_attn|head\.head|time_projection|text_embedding|time_embedding)\."
+)
+_PREFIXES = {
+    "diffusers": ("transformer.", "base_model.model."),
+    "comfyui": ("diffusion_model.",),
+    "kohya": ("lora_unet_",),
+}
+# kohya spells module paths with underscores: underscored original name -> dotted.
+_UNDERSCORED_BLOCK = {k.replace(".", "_"): k for k in transformer_rules.ORIGINAL_BLOCK_MODULES}
+_UNDERSCORED = {k.replace(".", "_"): k for k in transformer_rules.ORIGINAL_MODULES}
+_KOHYA_BLOCK = re.compile(r"blocks_(\d+)_(.+)")
+
+
+class LoraError(WeightError):
+    """A LoRA file that cannot be applied to this model; names the file and the key."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LowRank:
+    """`scale * left @ right` in the parameter's (in, out) layout: left = down.T, right = up.T."""
+
+    left: np.ndarray  # (in, rank), as stored in the file
+    right: np.ndarray  # (rank, out)
+    scale: float
+
+    def block(self, index: tuple[slice, ...], out: np.ndarray | None = None) -> np.ndarray:
+        """This update's float32 block `index` (into `out` when given)."""
+        rows, cols = index
+        left = np.float32(self.scale) * self.left[rows].astype(np.float32)  # (in, rank): small
+        return np.matmul(left, self.right[:, cols].astype(np.float32), out=out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Dense:
+    """`scale * delta`, a full delta already in the parameter's layout."""
+
+    delta: np.ndarray
+    scale: float
+
+    def block(self, index: tuple[slice, ...], out: np.ndarray | None = None) -> np.ndarray:
+        """This update's float32 block `index` (into `out` when given)."""
+        return np.multiply(self.delta[index].astype(np.float32), np.float32(self.scale), out=out)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamDelta:
+    """Every update of one parameter (all files; per layer when it is stacked)."""
+
+    shape: tuple[int, ...]
+    terms: tuple[tuple[int | None, LowRank | Dense], ...]  # (layer or None, update)
+
+    def merge_into(self, value: np.ndarray, index: tuple[slice, ...]) -> None:
+        """Add the updates to `value`, the writable block `index` of the parameter: in float32,
+        rounded once to value's dtype, a stacked parameter one layer at a time."""
+        index = _normalized(index, self.shape)
+        if self.terms[0][0] is None:
+            _add(value, [u for _, u in self.terms], index, np.empty(value.shape, np.float32))
+            return
+        layers = range(*index[0].indices(self.shape[0]))
+        by_layer: dict[int, list[LowRank | Dense]] = {}
+        for layer, update in self.terms:
+            by_layer.setdefault(layer, []).append(update)
+        scratch = np.empty(value.shape[1:], np.float32)  # one layer's block, reused
+        for layer, updates in sorted(by_layer.items()):
+            if layer in layers:
+                _add(value[layers.index(layer)], updates, index[1:], scratch)
+
+
+def _normalized(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
+    """Explicit bounds for every dimension (jax passes `slice(None)` for unsharded ones)."""
+    padded = (*index, *[slice(None)] * (len(shape) - len(index)))
+    return tuple(slice(*s.indices(n)) for s, n in zip(padded, shape, strict=True))
+
+
+def _add(
+    value: np.ndarray, updates: list[LowRank | Dense], index: tuple[slice, ...], scratch: np.ndarray
+) -> None:
+    """value = round(value + sum of the updates' blocks), summed in float32 in `scratch`: the
+    first update is computed into it, so a single LoRA makes no other full-size temporary."""
+    updates[0].block(index, out=scratch)
+    for update in updates[1:]:
+        scratch += update.block(index)
+    scratch += value
+    value[...] = scratch
+
+
+@dataclasses.dataclass(frozen=True)
+class Module:
+    """What a file holds for one module (a diffusers module name): a low-rank pair, its alpha,
+    and full deltas of the weight and of the bias. `keys` are the file's keys, for messages."""
+
+    keys: dict[str, str]  # part -> key in the file
+    tensors: dict[str, np.ndarray]  # part -> tensor ('down', 'up', 'alpha', 'diff', 'diff_b')
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraFile:
+    path: Path
+    format: str  # 'diffusers', 'comfyui' or 'kohya'
+    modules: dict[str, Module]  # by diffusers module name
+    default_alpha: float | None  # diffusers metadata's lora_alpha; None: alpha = rank
+
+
+@dataclasses.dataclass(frozen=True)
+class AppliedLora:
+    """One LoRA as applied, for reports."""
+
+    file: str
+    sha256: str
+    scale: float
+    transformer: str  # 'transformer' or 'transformer_2' (the low-noise expert)
+    format: str
+    parameters: int  # weight tensors changed, each layer of a stacked parameter counted
+
+
+def parse_spec(text: str) -> tuple[Path, float]:
+    """`FILE[:SCALE]` -> (path, scale); scale 1.0 when absent."""
+    path, sep, scale = text.rpartition(":")
+    if sep:
+        try:
+            return Path(path), float(scale)
+        except ValueError:
+            pass
+    return Path(text), 1.0
+
+
+def detect_format(names: Sequence[str]) -> str:
+    if any(n.startswith("lora_unet_") for n in names):
+        return "kohya"
+    if any(n.startswith("diffusion_model.") or _ORIGINAL_HINT.search(n) for n in names):
+        return "comfyui"
+    return "diffusers"
+
+
+def split_key(key: str, fmt: str) -> tuple[str, str] | None:
+    """(diffusers module name, part) of one key of a file in format `fmt`; None when the key
+    names no module of the transformer in that format."""
+    found = next(((key[: -len(s)], p) for s, p in _PARTS if key.endswith(s)), None)
+    if found is None:
+        return None
+    name, part = found
+    name = next((name[len(p) :] for p in _PREFIXES[fmt] if name.startswith(p)), name)
+    if fmt == "diffusers":
+        return name, part
+    if fmt == "kohya":
+        name = _dotted(name)
+    module = transformer_rules.from_original(name)
+    return None if module is None else (module, part)
+
+
+def _dotted(name: str) -> str:
+    """A kohya module name (`blocks_3_self_attn_q`) in the original dotted spelling."""
+    if match := _KOHYA_BLOCK.fullmatch(name):
+        local = _UNDERSCORED_BLOCK.get(match[2])
+        return f"blocks.{match[1]}.{local}" if local else name
+    return _UNDERSCORED.get(name, name)
+
+
+def read_lora(path: str | Path) -> LoraFile:
+    """Read a LoRA file's tensors (memory-mapped) and group them by module."""
+    path = Path(path)
+    try:
+        tensors = dict(read_safetensors(path))
+        metadata = safetensors_metadata(path)
+    except (WeightError, OSError) as e:
+        raise LoraError(f"LoRA {e}") from None
+    if not tensors:
+        raise LoraError(f"LoRA {path} holds no tensors")
+    fmt = detect_format(list(tensors))
+    modules: dict[str, Module] = {}
+    for key, tensor in tensors.items():
+        split = split_key(key, fmt)
+        if split is None:
+            raise LoraError(f"LoRA {path}: key {key} names no transformer weight ({_known()})")
+        module, part = split
+        entry = modules.setdefault(module, Module({}, {}))
+        if part in entry.keys:
+            raise LoraError(f"LoRA {path}: {key} and {entry.keys[part]} are the same tensor")
+        entry.keys[part], entry.tensors[part] = key, tensor
+    return LoraFile(path, fmt, modules, _metadata_alpha(path, metadata))
+
+
+def _known() -> str:
+    return f"formats known: {FORMATS}"
+
+
+def _metadata_alpha(path: Path, metadata: Mapping[str, str]) -> float | None:
+    """lora_alpha of diffusers' `lora_adapter_metadata` (its PEFT LoraConfig); refuses the
+    settings that would change the update's form."""
+    raw = metadata.get("lora_adapter_metadata")
+    if raw is None:
+        return None
+    try:
+        config = {k.removeprefix("transformer."): v for k, v in json.loads(raw).items()}
+    except (ValueError, AttributeError):
+        raise LoraError(f"LoRA {path}: lora_adapter_metadata is not a JSON object") from None
+    for unsupported in ("use_rslora", "use_dora", "alpha_pattern"):
+        if config.get(unsupported):
+            raise LoraError(f"LoRA {path}: {unsupported} is not supported")
+    alpha = config.get("lora_alpha")
+    return None if alpha is None else float(alpha)
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def check_experts(num_experts: int, loras_2: Sequence[object]) -> None:
+    if loras_2 and num_experts == 1:
+        raise LoraError(
+            "--lora-2 (loras_2) is for the low-noise expert of a two-expert model; this model "
+            "has one transformer: use --lora"
+        )
+
+
+def check(specs: Sequence[tuple[str | Path, float]], shapes: Mapping[Path_, tuple[int, ...]]):
+    """Raise LoraError for the first LoRA of `specs` that does not fit a transformer with
+    parameters of `shapes` (reads the files' headers and tensor shapes, no weights)."""
+    _collect(specs, shapes)
+
+
+def prepare(
+    specs: Sequence[tuple[str | Path, float]],
+    shapes: Mapping[Path_, tuple[int, ...]],
+    transformer: str = "transformer",
+) -> tuple[dict[Path_, ParamDelta], list[AppliedLora]]:
+    """The updates of the LoRA files `specs` ((path, scale) pairs; a file may repeat, the
+    scales add up) for a transformer whose parameters have `shapes`, checked against them
+    before any weight is read."""
+    terms, files = _collect(specs, shapes)
+    applied = [
+        AppliedLora(str(f.path), file_sha256(f.path), float(scale), transformer, f.format, touched)
+        for f, scale, touched in files
+    ]
+    deltas = {p: ParamDelta(tuple(shapes[p]), tuple(t)) for p, t in terms.items()}
+    return deltas, applied
+
+
+def _collect(
+    specs: Sequence[tuple[str | Path, float]], shapes: Mapping[Path_, tuple[int, ...]]
+) -> tuple[
+    dict[Path_, list[tuple[int | None, LowRank | Dense]]], list[tuple[LoraFile, float, int]]
+]:
+    """(updates by parameter, (file, scale, tensors it changes) per spec)."""
+    terms: dict[Path_, list[tuple[int | None, LowRank | Dense]]] = {}
+    files = []
+    for path, scale in specs:
+        lora = read_lora(path)
+        touched: set[tuple[Path_, int | None]] = set()
+        for module, entry in lora.modules.items():
+            for param, layer, update in _updates(lora, module, entry, shapes, float(scale)):
+                terms.setdefault(param, []).append((layer, update))
+                touched.add((param, layer))
+        files.append((lora, float(scale), len(touched)))
+    return terms, files
+
+
+def _updates(
+    lora: LoraFile,
+    module: str,
+    entry: Module,
+    shapes: Mapping[Path_, tuple[int, ...]],
+    scale: float,
+) -> list[tuple[Path_, int | None, LowRank | Dense]]:
+    """(parameter, layer, update) for each update one module of a file makes."""
+    parts, keys = entry.tensors, entry.keys
+    out = []
+    if pair := [keys[p] for p in ("down", "up", "alpha") if p in parts]:
+        param, layer, want, transform = _target(lora, module, "weight", pair[0], shapes)
+        if transform is not linear:
+            raise LoraError(
+                f"LoRA {lora.path}: {pair[0]}: a low-rank pair applies to Linear weights only; "
+                f"{'.'.join(param)} is not one (a full delta, .diff, is)"
+            )
+        out.append((param, layer, _low_rank(lora, entry, want, param, scale)))
+    for part, leaf in (("diff", "weight"), ("diff_b", "bias")):
+        if part in parts:
+            param, layer, want, transform = _target(lora, module, leaf, keys[part], shapes)
+            try:
+                delta = transform(parts[part])
+            except ValueError:  # a transpose of the wrong number of dimensions
+                delta = parts[part]
+            if tuple(delta.shape) != want:
+                raise LoraError(
+                    f"LoRA {lora.path}: {keys[part]} has shape {tuple(delta.shape)} in the parameter's "
+                    f"layout, {'.'.join(param)} is {want}"
+                )
+            out.append((param, layer, Dense(delta, scale)))
+    return out
+
+
+def _low_rank(
+    lora: LoraFile, entry: Module, want: tuple[int, ...], param: Path_, scale: float
+) -> LowRank:
+    """A lora_down/lora_up pair (and its alpha) checked against the (in, out) kernel `want`."""
+    parts, keys, where = entry.tensors, entry.keys, f"LoRA {lora.path}"
+    if "down" not in parts or "up" not in parts:
+        have, miss = ("down", "up") if "down" in parts else ("up", "down")
+        raise LoraError(f"{where}: {keys.get(have) or keys['alpha']} has no lora_{miss} partner")
+    down, up = parts["down"], parts["up"]
+    got = (down.shape[-1], up.shape[0])
+    if down.ndim != 2 or up.ndim != 2 or up.shape[1] != down.shape[0] or got != want:
+        raise LoraError(
+            f"{where}: {keys['down']} (down {down.shape}, up {up.shape}) does not fit "
+            f"{'.'.join(param)}: the update is {got} (in, out), the parameter {want}"
+        )
+    rank = down.shape[0]
+    if "alpha" not in parts:
+        alpha = lora.default_alpha or rank
+    elif parts["alpha"].size == 1:
+        alpha = float(parts["alpha"].reshape(()))
+    else:
+        raise LoraError(f"{where}: {keys['alpha']} is not a single number")
+    return LowRank(down.T, up.T, scale * alpha / rank)
+
+
+def _target(
+    lora: LoraFile, module: str, leaf: str, key: str, shapes: Mapping[Path_, tuple[int, ...]]
+):
+    """(parameter path, layer, shape of one layer's block, layout transform) of a module's
+    weight or bias, through the diffusers weight import's rule."""
+    name = transformer_rules.tensor_name(module, leaf)
+    try:
+        target = transformer_rules.rule(name)
+    except WeightError:
+        target = None
+    if target is None or target.path not in shapes:
+        raise LoraError(f"LoRA {lora.path}: key {key} names no weight of this model ({_known()})")
+    shape = tuple(shapes[target.path])
+    if target.layer is None:
+        return target.path, None, shape, target.transform
+    if not 0 <= target.layer < shape[0]:
+        raise LoraError(
+            f"LoRA {lora.path}: key {key} is for layer {target.layer}, the model has {shape[0]}"
+        )
+    return target.path, target.layer, shape[1:], target.transform
