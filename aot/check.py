@@ -307,18 +307,41 @@ def check_build(folder: Path, policy: Policy) -> BuildCheck:
         collectives = tuple(hlo.collectives(_read_hlo(folder, entry.hlo.path, entry.hlo.sha256)))
         program = ProgramCheck(entry.memory["peak"], collectives)
         programs[name] = program
-        violations += _collective_violations(
-            folder, name, collectives, policy.programs.get(name, ProgramRules()), manifest
-        )
-        if budget is not None and program.peak_bytes > budget:
-            message = (
-                f"peak {program.peak_bytes / GiB:.2f} GiB per device > budget "
-                f"{_budget_text(budget, manifest.hbm_bytes)}"
-            )
-            violations.append(
-                Violation(folder, name, "memory", None, budget, program.peak_bytes, message, ())
-            )
+        violations += program_violations(folder, name, program, policy, BuildFacts.of(manifest))
     return BuildCheck(folder, manifest, budget, programs, tuple(violations))
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildFacts:
+    """What the policy's rules read from a build besides its programs."""
+
+    target: str
+    hbm_bytes: int | None
+    ulysses_all_to_alls: int
+
+    @classmethod
+    def of(cls, manifest: Manifest) -> BuildFacts:
+        return cls(manifest.key.target, manifest.hbm_bytes, manifest.ulysses_all_to_alls)
+
+
+def program_violations(
+    folder: Path, name: str, program: ProgramCheck, policy: Policy, build: BuildFacts
+) -> list[Violation]:
+    """What `policy` finds wrong with one compiled program of `build`: its collectives against
+    the program's rules, its peak memory against the target's budget."""
+    violations = _collective_violations(
+        folder, name, program.collectives, policy.programs.get(name, ProgramRules()), build
+    )
+    budget = policy.memory_rule(build.target).budget(build.hbm_bytes)
+    if budget is not None and program.peak_bytes > budget:
+        message = (
+            f"peak {program.peak_bytes / GiB:.2f} GiB per device > budget "
+            f"{_budget_text(budget, build.hbm_bytes)}"
+        )
+        violations.append(
+            Violation(folder, name, "memory", None, budget, program.peak_bytes, message, ())
+        )
+    return violations
 
 
 def _read_hlo(folder: Path, name: str, sha256: str) -> hlo.Module:
@@ -351,7 +374,7 @@ def _collective_violations(
     program: str,
     collectives: Sequence[hlo.Collective],
     rules: ProgramRules,
-    manifest: Manifest,
+    build: BuildFacts,
 ) -> list[Violation]:
     def of_kind(kind: str) -> tuple[hlo.Collective, ...]:
         found = (c for c in collectives if c.kind == kind)
@@ -365,7 +388,7 @@ def _collective_violations(
             out.append(Violation(folder, program, "forbid", kind, 0, runs, message, found))
     for kind, stated in rules.max_count.items():
         found = of_kind(kind)
-        limit = manifest.ulysses_all_to_alls if stated == ULYSSES else stated
+        limit = build.ulysses_all_to_alls if stated == ULYSSES else stated
         if (runs := sum(c.count for c in found)) > limit:
             source = f" (the build's {ULYSSES} attention)" if stated == ULYSSES else ""
             message = f"{kind}: {runs} executions per run > max_count {limit}{source}"

@@ -45,7 +45,7 @@ def compile_one(model: str, target_name: str, batch: int, res: str, frames: int,
 
     target = targets.parse_target(target_name)
     targets.prepare_environment(target)
-    from aot import hlo
+    from aot import check, hlo
     from aot.build import compile_plan, kernel_flops, memory_stats, plan_build, ulysses_all_to_alls
     from wan.presets import resolve_model
     from wan.programs import VideoShape
@@ -56,10 +56,14 @@ def compile_one(model: str, target_name: str, batch: int, res: str, frames: int,
     shape = VideoShape(width, height, frames, batch)
     requested = None if attention == "auto" else attention
     plan = plan_build(model, config, shape, target, num_devices, attention=requested)
+    policy = check.load_policy()
+    facts = check.BuildFacts(plan.key.target, target.hbm_bytes, ulysses_all_to_alls(plan))
     programs = {}
     for program, compiled, _, seconds, rss in compile_plan(plan, only=only):
         module = hlo.parse(compiled.as_text())
         memory = memory_stats(compiled)
+        found = check.ProgramCheck(memory["peak"], tuple(hlo.collectives(module)))
+        violations = check.program_violations(Path(), program.name, found, policy, facts)
         programs[program.name] = {
             "peak_gib": round(memory["peak"] / GiB, 3),
             "argument_gib": round(memory["argument"] / GiB, 3),
@@ -77,6 +81,8 @@ def compile_one(model: str, target_name: str, batch: int, res: str, frames: int,
             "collectives": {
                 k: v["count"] for k, v in hlo.collective_summary(module).items() if v["count"]
             },
+            # aot check's verdict with the default policy (docs/check.md)
+            "policy_violations": [v.message for v in violations],
         }
     return {
         "build": plan.key.folder_name(),
@@ -112,6 +118,14 @@ def _order(row: dict) -> tuple:
     return row["model"], row["target"], row["batch"], row.get("attention", "")
 
 
+def _verdict(programs) -> str:
+    """The policy check over the programs compiled: pass, or the violations' messages."""
+    if any("policy_violations" not in p for p in programs):
+        return "not run"
+    violations = [m for p in programs for m in p["policy_violations"]]
+    return "; ".join(violations) if violations else "pass"
+
+
 def markdown(rows: list[dict]) -> str:
     """Per program: peak GiB per device / compile seconds / peak RSS GiB of the compiling
     process; one row per (model, target, batch)."""
@@ -121,8 +135,8 @@ def markdown(rows: list[dict]) -> str:
     lines = [
         "| model | target (HBM GiB) | B | mesh | VAE mesh | attention | "
         + " | ".join(names)
-        + " | step lower bound s |",
-        "|---|---|---|---|---|---|" + "---|" * len(names) + "---|",
+        + " | step lower bound s | aot check |",
+        "|---|---|---|---|---|---|" + "---|" * len(names) + "---|---|",
     ]
     for r in sorted(rows, key=_order):
         if "programs" not in r:
@@ -148,7 +162,7 @@ def markdown(rows: list[dict]) -> str:
             f"| {r['model']} | {r['target']}{hbm} | {r['batch']} | {mesh} | "
             f"{tuple(r['vae_mesh'])} {r['vae_axis']} | {attention} | "
             + " | ".join(cells)
-            + f" | {bound} |"
+            + f" | {bound} | {_verdict(r['programs'].values())} |"
         )
     return "\n".join(lines)
 

@@ -8,10 +8,11 @@ runtime loads weights without model code.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -97,9 +98,8 @@ def load_component(
         if not deltas:
             return restored
         flat = weights.flatten(restored)
-        for p, delta in deltas.items():
-            flat[p] = _merge_placed(flat[p], delta)
-        return weights.unflatten_like(abstract, flat)
+        merged = _in_threads(lambda p: _merge_placed(flat[p], deltas[p]), deltas)
+        return weights.unflatten_like(abstract, {**flat, **merged})
     source = folder / component
     if not source.is_dir():
         raise weights.WeightError(
@@ -108,10 +108,17 @@ def load_component(
     flat_abstract = weights.flatten(abstract)
     expected = {p: (tuple(a.shape), np.dtype(a.dtype)) for p, a in flat_abstract.items()}
     host = weights.import_folder(source, expected, RULES[component])
-    for p, delta in deltas.items():
-        delta.merge_into(host[p], ())
+    _in_threads(lambda p: deltas[p].merge_into(host[p], ()), deltas)
     placed = {p: _place(host.pop(p), a) for p, a in flat_abstract.items()}
     return weights.unflatten_like(abstract, placed)
+
+
+def _in_threads(fn: Callable[[weights.Path_], Any], paths: Iterable[weights.Path_]) -> dict:
+    """{path: fn(path)} with one thread per core: merging is numpy work that releases the GIL,
+    parameter by parameter (host memory: a float32 block per thread)."""
+    paths = list(paths)
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        return dict(zip(paths, pool.map(fn, paths), strict=True))
 
 
 def _place(value: np.ndarray, target: jax.ShapeDtypeStruct) -> jax.Array:
