@@ -358,9 +358,13 @@ class WanTransformer(nnx.Module):
         grid = self._grid(latents.shape[1:4])
         rope = rope_tables(grid, self.config.attention_head_dim)
 
-        x = self.patch_embedding(latents.astype(self.dtype)).reshape(
-            batch, -1, self.config.inner_dim
-        )
+        # The patch embedding is a Conv with stride = kernel = patch: a Linear on each patch.
+        # Applied to the patch sequence pinned sequence-sharded, each device embeds only its
+        # own tokens (as a conv, XLA lays its output out by the weights' fsdp channels and
+        # then all-to-alls it to the sequence sharding).
+        patches = constrain(self._patchify(latents.astype(self.dtype), grid), (*HIDDEN[:2], None))
+        conv = self.patch_embedding
+        x = patches @ conv.kernel[...].reshape(-1, self.config.inner_dim) + conv.bias[...]
         temb, time6 = self.condition_embedder.time(jnp.broadcast_to(timestep, (batch,)))
 
         graphdef, params = nnx.split(self.blocks)
@@ -391,6 +395,14 @@ class WanTransformer(nnx.Module):
                 f"patch grid {grid} exceeds rope_max_seq_len={self.config.rope_max_seq_len}"
             )
         return grid
+
+    def _patchify(self, x: jax.Array, grid: tuple[int, int, int]) -> jax.Array:
+        """(B, T, H, W, C) -> (B, S, pt*ph*pw*C), patch channels ordered (pt, ph, pw, C) as the
+        patch embedding's kernel (pt, ph, pw, C, D) is."""
+        (t, h, w), (pt, ph, pw) = grid, self.config.patch_size
+        x = x.reshape(x.shape[0], t, pt, h, ph, w, pw, -1)
+        x = x.transpose(0, 1, 3, 5, 2, 4, 6, 7)
+        return x.reshape(x.shape[0], t * h * w, -1)
 
     def _unpatchify(self, x: jax.Array, grid: tuple[int, int, int]) -> jax.Array:
         """(B, S, pt*ph*pw*C) -> (B, T, H, W, C); patch channels are ordered (pt, ph, pw, C)."""
