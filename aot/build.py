@@ -39,8 +39,8 @@ from runtime.artifact import (
 )
 from runtime.loader import host_layout
 from wan import attention as attention_lib
+from wan import interface, sharding
 from wan import programs as wan_programs
-from wan import sharding
 from wan.atomic import atomic_folder
 from wan.configs import ModelConfig
 
@@ -366,7 +366,7 @@ def compile_plan(
                 program,
                 mesh,
                 *rules[program.mesh],
-                placed={1: latents} if decode else None,
+                placed={"latents": latents} if decode else None,
                 replicated_out=decode and multi_process,
             )
             seconds = time.perf_counter() - start
@@ -424,17 +424,19 @@ def compile_program(
     mesh: jax.sharding.Mesh,
     rules: sharding.Rules,
     uneven: frozenset[str] = frozenset(),
-    placed: dict[int, jax.sharding.Sharding] | None = None,
+    placed: dict[str, jax.sharding.Sharding] | None = None,
     replicated_out: bool = False,
 ) -> Any:
     """Lower and compile `program` for `mesh` under `rules` (abstract inputs only). `placed`:
-    arguments (by position) that arrive with a given sharding, as another program leaves them."""
+    inputs (by name) that arrive with a given sharding, as another program leaves them."""
     placed = placed or {}
     in_shardings = tuple(
-        placed[i] if i in placed else wan_programs.shardings(mesh, a, ax, rules)
-        for i, (a, ax) in enumerate(zip(program.args, program.arg_axes, strict=True))
+        placed[name]
+        if name in placed
+        else wan_programs.shardings(mesh, a, program.arg_axes[name], rules)
+        for name, a in program.args.items()
     )
-    out_shapes = jax.eval_shape(program.fn, *program.args)
+    out_shapes = jax.eval_shape(program.fn, *program.args.values())
     out_axes = (
         jax.tree.map(lambda s: (None,) * len(s.shape), out_shapes)
         if replicated_out
@@ -450,10 +452,10 @@ def compile_program(
         in_shardings=in_shardings,
         out_shardings=out_shardings,
         keep_unused=True,
-        donate_argnums=program.donate,
+        donate_argnums=program.donate_argnums,
     )
     with jax.set_mesh(mesh), sharding.axis_rules(rules, uneven):
-        return jitted.lower(*program.args).compile()
+        return jitted.lower(*program.args.values()).compile()
 
 
 def _write_program(
@@ -477,8 +479,15 @@ def _write_program(
         name=program.name,
         executable=file_entry(folder, f"{program.name}.exec"),
         hlo=file_entry(folder, f"{program.name}.hlo.txt.gz"),
-        inputs=_array_specs(compiled.args_info[0], compiled.input_shardings[0]),
-        outputs=_array_specs(jax.eval_shape(program.fn, *program.args), compiled.output_shardings),
+        input_names=list(program.args),
+        output_names=list(program.out_axes),
+        inputs=_array_specs(
+            interface.named(program.name, compiled.args_info[0]),
+            interface.named(program.name, compiled.input_shardings[0]),
+        ),
+        outputs=_array_specs(
+            jax.eval_shape(program.fn, *program.args.values()), compiled.output_shardings
+        ),
         compile_seconds=round(seconds, 3),
         peak_rss_bytes=rss,
         memory=memory_stats(compiled),

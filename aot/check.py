@@ -76,12 +76,12 @@ from aot import hlo, targets
 from aot.report import _table
 from runtime.artifact import (
     MANIFEST,
-    PROGRAMS,
     ArtifactError,
     Manifest,
     read_manifest,
     sha256_file,
 )
+from wan.interface import PROGRAMS
 
 SCHEMA_VERSION = 1
 KINDS = frozenset(hlo._COLLECTIVES.values())

@@ -18,9 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: program inputs and outputs by name (wan.interface)
 MANIFEST = "manifest.json"
-PROGRAMS = ("text_encode", "kv_cache", "denoise_step", "vae_decode")
 
 
 class ArtifactError(RuntimeError):
@@ -79,7 +78,7 @@ class FileEntry:
 class ArraySpec:
     """One flat input or output of an executable."""
 
-    path: str  # pytree key path, e.g. "params/blocks/attn1/to_q/kernel"
+    path: str  # input or output name, then the key path in it: "params/blocks/attn1/to_q/kernel"
     shape: tuple[int, ...]
     dtype: str
     sharding: str  # PartitionSpec as text
@@ -90,6 +89,8 @@ class ProgramEntry:
     name: str
     executable: FileEntry
     hlo: FileEntry
+    input_names: list[str]  # in call order (wan.interface.SIGNATURES)
+    output_names: list[str]
     inputs: list[ArraySpec]
     outputs: list[ArraySpec]
     compile_seconds: float
@@ -139,11 +140,11 @@ class Manifest:
         return raw
 
     def parameter_shapes(self, program: str) -> dict[tuple[str, ...], tuple[int, ...]]:
-        """Shapes of a program's parameters (its first argument) by path in the tree."""
+        """Shapes of a program's parameters (its `params` input) by path in the tree."""
         return {
             tuple(spec.path.split("/")[1:]): tuple(spec.shape)
             for spec in self.programs[program].inputs
-            if spec.path.startswith("0/")
+            if spec.path.startswith("params/")
         }
 
     @classmethod

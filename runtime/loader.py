@@ -12,7 +12,6 @@ from typing import Any
 
 from runtime.artifact import (
     MANIFEST,
-    PROGRAMS,
     ArtifactError,
     Manifest,
     executable_device_ids,
@@ -20,6 +19,7 @@ from runtime.artifact import (
     read_manifest,
     verify_files,
 )
+from wan.interface import PROGRAMS, SIGNATURES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,10 +195,26 @@ def ordered_devices(manifest: Manifest, devices: list[Any], blobs: dict[str, byt
     return [by_id[i] for i in manifest.device_ids]
 
 
+def check_signatures(folder: Path, manifest: Manifest) -> None:
+    """The build's programs take and return what this runtime passes and reads, by name."""
+    for name, signature in SIGNATURES.items():
+        entry = manifest.programs[name]
+        if (tuple(entry.input_names), tuple(entry.output_names)) != (
+            signature.inputs,
+            signature.outputs,
+        ):
+            raise ArtifactError(
+                f"{folder.name}: {name} takes ({', '.join(entry.input_names)}) and returns "
+                f"({', '.join(entry.output_names)}); this runtime passes ({', '.join(signature.inputs)}) "
+                f"and reads ({', '.join(signature.outputs)}): rebuild with `aot build --force`"
+            )
+
+
 def load_build(folder: Path, manifest: Manifest, devices: list[Any]) -> dict[str, Any]:
     """Verified, deserialized executables by program name."""
     verify_files(folder, manifest)
     check_environment(manifest, devices)
+    check_signatures(folder, manifest)
     blobs = {
         name: (folder / manifest.programs[name].executable.path).read_bytes() for name in PROGRAMS
     }

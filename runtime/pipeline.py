@@ -21,7 +21,7 @@ import numpy as np
 from runtime import clock
 from runtime.artifact import ArtifactError, BuildKey, Manifest
 from runtime.loader import Present, Request, load_build, match_build
-from wan import checkpoint, lora, schedulers, tokenizer
+from wan import checkpoint, interface, lora, schedulers, tokenizer
 from wan.configs import ModelConfig
 from wan.presets import model_spec
 from wan.weights import flatten
@@ -193,16 +193,20 @@ class Pipeline:
         merging the LoRAs into the transformers on the way (all checked before any weight is
         read)."""
         config = config or ModelConfig.from_folder(weights)
-        users = {"text_encoder": "text_encode", "transformer": "kv_cache", "vae": "vae_decode"}
-        if config.num_experts == 2:
-            users["transformer_2"] = "kv_cache"
         lora.check_experts(config.num_experts, loras_2)
-        abstracts = {
-            component: _abstract(
-                executables[program].args_info[0][0], executables[program].input_shardings[0][0]
+        # Placed as the first program taking them wants them: the build gives every program of
+        # a component the same parameter shardings.
+        abstracts = {}
+        for component in interface.components(config.num_experts):
+            program = interface.first_program_taking(component)
+            info, shardings = (
+                interface.named(program, inputs)["params"]
+                for inputs in (
+                    executables[program].args_info[0],
+                    executables[program].input_shardings[0],
+                )
             )
-            for component, program in users.items()
-        }
+            abstracts[component] = _abstract(info, shardings)
         deltas, applied = {}, []
         for component, specs in (("transformer", loras), ("transformer_2", loras_2)):
             if specs:
@@ -218,8 +222,12 @@ class Pipeline:
         tok = tokenizer.load_tokenizer(Path(weights) / "tokenizer")
         return cls(executables, params, config, tok, key, name, applied)
 
-    def _in_sharding(self, program: str, index: int) -> Any:
-        return self.exe[program].input_shardings[0][index]
+    def _input_sharding(self, program: str, name: str) -> Any:
+        return interface.named(program, self.exe[program].input_shardings[0])[name]
+
+    def _run(self, program: str, **inputs: Any) -> dict[str, Any]:
+        """`program` on `inputs` (by name), its outputs by name."""
+        return self.exe[program](*interface.positional(program, inputs))
 
     def generate(
         self,
@@ -249,7 +257,8 @@ class Pipeline:
         )
         if len(prompts) != key.batch or len(negatives) != key.batch:
             raise ValueError(f"this build generates batches of {key.batch} prompts")
-        latent_shape = tuple(self.exe["denoise_step"].args_info[0][1].shape)
+        step_args = interface.named("denoise_step", self.exe["denoise_step"].args_info[0])
+        latent_shape = tuple(step_args["latents"].shape)
         latents = _initial_latents(latent_shape, seed, init_noise)
         scheduler = dataclasses.replace(
             self.config.scheduler,
@@ -270,40 +279,51 @@ class Pipeline:
             ids, mask = tokenizer.tokenize(
                 self.tokenizer, texts, self.config.text_encoder.max_length
             )
-            emb = self.exe["text_encode"](
-                self.params["text_encoder"],
-                place(ids, self._in_sharding("text_encode", 1)),
-                place(mask, self._in_sharding("text_encode", 2)),
+            emb = self._run(
+                "text_encode",
+                params=self.params["text_encoder"],
+                ids=place(ids, self._input_sharding("text_encode", "ids")),
+                mask=place(mask, self._input_sharding("text_encode", "mask")),
+            )["embeddings"]
+            emb = handoff(
+                jax.block_until_ready(emb), self._input_sharding("kv_cache", "embeddings")
             )
-            emb = handoff(jax.block_until_ready(emb), self._in_sharding("kv_cache", 1))
             encoded = time.perf_counter() - start
             experts = ["transformer"] + (["transformer_2"] if boundary is not None else [])
             kv = jax.block_until_ready(
-                {e: self.exe["kv_cache"](self.params[e], emb) for e in experts}
+                {
+                    e: self._run("kv_cache", params=self.params[e], embeddings=emb)["kv"]
+                    for e in experts
+                }
             )
             first_step = time.perf_counter() - start
-            step_in = self.exe["denoise_step"].input_shardings[0]
-            x = place(latents, step_in[1])
-            st = {
-                name: place(getattr(state, name), step_in[4][name])
-                for name in ("last_sample", "x0_history")
+            step_in = interface.named("denoise_step", self.exe["denoise_step"].input_shardings[0])
+            out = {
+                "latents": place(latents, step_in["latents"]),
+                "state": {
+                    name: place(getattr(state, name), step_in["state"][name])
+                    for name in ("last_sample", "x0_history")
+                },
             }
             for i in range(steps):
-                row = tables.row(i)
                 high_noise = boundary is None or float(tables.timesteps[i]) >= boundary
                 expert = "transformer" if high_noise else "transformer_2"
                 scale = guidance if high_noise or guidance_2 is None else guidance_2
-                kv_e = tuple(handoff(a, s) for a, s in zip(kv[expert], step_in[2], strict=True))
-                row_dev = {k: place(v, step_in[3][k]) for k, v in row.items()}
-                x, st = self.exe["denoise_step"](
-                    self.params[expert], x, kv_e, row_dev, st, place(np.float32(scale), step_in[5])
+                out = self._run(
+                    "denoise_step",
+                    params=self.params[expert],
+                    latents=out["latents"],
+                    kv=tuple(handoff(a, s) for a, s in zip(kv[expert], step_in["kv"], strict=True)),
+                    row={k: place(v, step_in["row"][k]) for k, v in tables.row(i).items()},
+                    state=out["state"],
+                    guidance=place(np.float32(scale), step_in["guidance"]),
                 )
                 if on_step is not None:
-                    jax.block_until_ready(x)
+                    jax.block_until_ready(out["latents"])
                     on_step(i + 1, steps)
             denoise = time.perf_counter() - start - first_step
-            x = handoff(x, self._in_sharding("vae_decode", 1))
-            frames = self.exe["vae_decode"](self.params["vae"], x)
+            x = handoff(out["latents"], self._input_sharding("vae_decode", "latents"))
+            frames = self._run("vae_decode", params=self.params["vae"], latents=x)["frames"]
             frames = np.asarray(frames)  # replicated in multi-process builds: local data
         total = time.perf_counter() - start
         process_start = clock.process_start_time()

@@ -14,8 +14,9 @@ from conftest import TINY_SHAPE, run_cli
 from aot import hlo
 from aot.build import compile_program, plan_build
 from aot.targets import parse_target
-from runtime.artifact import PROGRAMS, SCHEMA_VERSION, read_manifest, sha256_file
-from wan import programs, sharding
+from runtime.artifact import SCHEMA_VERSION, read_manifest, sha256_file
+from wan import interface, programs, sharding
+from wan.interface import PROGRAMS
 from wan.presets import PRESETS
 
 
@@ -58,9 +59,17 @@ def test_manifest_and_files(tiny_build):
         assert p.memory["peak"] > 0 and p.flops > 0 and p.compile_seconds > 0
         assert p.inputs and p.outputs and all(a.dtype and a.sharding for a in p.inputs)
         assert p.peak_rss_bytes > 0
-    # The denoise step's scheduler row and state are inputs, not constants.
+    # Inputs and outputs by name, each array under its input's name; the denoise step's
+    # scheduler row and state are inputs, not constants.
+    for name, p in m.programs.items():
+        assert (tuple(p.input_names), tuple(p.output_names)) == (
+            interface.SIGNATURES[name].inputs,
+            interface.SIGNATURES[name].outputs,
+        )
+        assert {a.path.split("/")[0] for a in p.inputs} == set(p.input_names)
+        assert {a.path.split("/")[0] for a in p.outputs} == set(p.output_names)
     paths = [a.path for a in m.programs["denoise_step"].inputs]
-    assert any("timestep" in p for p in paths) and any("x0_history" in p for p in paths)
+    assert "row/timestep" in paths and "state/x0_history" in paths and "guidance" in paths
     report = run_cli("aot", "inspect", str(tiny_build)).stdout
     assert "denoise_step" in report and "peak GiB" in report
 

@@ -21,8 +21,9 @@ from aot.build import memory_stats
 from aot.check import KINDS
 from aot.cli import cli
 from aot.targets import TPU_HBM
-from runtime.artifact import PROGRAMS, file_entry, read_manifest
+from runtime.artifact import file_entry, read_manifest
 from wan import sharding
+from wan.interface import PROGRAMS
 
 GiB = 1 << 30
 

@@ -29,7 +29,7 @@ import pytest
 
 from aot import hlo, targets
 from aot.build import compile_program
-from wan import programs, schedulers, sharding
+from wan import interface, programs, schedulers, sharding
 from wan.configs import VAEConfig
 from wan.presets import PRESETS
 from wan.random_weights import random_params
@@ -260,6 +260,11 @@ def place(compiled, *args):
     return jax.device_put(args, compiled.input_shardings[0])
 
 
+def inputs(program: programs.Program, values) -> dict:
+    """An executable's inputs in call order (input shardings, say), by name."""
+    return interface.named(program.name, values)
+
+
 def reference_kv(params: dict, embeddings: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Layer by layer, from the parameters themselves: context = text MLP(embeddings),
     k = RMSNorm(context @ Wk + bk) * gain, v = context @ Wv + bv."""
@@ -285,16 +290,16 @@ def test_kv_cache_batch_sharded_or_replicated(batch, sharded):
     program = programs.kv_cache_program(TINY, shape, "dot")
     compiled = compile_program(program, transformer_mesh(CPU8, KV_MESH), RULES)
     batch_axes = ("data", "fsdp") if sharded else None
-    (_, emb_sharding), _ = compiled.input_shardings
+    emb_sharding = inputs(program, compiled.input_shardings[0])["embeddings"]
     assert emb_sharding.spec[0] == batch_axes
-    for out in compiled.output_shardings:
+    for out in compiled.output_shardings["kv"]:
         assert tuple(out.spec)[:2] == (None, batch_axes)
         assert out.spec[3] == "tensor"  # heads
 
     params = random_params(TINY, "transformer", seed=1)
     rng = np.random.default_rng(0)
-    embeddings = rng.standard_normal(program.args[1].shape).astype(np.float32)
-    k, v = compiled(*place(compiled, params, embeddings))
+    embeddings = rng.standard_normal(program.args["embeddings"].shape).astype(np.float32)
+    k, v = compiled(*place(compiled, params, embeddings))["kv"]
     local = k.addressable_shards[0].data.shape[1]
     assert local == (shape.step_batch // 4 if sharded else shape.step_batch)
     ref_k, ref_v = reference_kv(params, embeddings)
@@ -307,11 +312,12 @@ def test_denoise_step_consumes_the_kv_cache_as_laid_out():
     shape = programs.VideoShape(width=64, height=64, frames=5, batch=2)
     mesh = transformer_mesh(CPU8, KV_MESH)
     produced = compile_program(programs.kv_cache_program(TINY, shape, "dot"), mesh, RULES)
-    consumed = compile_program(programs.denoise_step_program(TINY, shape, "dot"), mesh, RULES)
-    kv_in = consumed.input_shardings[0][2]
-    assert kv_in == tuple(produced.output_shardings)
+    step = programs.denoise_step_program(TINY, shape, "dot")
+    kv_in = inputs(step, compile_program(step, mesh, RULES).input_shardings[0])["kv"]
+    kv_out = produced.output_shardings["kv"]
+    assert kv_in == tuple(kv_out)
     kv_ndim = len(programs.kv_shape(TINY, shape).shape)
-    for a, b in zip(kv_in, produced.output_shardings, strict=True):
+    for a, b in zip(kv_in, kv_out, strict=True):
         assert a.is_equivalent_to(b, kv_ndim) and a.spec[1] == ("data", "fsdp")
 
 
@@ -357,19 +363,19 @@ def test_denoise_step_sharded_equals_single_device(config, attention, context_pa
         return rng.standard_normal(s.shape).astype(s.dtype)
 
     params = random_params(config, "transformer", seed=2)
-    _, latents, kv, _, state, _ = program.args
     row = {k: np.asarray(v) for k, v in schedulers.make_tables(config.scheduler, 4).row(1).items()}
-    args = (
-        params,
-        draw(latents),
-        jax.tree.map(draw, kv),
-        row,
-        jax.tree.map(draw, state),
-        np.float32(5.0),
-    )
+    named = {
+        "params": params,
+        "latents": draw(program.args["latents"]),
+        "kv": jax.tree.map(draw, program.args["kv"]),
+        "row": row,
+        "state": jax.tree.map(draw, program.args["state"]),
+        "guidance": np.float32(5.0),
+    }
+    args = interface.positional(program.name, named)
     got = jax.device_get(compiled(*place(compiled, *args)))
     want = jax.device_get(single_device(program, *args))
-    kv_in = compiled.input_shardings[0][2][0]
+    kv_in = inputs(program, compiled.input_shardings[0])["kv"][0]
     assert (kv_in.spec[1], kv_in.spec[3]) == ("data", None)  # CFG batch 2 over data=2
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(g, w, atol=atol, rtol=0)
@@ -389,6 +395,26 @@ def test_denoise_step_with_fsdp_has_no_all_to_all():
     assert "all-to-all" not in kinds
 
 
+# 8 heads of 4 channels: they divide over the 8 sequence shards of fsdp=4 x context=2.
+EIGHT_HEADS = dataclasses.replace(
+    TINY,
+    transformer=dataclasses.replace(TINY.transformer, num_attention_heads=8, attention_head_dim=4),
+)
+
+
+def test_ulysses_all_to_alls_are_the_only_ones_at_720p():
+    """B=1 at 720x1280/81 frames over fsdp=4 x context=2 (the 14B's tpu-v6e-8 mesh), where
+    the 21-frame patch grid does not split into 8 contiguous runs of tokens: the patches are
+    embedded where their tokens live, so the step's all-to-alls are the attention's 4 per layer."""
+    shape = programs.VideoShape(width=720, height=1280, frames=81, batch=1)
+    mesh = transformer_mesh(CPU8, sharding.MeshShape(fsdp=4, context=2))
+    program = programs.denoise_step_program(EIGHT_HEADS, shape, "blockwise", "ulysses")
+    module = hlo.parse(compile_program(program, mesh, RULES).as_text())
+    all_to_alls = [c for c in hlo.collectives(module) if c.kind == "all-to-all"]
+    assert sum(c.count for c in all_to_alls) == 4 * EIGHT_HEADS.transformer.num_layers
+    assert all(c.source_file.endswith("wan/attention.py") for c in all_to_alls)
+
+
 # Latent 8 x 6 (H x W): (1, 8) and (2, 4) shard height (6 divides by neither), (8, 1) the batch.
 DECODE_LATENT = dict(width=48, height=64, frames=5)
 
@@ -399,8 +425,9 @@ def decode_reference():
     params = random_params(TINY, "vae", seed=3)
     shape = programs.VideoShape(**DECODE_LATENT, batch=8)
     program = programs.vae_decode_program(TINY, shape, frames_dtype="float32")
-    latents = np.random.default_rng(1).standard_normal(program.args[1].shape).astype(np.float32)
-    return params, latents, np.asarray(single_device(program, params, latents))
+    rng = np.random.default_rng(1)
+    latents = rng.standard_normal(program.args["latents"].shape).astype(np.float32)
+    return params, latents, np.asarray(single_device(program, params, latents)["frames"])
 
 
 @pytest.mark.parametrize(
@@ -414,8 +441,8 @@ def test_vae_decode_sharded_equals_single_device(decode_reference, mesh_shape, b
     assert layout == sharding.VaeLayout(axis)
     program = programs.vae_decode_program(TINY, shape, frames_dtype="float32")
     compiled = compile_program(program, vae_mesh(CPU8, mesh_shape), layout.rules(), layout.uneven)
-    got = compiled(*place(compiled, params, latents[:batch]))
-    spec = tuple(compiled.output_shardings.spec)
+    got = compiled(*place(compiled, params, latents[:batch]))["frames"]
+    spec = tuple(compiled.output_shardings["frames"].spec)
     assert spec[0] == ("redundant" if mesh_shape[0] > 1 else None)
     assert spec[2] == ("vae_spatial" if mesh_shape[1] > 1 else None)
     assert np.mean((want > 0) & (want < 1)) > 0.05  # not all clipped

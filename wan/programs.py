@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from wan import schedulers, sharding
+from wan import interface, schedulers, sharding
 from wan.configs import ModelConfig
 from wan.text_encoder import UMT5Encoder, prompt_embeddings
 from wan.transformer import WanTransformer
@@ -105,8 +105,7 @@ def abstract_module(
 
 def components(config: ModelConfig) -> tuple[str, ...]:
     """The weight components of a model, named as in a diffusers WanPipeline folder."""
-    experts = ("transformer", "transformer_2")[: config.num_experts]
-    return ("text_encoder", *experts, "vae")
+    return interface.components(config.num_experts)
 
 
 def split_abstract(module: nnx.Module) -> tuple[nnx.GraphDef, Tree, Tree]:
@@ -130,17 +129,31 @@ def split_abstract(module: nnx.Module) -> tuple[nnx.GraphDef, Tree, Tree]:
 
 @dataclasses.dataclass(frozen=True)
 class Program:
-    """A function and its abstract arguments with logical axes, before any mesh is chosen."""
+    """A function and its abstract arguments with logical axes, before any mesh is chosen; its
+    inputs and outputs are named as in `wan.interface.SIGNATURES`."""
 
     name: str
-    fn: Callable[..., Any]
-    args: tuple[Tree, ...]  # pytrees of jax.ShapeDtypeStruct
-    arg_axes: tuple[Tree, ...]  # matching pytrees whose leaves are logical-axes tuples
-    out_axes: Tree
+    fn: Callable[..., dict[str, Any]]  # called with the inputs in order, returns outputs by name
+    args: dict[str, Tree]  # input name -> pytree of jax.ShapeDtypeStruct
+    arg_axes: dict[str, Tree]  # input name -> matching pytree of logical-axes tuples
+    out_axes: dict[str, Tree]  # output name -> logical axes
     mesh: str  # "transformer" or "vae"
-    # Arguments the program consumes (their buffers may hold its outputs): the caller must not
-    # use them after the call.
-    donate: tuple[int, ...] = ()
+    # Inputs the program consumes (their buffers may hold its outputs): the caller must not use
+    # them after the call.
+    donate: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        signature = interface.SIGNATURES[self.name]
+        if (tuple(self.args), tuple(self.arg_axes), tuple(self.out_axes)) != (
+            signature.inputs,
+            signature.inputs,
+            signature.outputs,
+        ):
+            raise ValueError(f"{self.name}: inputs or outputs differ from {signature}")
+
+    @property
+    def donate_argnums(self) -> tuple[int, ...]:
+        return tuple(interface.SIGNATURES[self.name].inputs.index(n) for n in self.donate)
 
 
 def _is_axes(x: Any) -> bool:
@@ -172,15 +185,15 @@ def text_encode_program(config: ModelConfig, shape: VideoShape) -> Program:
     def text_encode(params: Tree, ids: jax.Array, mask: jax.Array) -> jax.Array:
         encoder = nnx.merge(graphdef, params)
         out = prompt_embeddings(encoder(ids, mask), mask, length)
-        return sharding.constrain(out, ("batch", None, None))
+        return {"embeddings": sharding.constrain(out, ("batch", None, None))}
 
     tokens = _sds((shape.step_batch, length), jnp.int32)
     return Program(
         "text_encode",
         text_encode,
-        (params, tokens, tokens),
-        (axes, ("batch", None), ("batch", None)),
-        ("batch", None, None),
+        {"params": params, "ids": tokens, "mask": tokens},
+        {"params": axes, "ids": ("batch", None), "mask": ("batch", None)},
+        {"embeddings": ("batch", None, None)},
         "transformer",
     )
 
@@ -191,19 +204,19 @@ def kv_cache_program(config: ModelConfig, shape: VideoShape, attention: str) -> 
     emb = _sds((shape.step_batch, config.text_encoder.max_length, tc.text_dim), config.dtype)
     kv_axes = ("layers", "batch", "kv_length", "heads")
 
-    def kv_cache(params: Tree, embeddings: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def kv_cache(params: Tree, embeddings: jax.Array) -> dict[str, tuple[jax.Array, jax.Array]]:
         # Batch pinned on input and output: each device computes and keeps its own slice.
         embeddings = sharding.constrain(embeddings, ("batch", None, None))
         model = nnx.merge(graphdef, params)
         k, v = model.compute_kv_cache(embeddings)
-        return sharding.constrain(k, kv_axes), sharding.constrain(v, kv_axes)
+        return {"kv": (sharding.constrain(k, kv_axes), sharding.constrain(v, kv_axes))}
 
     return Program(
         "kv_cache",
         kv_cache,
-        (params, emb),
-        (axes, ("batch", None, None)),
-        (kv_axes, kv_axes),
+        {"params": params, "embeddings": emb},
+        {"params": axes, "embeddings": ("batch", None, None)},
+        {"kv": (kv_axes, kv_axes)},
         "transformer",
     )
 
@@ -251,24 +264,20 @@ def denoise_step_program(
             row, schedulers.SamplerState(**state), flow, latents.astype(jnp.float32)
         )
         new_state = {"last_sample": new_state.last_sample, "x0_history": new_state.x0_history}
-        return sharding.constrain(new, LATENTS), new_state
+        return {"latents": sharding.constrain(new, LATENTS), "state": new_state}
 
     return Program(
         "denoise_step",
         denoise_step,
-        (params, latents, (kv, kv), row, state, _sds((), jnp.float32)),
-        (
-            axes,
-            LATENTS,
-            (kv_axes, kv_axes),
-            {k: (None,) * len(s.shape) for k, s in row.items()},
-            state_axes,
-            (),
-        ),
-        (LATENTS, state_axes),
+        {"params": params, "latents": latents, "kv": (kv, kv), "row": row, "state": state,
+         "guidance": _sds((), jnp.float32)},
+        {"params": axes, "latents": LATENTS, "kv": (kv_axes, kv_axes),
+         "row": {k: (None,) * len(s.shape) for k, s in row.items()}, "state": state_axes,
+         "guidance": ()},
+        {"latents": LATENTS, "state": state_axes},
         "transformer",
-        donate=(1, 4),  # latents and sampler state: a step holds one copy of each
-    )
+        donate=("latents", "state"),  # a step holds one copy of each
+    )  # fmt: skip
 
 
 def state_shapes(config: ModelConfig, shape: VideoShape) -> dict[str, jax.ShapeDtypeStruct]:
@@ -304,9 +313,16 @@ def vae_decode_program(
         frames = decode_frames(vae, sharding.constrain(latents, VIDEO), config)
         if frames_dtype == "uint8":
             frames = jnp.round(frames * 255).astype(jnp.uint8)
-        return sharding.constrain(frames, VIDEO)
+        return {"frames": sharding.constrain(frames, VIDEO)}
 
-    return Program("vae_decode", vae_decode, (params, latents), (axes, VIDEO), VIDEO, "vae")
+    return Program(
+        "vae_decode",
+        vae_decode,
+        {"params": params, "latents": latents},
+        {"params": axes, "latents": VIDEO},
+        {"frames": VIDEO},
+        "vae",
+    )
 
 
 def programs(

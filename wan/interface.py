@@ -1,0 +1,55 @@
+"""The pipeline's programs as the model, the build and the runtime agree on them: each program's
+named inputs and outputs, and the weight component its `params` input is. `wan.programs`
+defines the functions with these names, `aot build` records them in the manifest, and the
+runtime passes and reads every array by name.
+
+Flax-free: the runtime imports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Signature:
+    inputs: tuple[str, ...]  # in call order
+    outputs: tuple[str, ...]  # the keys of the dict the program returns
+    weights: str  # the component whose parameters `params` holds (or its second expert's)
+
+
+SIGNATURES: dict[str, Signature] = {
+    "text_encode": Signature(("params", "ids", "mask"), ("embeddings",), "text_encoder"),
+    "kv_cache": Signature(("params", "embeddings"), ("kv",), "transformer"),
+    "denoise_step": Signature(
+        ("params", "latents", "kv", "row", "state", "guidance"), ("latents", "state"), "transformer"
+    ),
+    "vae_decode": Signature(("params", "latents"), ("frames",), "vae"),
+}
+PROGRAMS = tuple(SIGNATURES)
+
+
+def components(num_experts: int) -> tuple[str, ...]:
+    """The weight components of a model, named as in a diffusers WanPipeline folder."""
+    return ("text_encoder", *("transformer", "transformer_2")[:num_experts], "vae")
+
+
+def positional(program: str, inputs: Mapping[str, Any]) -> tuple[Any, ...]:
+    """`inputs` (by name) in `program`'s call order; every input named, no other."""
+    names = SIGNATURES[program].inputs
+    if set(inputs) != set(names):
+        raise KeyError(f"{program} takes {', '.join(names)}; given {', '.join(inputs)}")
+    return tuple(inputs[name] for name in names)
+
+
+def named(program: str, values: Sequence[Any]) -> dict[str, Any]:
+    """`values` in `program`'s call order, by input name."""
+    return dict(zip(SIGNATURES[program].inputs, values, strict=True))
+
+
+def first_program_taking(component: str) -> str:
+    """The first program whose `params` are `component`'s (a second expert is a transformer)."""
+    kind = "transformer" if component.startswith("transformer") else component
+    return next(name for name, s in SIGNATURES.items() if s.weights == kind)
