@@ -321,6 +321,9 @@ class Pipeline:
                 if on_step is not None:
                     jax.block_until_ready(out["latents"])
                     on_step(i + 1, steps)
+            # Dispatch is asynchronous: without waiting, the steps' time would show up in the
+            # decode's phase (the last step is followed by the decode either way).
+            jax.block_until_ready(out["latents"])
             denoise = time.perf_counter() - start - first_step
             x = handoff(out["latents"], self._input_sharding("vae_decode", "latents"))
             frames = self._run("vae_decode", params=self.params["vae"], latents=x)["frames"]

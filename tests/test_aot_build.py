@@ -5,9 +5,11 @@ from __future__ import annotations
 import functools
 import gzip
 import json
+import math
 import os
 
 import jax
+import numpy as np
 import pytest
 from conftest import TINY_SHAPE, run_cli
 
@@ -192,3 +194,19 @@ def test_attention_the_target_cannot_run_is_refused():
     assert plan.key.context_parallel == "gather"
     with pytest.raises(BuildError, match="2 heads per device do not divide over 4 sequence shards"):
         plan_build("tiny", PRESETS["tiny"], shape, cpu8, 8, mesh, context_parallel="ulysses")
+
+
+def test_denoise_step_holds_one_copy_of_latents_and_state(tiny_build):
+    """Latents and sampler state are donated: their outputs reuse the inputs' buffers, so the
+    step's peak counts them once (peak = arguments + outputs - aliased + temporaries)."""
+    step = read_manifest(tiny_build).programs["denoise_step"]
+    donated = sum(
+        math.prod(a.shape) * np.dtype(a.dtype).itemsize
+        for a in step.inputs
+        if a.path.split("/")[0] in ("latents", "state")
+    )  # batch 1: latents and state whole on every device
+    memory = step.memory
+    assert memory["alias"] == donated
+    assert (
+        memory["peak"] == memory["argument"] + memory["output"] - memory["alias"] + memory["temp"]
+    )

@@ -107,6 +107,11 @@ def _reordered_devices(folder):
     _edit_manifest(folder, lambda m: m.update(device_ids=m["device_ids"][::-1]))
 
 
+def _other_inputs(folder):
+    """A build whose denoise step takes its inputs in another order than this runtime passes."""
+    _edit_manifest(folder, lambda m: m["programs"]["denoise_step"]["input_names"].reverse())
+
+
 def _gadget(folder):
     """A pickle that would run a shell command when loaded, with a correct sha256 and size."""
 
@@ -134,6 +139,7 @@ def _gadget(folder):
         (_wrong_device_count, "needs 8 cpu devices, this process has 4"),
         (_reordered_devices, "differs from the executable's"),
         (_gadget, "not an allowed jax/jaxlib/numpy class"),
+        (_other_inputs, "this runtime passes (params, latents, kv, row, state, guidance)"),
     ],
 )
 def test_faults_are_one_line_errors(build_copy, tiny_weights, tmp_path, damage, message):

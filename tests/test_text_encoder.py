@@ -4,6 +4,7 @@ WanPipeline._get_t5_prompt_embeds (fp32, tiny random model, offline tokenizer)."
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 
 import jax
@@ -161,6 +162,32 @@ def test_load_tokenizer_errors(tmp_path):
     with pytest.raises(TokenizerError, match="cannot load a tokenizer") as error:
         load_tokenizer(tmp_path)
     assert "\n" not in str(error.value)
+
+
+def test_a_folder_without_tokenizer_json_loads_through_transformers(tmp_path):
+    """A sentencepiece `spiece.model` and its config only (older T5/UMT5 folders): loaded
+    through transformers, tokenized exactly as its AutoTokenizer does."""
+    import sentencepiece
+
+    corpus = ["a red cat running in the rain", "dog on the street", "the quick brown fox"]
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus * 20), model_prefix=str(tmp_path / "spiece"),
+        vocab_size=24, pad_id=0, eos_id=1, unk_id=2, bos_id=-1, minloglevel=2,
+    )  # fmt: skip
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "T5Tokenizer", "pad_token": "<pad>", "extra_ids": 0})
+    )
+    assert not (tmp_path / "tokenizer.json").exists()
+    prompts = ["a red cat in the rain", "the fox " * 10, ""]
+    ids, mask = tokenize(load_tokenizer(tmp_path), prompts, max_length=12)
+    hf = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    want = hf(
+        [prompt_clean(p) for p in prompts], padding="max_length", max_length=12,
+        truncation=True, add_special_tokens=True, return_attention_mask=True, return_tensors="np",
+    )  # fmt: skip
+    np.testing.assert_array_equal(ids, want["input_ids"])
+    np.testing.assert_array_equal(mask, want["attention_mask"])
+    assert mask[2].sum() == 1 and ids[2, 0] == 1  # the empty prompt is just </s>
 
 
 def test_rule_rejects_unknown_tensor():

@@ -109,13 +109,14 @@ def load_component(
     expected = {p: (tuple(a.shape), np.dtype(a.dtype)) for p, a in flat_abstract.items()}
     host = weights.import_folder(source, expected, RULES[component])
     _in_threads(lambda p: deltas[p].merge_into(host[p], ()), deltas)
-    placed = {p: _place(host.pop(p), a) for p, a in flat_abstract.items()}
+    # Each host copy is dropped once placed.
+    placed = _in_threads(lambda p: _place(host.pop(p), flat_abstract[p]), flat_abstract)
     return weights.unflatten_like(abstract, placed)
 
 
 def _in_threads(fn: Callable[[weights.Path_], Any], paths: Iterable[weights.Path_]) -> dict:
-    """{path: fn(path)} with one thread per core: merging is numpy work that releases the GIL,
-    parameter by parameter (host memory: a float32 block per thread)."""
+    """{path: fn(path)} with one thread per core: merging and placing are copies that release
+    the GIL, parameter by parameter."""
     paths = list(paths)
     with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
         return dict(zip(paths, pool.map(fn, paths), strict=True))

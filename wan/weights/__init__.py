@@ -10,8 +10,10 @@ copy of the weights in host memory.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
+import os
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -186,32 +188,37 @@ def import_tensors(
     """
     out: dict[Path_, np.ndarray] = {}
     filled: dict[Path_, set[int | None]] = {}
-    for name, tensor in tensors:
-        target = rule(name)
-        if target is None:
-            continue
-        if target.path not in expected:
-            raise WeightError(
-                f"{name} maps to {'.'.join(target.path)}, which the model does not have"
-            )
-        shape, dtype = expected[target.path]
-        value = target.transform(np.asarray(tensor))
-        want = tuple(shape[1:]) if target.layer is not None else tuple(shape)
-        if value.shape != want:
-            raise WeightError(
-                f"{name}: shape {value.shape} does not fit {'.'.join(target.path)}, expected {want}"
-            )
-        if target.path not in out:
-            out[target.path] = np.empty(shape, dtype=dtype)
-        if target.layer is None:
-            out[target.path][...] = value
-        else:
-            if not 0 <= target.layer < shape[0]:
+    # The copies (reading the file's pages, transposing, casting) run in one thread per core:
+    # numpy releases the GIL while it copies, and each writes its own slice.
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        copies = []
+        for name, tensor in tensors:
+            target = rule(name)
+            if target is None:
+                continue
+            if target.path not in expected:
+                raise WeightError(
+                    f"{name} maps to {'.'.join(target.path)}, which the model does not have"
+                )
+            shape, dtype = expected[target.path]
+            value = target.transform(tensor)  # a view: transposes and reshapes copy nothing
+            want = tuple(shape[1:]) if target.layer is not None else tuple(shape)
+            if value.shape != want:
+                raise WeightError(
+                    f"{name}: shape {value.shape} does not fit {'.'.join(target.path)}, "
+                    f"expected {want}"
+                )
+            if target.layer is not None and not 0 <= target.layer < shape[0]:
                 raise WeightError(
                     f"{name}: layer {target.layer} out of range for {shape[0]} layers"
                 )
-            out[target.path][target.layer] = value
-        filled.setdefault(target.path, set()).add(target.layer)
+            if target.path not in out:
+                out[target.path] = np.empty(shape, dtype=dtype)
+            where = ... if target.layer is None else target.layer
+            copies.append(pool.submit(out[target.path].__setitem__, where, value))
+            filled.setdefault(target.path, set()).add(target.layer)
+        for copy in copies:
+            copy.result()
     for path, (shape, _) in expected.items():
         got = filled.get(path, set())
         # A parameter filled layer by layer is stacked: every layer must be there.

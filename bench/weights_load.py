@@ -1,0 +1,90 @@
+"""Weights against disk speed: one transformer (random bf16 weights of a preset) loaded into 8
+host CPU devices (fsdp=8) from the project's checkpoint and from a diffusers folder, side by
+side with `cat` of the same files to /dev/null, alternating in one run (page cache warm for
+all: what a serving host that just downloaded the weights sees). GB/s = file bytes / seconds.
+
+    python bench/weights_load.py --model wan2.1-t2v-1.3b --repeats 3
+
+Writes bench/results/weights_load.json; the weight files are shared with bench/lora_merge.py
+(--work).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import record  # noqa: E402  (bench/record.py, beside this script)
+from lora_merge import sharded_abstract, timed_load, write_sources  # noqa: E402
+
+from wan.presets import resolve_model  # noqa: E402
+
+
+def files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file())
+
+
+def timed_cat(paths: list[Path]) -> float:
+    start = time.perf_counter()
+    subprocess.run(["cat", *map(str, paths)], stdout=subprocess.DEVNULL, check=True)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="wan2.1-t2v-1.3b")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/lora_merge_bench"))
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "bench" / "results" / "weights_load.json"
+    )
+    args = parser.parse_args()
+    config = resolve_model(args.model)
+    sources = dict(
+        zip(("checkpoint", "diffusers"), write_sources(config, args.work / args.model), strict=True)
+    )
+    abstract = sharded_abstract(config)
+    results = {}
+    for name, source in sources.items():
+        component = source / "transformer"
+        paths = files(component)
+        size = sum(p.stat().st_size for p in paths)
+        timed_cat(paths), timed_load(source, abstract, None)  # warm: page cache, jax, orbax
+        cat, load = [], []
+        for _ in range(args.repeats):
+            cat.append(timed_cat(paths))
+            load.append(timed_load(source, abstract, None)[0])
+        results[name] = {
+            "bytes": size,
+            "seconds_cat": [round(s, 3) for s in cat],
+            "seconds_load": [round(s, 3) for s in load],
+            "gb_per_s_cat": round(size / 1e9 / statistics.median(cat), 2),
+            "gb_per_s_load": round(size / 1e9 / statistics.median(load), 2),
+            "load_over_cat": round(statistics.median(load) / statistics.median(cat), 2),
+        }
+        print(name, results[name], flush=True)
+    record.save(
+        args.out,
+        {
+            "command": f"python bench/weights_load.py --model {args.model} --repeats {args.repeats}",
+            "model": args.model,
+            "mesh": "fsdp=8 (host CPU devices)",
+            "threads": os.cpu_count(),
+            "sources": results,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
