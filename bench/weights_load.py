@@ -1,7 +1,8 @@
 """Weights against disk speed: one transformer (random bf16 weights of a preset) loaded into 8
-host CPU devices (fsdp=8) from the project's checkpoint and from a diffusers folder, side by
-side with `cat` of the same files to /dev/null, alternating in one run (page cache warm for
-all: what a serving host that just downloaded the weights sees). GB/s = file bytes / seconds.
+host CPU devices (fsdp=8) from the project's checkpoint, from the same checkpoint saved with
+orbax's zstd compression, and from a diffusers folder, each side by side with `cat` of the same
+files to /dev/null, alternating in one run (page cache warm for all: what a serving host that
+just downloaded the weights sees). GB/s = file bytes / seconds.
 
     python bench/weights_load.py --model wan2.1-t2v-1.3b --repeats 3
 
@@ -25,14 +26,28 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import orbax.checkpoint as ocp  # noqa: E402
 import record  # noqa: E402  (bench/record.py, beside this script)
 from lora_merge import sharded_abstract, timed_load, write_sources  # noqa: E402
 
+from wan import checkpoint  # noqa: E402
 from wan.presets import resolve_model  # noqa: E402
 
 
 def files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.rglob("*") if p.is_file())
+
+
+def zstd_copy(ckpt: Path, abstract: dict) -> Path:
+    """The checkpoint's transformer saved again with zstd (orbax's `use_compression`)."""
+    folder = ckpt.with_name("checkpoint-zstd")
+    if not (folder / "transformer").is_dir():
+        tree = checkpoint.load_component(ckpt, "transformer", abstract)
+        handler = ocp.PyTreeCheckpointHandler(use_compression=True)
+        with ocp.Checkpointer(handler) as ckptr:
+            ckptr.save((folder / "transformer").absolute(), args=ocp.args.PyTreeSave(tree))
+        (folder / checkpoint.MARKER).write_bytes((ckpt / checkpoint.MARKER).read_bytes())
+    return folder
 
 
 def timed_cat(paths: list[Path]) -> float:
@@ -55,6 +70,7 @@ def main() -> None:
         zip(("checkpoint", "diffusers"), write_sources(config, args.work / args.model), strict=True)
     )
     abstract = sharded_abstract(config)
+    sources["checkpoint-zstd"] = zstd_copy(sources["checkpoint"], abstract)
     results = {}
     for name, source in sources.items():
         component = source / "transformer"
