@@ -73,7 +73,7 @@ from pathlib import Path
 from typing import Any
 
 from aot import hlo, targets
-from aot.report import _table
+from aot.report import text_table
 from runtime.artifact import (
     MANIFEST,
     ArtifactError,
@@ -84,7 +84,7 @@ from runtime.artifact import (
 from wan.interface import PROGRAMS
 
 SCHEMA_VERSION = 1
-KINDS = frozenset(hlo._COLLECTIVES.values())
+KINDS = frozenset(hlo.COLLECTIVES.values())
 GiB = float(1 << 30)
 TABLE_INSTRUCTIONS = 5  # per violation in the text table; --json lists them all
 
@@ -438,7 +438,7 @@ def text(results: Sequence[BuildCheck], policy: Policy) -> str:
             " ".join(f"{k}:{n}" for k, n in sorted(kinds.items())) or "none",
             f"{len(r.violations)} violation(s)" if r.violations else "ok",
         ])  # fmt: skip
-    out = [_table(["build", "target", "peak/device", "budget", "collectives", "result"], rows)]
+    out = [text_table(["build", "target", "peak/device", "budget", "collectives", "result"], rows)]
     violations = [v for r in results for v in r.violations]
     if violations:
         out += ["", _violations_table(violations)]
@@ -468,7 +468,7 @@ def _violations_table(violations: Sequence[Violation]) -> str:
             rows.append(
                 ["", "", "", f"... {len(v.instructions) - len(shown)} more (--json)", "", ""]
             )
-    return _table(["build", "program", "violation", "instruction", "source", "op_name"], rows)
+    return text_table(["build", "program", "violation", "instruction", "source", "op_name"], rows)
 
 
 def violation_lines(results: Sequence[BuildCheck]) -> list[str]:

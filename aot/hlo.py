@@ -84,7 +84,7 @@ _ELEMENTWISE = _TRANSCENDENTAL | frozenset(
 )
 
 # Collective opcodes -> normalised kind. Async pairs are counted at their -start.
-_COLLECTIVES = {
+COLLECTIVES = {
     "all-to-all": "all-to-all",
     "ragged-all-to-all": "ragged-all-to-all",
     "all-gather": "all-gather",
@@ -657,7 +657,7 @@ def collectives(module: Module) -> list[Collective]:
     found = []
     for comp_name, count in module.multipliers.items():
         for ins in module.computations[comp_name].instructions:
-            kind = _COLLECTIVES.get(ins.opcode)
+            kind = COLLECTIVES.get(ins.opcode)
             if kind is None:
                 continue
             located = ins

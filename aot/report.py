@@ -11,7 +11,7 @@ from runtime.artifact import ArtifactError, Manifest, read_manifest
 GiB = float(1 << 30)
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+def text_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=True)]
     lines = [
         "  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True))
@@ -83,7 +83,7 @@ def builds_table(results: Sequence[Any]) -> str:
         "collectives",
         "compile s",
     ]
-    return _table(header, rows)
+    return text_table(header, rows)
 
 
 def builds_json(results: Sequence[Any]) -> list[dict[str, Any]]:
@@ -108,7 +108,7 @@ def list_table(folder: Path) -> str:
         ])  # fmt: skip
     if not rows:
         return f"no builds in {folder} (make one with `aot build`)"
-    return _table(
+    return text_table(
         ["build", "model", "res", "frames", "batch", "target", "mesh", "vae", "peak"], rows
     )
 
@@ -153,4 +153,4 @@ def inspect_text(m: Manifest) -> str:
         "program", "compile s", "RSS GiB", "args GiB", "out GiB", "temp GiB", "peak GiB",
         "TFLOP/device", "XLA TFLOP", "collectives", "exec MB",
     ]  # fmt: skip
-    return "\n".join(head) + _table(header, rows)
+    return "\n".join(head) + text_table(header, rows)

@@ -8,6 +8,7 @@ jax.distributed every process runs this same code on its own devices (SPMD).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import time
@@ -213,13 +214,15 @@ class Pipeline:
                 shapes = {p: a.shape for p, a in flatten(abstracts[component]).items()}
                 deltas[component], summary = lora.prepare(specs, shapes, component)
                 applied += summary
-        params = {
-            component: checkpoint.load_component(
-                weights, component, abstract, deltas.get(component)
-            )
-            for component, abstract in abstracts.items()
-        }
-        tok = tokenizer.load_tokenizer(Path(weights) / "tokenizer")
+        # The components load at once (reads and copies release the GIL), the tokenizer with them.
+        with concurrent.futures.ThreadPoolExecutor(len(abstracts) + 1) as pool:
+            tok = pool.submit(tokenizer.load_tokenizer, Path(weights) / "tokenizer")
+            loads = {
+                c: pool.submit(checkpoint.load_component, weights, c, a, deltas.get(c))
+                for c, a in abstracts.items()
+            }
+            params = {c: load.result() for c, load in loads.items()}
+            tok = tok.result()
         return cls(executables, params, config, tok, key, name, applied)
 
     def _input_sharding(self, program: str, name: str) -> Any:

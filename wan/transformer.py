@@ -244,15 +244,24 @@ class WanBlock(nnx.Module):
         shift, scale, gate, c_shift, c_scale, c_gate = (mod[:, i : i + 1] for i in range(6))
         x32 = x.astype(jnp.float32)
 
-        h = (self.norm1(x32) * (1 + scale) + shift).astype(self.dtype)
-        x = (x32 + self.attn1(h, *self.attn1.key_value(h), rope) * gate).astype(self.dtype)
+        # Named scopes: the HLO's op names (and `aot check`'s rows) say which part an
+        # instruction comes from.
+        with jax.named_scope("self_attention"):
+            h = (self.norm1(x32) * (1 + scale) + shift).astype(self.dtype)
+            x = (x32 + self.attn1(h, *self.attn1.key_value(h), rope) * gate).astype(self.dtype)
 
-        h = self.norm2(x.astype(jnp.float32)).astype(self.dtype) if self.norm2 is not None else x
-        x = x + self.attn2(h, *cross_kv)
+        with jax.named_scope("cross_attention"):
+            h = (
+                self.norm2(x.astype(jnp.float32)).astype(self.dtype)
+                if self.norm2 is not None
+                else x
+            )
+            x = x + self.attn2(h, *cross_kv)
 
-        x32 = x.astype(jnp.float32)
-        h = (self.norm3(x32) * (1 + c_scale) + c_shift).astype(self.dtype)
-        return (x32 + self.ffn(h).astype(jnp.float32) * c_gate).astype(self.dtype)
+        with jax.named_scope("ffn"):
+            x32 = x.astype(jnp.float32)
+            h = (self.norm3(x32) * (1 + c_scale) + c_shift).astype(self.dtype)
+            return (x32 + self.ffn(h).astype(jnp.float32) * c_gate).astype(self.dtype)
 
 
 class ConditionEmbedder(nnx.Module):
@@ -369,6 +378,7 @@ class WanTransformer(nnx.Module):
 
         graphdef, params = nnx.split(self.blocks)
 
+        @jax.named_scope("blocks")
         def layer(x, inputs):
             p, k, v = inputs
             x = nnx.merge(graphdef, p)(constrain(x, HIDDEN), (k, v), time6, rope)
