@@ -130,16 +130,22 @@ def test_relative_position_buckets_match_transformers():
     np.testing.assert_array_equal(np.asarray(got), want.numpy())
 
 
-def test_tokenize_like_diffusers(tokenizer, hf_tokenizer):
-    prompts = [" a  cat\n\ton the &amp;amp; street  ", "dog " * 40, "", "Ünïcode ~ {x} 42!"]
-    ids, mask = tokenize(tokenizer, prompts, max_length=16)
-    assert ids.dtype == mask.dtype == np.int32 and ids.shape == mask.shape == (4, 16)
+def tokenize_like_diffusers(tokenizer, hf_tokenizer, prompts, max_length):
+    """Our ids and mask, asserted equal to what diffusers gets from transformers' tokenizer."""
+    ids, mask = tokenize(tokenizer, prompts, max_length=max_length)
     want = hf_tokenizer(
-        [prompt_clean(p) for p in prompts], padding="max_length", max_length=16,
+        [prompt_clean(p) for p in prompts], padding="max_length", max_length=max_length,
         truncation=True, add_special_tokens=True, return_attention_mask=True, return_tensors="np",
     )  # fmt: skip
     np.testing.assert_array_equal(ids, want["input_ids"])
     np.testing.assert_array_equal(mask, want["attention_mask"])
+    return ids, mask
+
+
+def test_tokenize_like_diffusers(tokenizer, hf_tokenizer):
+    prompts = [" a  cat\n\ton the &amp;amp; street  ", "dog " * 40, "", "Ünïcode ~ {x} 42!"]
+    ids, mask = tokenize_like_diffusers(tokenizer, hf_tokenizer, prompts, max_length=16)
+    assert ids.dtype == mask.dtype == np.int32 and ids.shape == mask.shape == (4, 16)
     lengths = mask.sum(1)
     # truncated; the empty prompt is just </s>
     assert lengths[1] == 16 and lengths[2] == 1 and lengths[3] > 5
@@ -179,14 +185,8 @@ def test_a_folder_without_tokenizer_json_loads_through_transformers(tmp_path):
     )
     assert not (tmp_path / "tokenizer.json").exists()
     prompts = ["a red cat in the rain", "the fox " * 10, ""]
-    ids, mask = tokenize(load_tokenizer(tmp_path), prompts, max_length=12)
     hf = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
-    want = hf(
-        [prompt_clean(p) for p in prompts], padding="max_length", max_length=12,
-        truncation=True, add_special_tokens=True, return_attention_mask=True, return_tensors="np",
-    )  # fmt: skip
-    np.testing.assert_array_equal(ids, want["input_ids"])
-    np.testing.assert_array_equal(mask, want["attention_mask"])
+    ids, mask = tokenize_like_diffusers(load_tokenizer(tmp_path), hf, prompts, max_length=12)
     assert mask[2].sum() == 1 and ids[2, 0] == 1  # the empty prompt is just </s>
 
 

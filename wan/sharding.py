@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 LogicalAxes = Sequence[str | None]
@@ -24,6 +25,12 @@ Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 VIDEO = ("vae_batch", None, "vae_height", "vae_width", None)  # VAE activations (B, T, H, W, C)
 
 _state = threading.local()
+
+
+def logical_init(init: Callable, axes: LogicalAxes) -> Callable:
+    """An initializer whose parameters carry logical axis names (`out_sharding` metadata). They
+    are not mesh axes: the rules here map them, so flax must not shard eagerly with them."""
+    return nnx.with_partitioning(init, axes, eager_sharding=False)
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from wan.configs import TextEncoderConfig
-from wan.sharding import constrain
+from wan.sharding import constrain, logical_init
 
 # Activation layouts. Prompt tokens are "kv_length" as in the transformer: short, kept whole.
 HIDDEN = ("batch", "kv_length", "act_embed")  # the residual stream (B, L, d_model)
@@ -39,18 +39,12 @@ def relative_position_buckets(length: int, num_buckets: int, max_distance: int) 
     return direction + jnp.where(distance < max_exact, distance, large)
 
 
-def _logical(init: nnx.Initializer, axes: tuple[str | None, ...]) -> nnx.Initializer:
-    """Tag a parameter with logical axis names; the build maps them to mesh axes
-    (wan.sharding), so nothing is sharded at construction."""
-    return nnx.with_partitioning(init, axes, eager_sharding=False)
-
-
 class RMSNorm(nnx.Module):
     """T5 layer norm: scale by the root mean square, accumulated in float32."""
 
     def __init__(self, dim: int, eps: float, *, dtype: jnp.dtype, param_dtype: jnp.dtype):
         self.weight = nnx.Param(
-            _logical(nnx.initializers.ones, ("embed",))(None, (dim,), param_dtype)
+            logical_init(nnx.initializers.ones, ("embed",))(None, (dim,), param_dtype)
         )
         self.eps = eps
         self.dtype = dtype
@@ -66,7 +60,7 @@ def _linear(
 ) -> nnx.Linear:
     return nnx.Linear(
         din, dout, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
-        kernel_init=_logical(nnx.initializers.lecun_normal(), axes),
+        kernel_init=logical_init(nnx.initializers.lecun_normal(), axes),
     )  # fmt: skip
 
 
@@ -81,7 +75,7 @@ class SelfAttention(nnx.Module):
         self.k = _linear(cfg.d_model, inner, ("embed", "heads"), **proj)
         self.v = _linear(cfg.d_model, inner, ("embed", "heads"), **proj)
         self.o = _linear(inner, cfg.d_model, ("heads", "embed"), **proj)
-        bias_init = _logical(nnx.initializers.normal(1.0), (None, "heads"))
+        bias_init = logical_init(nnx.initializers.normal(1.0), (None, "heads"))
         self.relative_attention_bias = nnx.Param(
             bias_init(
                 rngs.params(), (cfg.relative_attention_num_buckets, cfg.num_heads), param_dtype
@@ -147,7 +141,7 @@ class UMT5Encoder(nnx.Module):
         self.cfg = cfg
         self.shared = nnx.Embed(
             cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
-            embedding_init=_logical(nnx.initializers.normal(1.0), ("vocab", "embed")),
+            embedding_init=logical_init(nnx.initializers.normal(1.0), ("vocab", "embed")),
         )  # fmt: skip
 
         @nnx.split_rngs(splits=cfg.num_layers)

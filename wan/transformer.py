@@ -29,19 +29,13 @@ from wan.attention import CONTEXT_PARALLEL
 from wan.attention import attention as multi_head_attention
 from wan.attention import resolve as resolve_attention
 from wan.configs import TransformerConfig
-from wan.sharding import constrain
+from wan.sharding import constrain, logical_init
 
 Axes = tuple[str | None, ...]
 KVCache = tuple[jax.Array, jax.Array]  # (keys, values), each (num_layers, B, L, inner_dim)
 
 HIDDEN: Axes = ("batch", "length", "act_embed")  # "embed" names weight dims only
 KV: Axes = ("batch", "kv_length", "heads")
-
-
-def _named(init: Callable, axes: Axes) -> Callable:
-    """Attach logical axis names (`out_sharding` metadata) to an initializer. They are not mesh
-    axes: wan.sharding maps them, so flax must not shard eagerly with them."""
-    return nnx.with_partitioning(init, axes, eager_sharding=False)
 
 
 def _linear(
@@ -53,8 +47,8 @@ def _linear(
         dout,
         dtype=dtype,
         param_dtype=param_dtype,
-        kernel_init=_named(nnx.initializers.lecun_normal(), axes),
-        bias_init=_named(nnx.initializers.zeros_init(), axes[1:]),
+        kernel_init=logical_init(nnx.initializers.lecun_normal(), axes),
+        bias_init=logical_init(nnx.initializers.zeros_init(), axes[1:]),
         rngs=rngs,
     )
 
@@ -69,15 +63,15 @@ def _layer_norm(dim: int, eps: float, *, affine: bool, rngs: nnx.Rngs) -> nnx.La
         use_fast_variance=False,
         dtype=jnp.float32,
         param_dtype=jnp.float32,
-        scale_init=_named(nnx.initializers.ones_init(), ("embed",)),
-        bias_init=_named(nnx.initializers.zeros_init(), ("embed",)),
+        scale_init=logical_init(nnx.initializers.ones_init(), ("embed",)),
+        bias_init=logical_init(nnx.initializers.zeros_init(), ("embed",)),
         rngs=rngs,
     )
 
 
 def _modulation_table(rows: int, dim: int, rngs: nnx.Rngs) -> nnx.Param:
     """A learned (1, rows, dim) fp32 table added to the timestep projection (adaLN)."""
-    init = _named(nnx.initializers.normal(dim**-0.5), (None, None, "embed"))
+    init = logical_init(nnx.initializers.normal(dim**-0.5), (None, None, "embed"))
     return nnx.Param(init(rngs.params(), (1, rows, dim), jnp.float32))
 
 
@@ -179,7 +173,7 @@ class Attention(nnx.Module):
         self.to_v = _linear(dim, dim, ("embed", "heads"), **kw)
         self.to_out = _linear(dim, dim, ("heads", "embed"), **kw)
         rms = dict(epsilon=eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        rms_init = _named(nnx.initializers.ones_init(), ("heads",))
+        rms_init = logical_init(nnx.initializers.ones_init(), ("heads",))
         self.norm_q = nnx.RMSNorm(dim, scale_init=rms_init, **rms)
         self.norm_k = nnx.RMSNorm(dim, scale_init=rms_init, **rms)
         self.heads = heads
@@ -318,8 +312,10 @@ class WanTransformer(nnx.Module):
             kernel_size=cfg.patch_size,
             strides=cfg.patch_size,
             padding="VALID",
-            kernel_init=_named(nnx.initializers.lecun_normal(), (None, None, None, None, "embed")),
-            bias_init=_named(nnx.initializers.zeros_init(), ("embed",)),
+            kernel_init=logical_init(
+                nnx.initializers.lecun_normal(), (None, None, None, None, "embed")
+            ),
+            bias_init=logical_init(nnx.initializers.zeros_init(), ("embed",)),
             rngs=rngs,
             **kw,
         )

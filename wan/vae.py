@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from wan.configs import VAEConfig
-from wan.sharding import VIDEO, constrain
+from wan.sharding import VIDEO, constrain, logical_init
 
 CACHE_T = 2  # left context of a causal conv with temporal kernel 3
 ENCODE_CHUNK = 4  # video frames per encoder chunk after the first (diffusers' value)
@@ -48,12 +48,6 @@ def _pin(cache: Cache) -> Cache:
 def _parts(cache: Cache, n: int) -> tuple[Cache, ...]:
     """The caches of n sub-blocks: all None on the first chunk."""
     return (None,) * n if cache is None else tuple(cache)
-
-
-def _named(init: Any, axes: tuple[str | None, ...]) -> Any:
-    """An initializer whose params carry logical axis names for wan.sharding (not sharded
-    eagerly by flax)."""
-    return nnx.with_partitioning(init, axes, eager_sharding=False)
 
 
 class Conv3d(nnx.Conv):
@@ -81,10 +75,10 @@ class Conv3d(nnx.Conv):
             padding=((0, 0), pad, pad),
             dtype=dtype,
             param_dtype=param_dtype,
-            kernel_init=_named(
+            kernel_init=logical_init(
                 nnx.initializers.lecun_normal(), (None, None, None, None, "vae_conv_out")
             ),
-            bias_init=_named(nnx.initializers.zeros_init(), ("vae_conv_out",)),
+            bias_init=logical_init(nnx.initializers.zeros_init(), ("vae_conv_out",)),
             rngs=rngs,
         )
 
