@@ -1,6 +1,7 @@
 """Weights against disk speed: one transformer (random bf16 weights of a preset) loaded into 8
-host CPU devices (fsdp=8) from the project's checkpoint, from the same checkpoint saved with
-orbax's zstd compression, and from a diffusers folder, each side by side with `cat` of the same
+host CPU devices (fsdp=8) from the project's checkpoint (one safetensors file per component,
+the project's layout), from the same parameters in the checkpoint format before it (orbax, with
+its default zstd), and from a diffusers folder, each side by side with `cat` of the same
 files to /dev/null, alternating in one run (page cache warm for all: what a serving host that
 just downloaded the weights sees). GB/s = file bytes / seconds.
 
@@ -38,14 +39,13 @@ def files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.rglob("*") if p.is_file())
 
 
-def zstd_copy(ckpt: Path, abstract: dict) -> Path:
-    """The checkpoint's transformer saved again with zstd (orbax's `use_compression`)."""
-    folder = ckpt.with_name("checkpoint-zstd")
+def orbax_copy(ckpt: Path, abstract: dict) -> Path:
+    """The checkpoint's transformer as checkpoints of format 1 held it (orbax's defaults)."""
+    folder = ckpt.with_name("checkpoint-orbax")
     if not (folder / "transformer").is_dir():
         tree = checkpoint.load_component(ckpt, "transformer", abstract)
-        handler = ocp.PyTreeCheckpointHandler(use_compression=True)
-        with ocp.Checkpointer(handler) as ckptr:
-            ckptr.save((folder / "transformer").absolute(), args=ocp.args.PyTreeSave(tree))
+        with ocp.StandardCheckpointer() as ckptr:
+            ckptr.save((folder / "transformer").absolute(), tree)
         (folder / checkpoint.MARKER).write_bytes((ckpt / checkpoint.MARKER).read_bytes())
     return folder
 
@@ -70,7 +70,7 @@ def main() -> None:
         zip(("checkpoint", "diffusers"), write_sources(config, args.work / args.model), strict=True)
     )
     abstract = sharded_abstract(config)
-    sources["checkpoint-zstd"] = zstd_copy(sources["checkpoint"], abstract)
+    sources["checkpoint-orbax"] = orbax_copy(sources["checkpoint"], abstract)
     results = {}
     for name, source in sources.items():
         component = source / "transformer"

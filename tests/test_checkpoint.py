@@ -1,4 +1,4 @@
-"""Weights on disk: the project's orbax checkpoint and diffusers folders, restored straight into
+"""Weights on disk: the project's checkpoint (and its older orbax format) and diffusers folders, restored straight into
 given shardings; errors name the parameter and its expected shape."""
 
 from __future__ import annotations
@@ -51,6 +51,24 @@ def test_checkpoint_restores_into_given_shardings(tiny_checkpoint):
         np.testing.assert_array_equal(np.asarray(value), flat_e[path])
         sharded += any(value.sharding.spec)
     assert sharded > 10  # the test exercises real sharding, not only replicated arrays
+
+
+def test_orbax_checkpoints_of_format_1_still_load(tiny_checkpoint, tmp_path):
+    """Checkpoints written before format 2 (orbax, one folder per component) load the same."""
+    import orbax.checkpoint as ocp
+
+    old = tmp_path / "tiny-orbax"
+    (old / "transformer").parent.mkdir()
+    expected = random_params(TINY, "transformer", seed=4)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save((old / "transformer").absolute(), expected)
+    meta = json.loads((tiny_checkpoint / checkpoint.MARKER).read_text())
+    (old / checkpoint.MARKER).write_text(json.dumps({**meta, "format": 1}))
+    abstract = _abstract_sharded("transformer")
+    restored = weights.flatten(checkpoint.load_component(old, "transformer", abstract))
+    for path, value in weights.flatten(expected).items():
+        np.testing.assert_array_equal(np.asarray(restored[path]), value)
+        assert restored[path].sharding == weights.flatten(abstract)[path].sharding
 
 
 def test_checkpoint_names_missing_and_misshaped_parameters(tiny_checkpoint):
@@ -125,3 +143,19 @@ def test_diffusers_folder_missing_tensor_is_named(diffusers_transformer, tmp_pat
         weights.WeightError, match=r"blocks\.ffn\.linear_2\.kernel \(layers \[1\]\), expected shape"
     ):
         checkpoint.load_component(tmp_path, "transformer", _abstract_sharded("transformer"))
+
+
+def test_safetensors_round_trip_keeps_dtypes(tmp_path):
+    import ml_dtypes
+
+    tensors = {
+        "a/bf16": np.arange(6, dtype=np.float32).reshape(2, 3).astype(ml_dtypes.bfloat16),
+        "b/f32": np.float32(1.5) * np.ones((3,), np.float32),
+        "c/scalar": np.array(7, np.int32),
+    }
+    weights.write_safetensors(tmp_path / "t.safetensors", tensors)
+    back = dict(weights.read_safetensors(tmp_path / "t.safetensors"))
+    assert back.keys() == tensors.keys()
+    for name, value in tensors.items():
+        assert back[name].dtype == value.dtype and back[name].shape == value.shape
+        np.testing.assert_array_equal(back[name], value)

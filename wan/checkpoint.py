@@ -29,7 +29,8 @@ from wan.weights import text_encoder as text_encoder_rules
 from wan.weights import transformer as transformer_rules
 from wan.weights import vae as vae_rules
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: orbax (still read); 2: one safetensors file per component
+PARAMS = "params.safetensors"  # a component's parameters, named by their path joined with "/"
 # Component folder -> weight rule, named as in a diffusers WanPipeline folder.
 RULES: dict[str, weights.Rule] = {
     "transformer": transformer_rules.rule,
@@ -58,11 +59,13 @@ def save_checkpoint(
         raise ValueError(f"unknown components {sorted(unknown)}; expected some of {sorted(RULES)}")
     tmp = folder.with_name(f".tmp-{folder.name}-{os.getpid()}")
     with atomic_folder(folder, tmp):
-        # Uncompressed: zstd saves about a fifth of the bytes of bf16 weights and more than
-        # doubles the restore time (bench/weights_load.py); loading is what runs at every start.
-        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False)) as ckptr:
-            for name, tree in components.items():
-                ckptr.save(tmp / name, args=ocp.args.PyTreeSave(tree))
+        # The project's own layout (transposed, layers stacked), uncompressed, as one
+        # safetensors file per component: loading is memory-mapped slices placed on the devices,
+        # no conversion (bench/weights_load.py against orbax).
+        for name, tree in components.items():
+            (tmp / name).mkdir()
+            flat = {"/".join(p): np.asarray(v) for p, v in weights.flatten(tree).items()}
+            weights.write_safetensors(tmp / name / PARAMS, flat)
         if tokenizer_dir is not None:
             shutil.copytree(tokenizer_dir, tmp / "tokenizer")
         meta = {
@@ -83,18 +86,24 @@ def load_component(
     """Load one component into the shardings of `abstract` (nested dict of ShapeDtypeStruct),
     with the LoRA updates `deltas` (by parameter path) merged in.
 
-    A diffusers folder is imported tensor by tensor on the host, its parameters merged layer by
-    layer in that host copy, then each placed shard by shard; a checkpoint is restored by orbax
-    directly into the shardings, and a parameter with updates is then rewritten one shard at a
-    time through the host.
+    A diffusers folder is imported tensor by tensor on the host and a checkpoint memory-mapped;
+    parameters with updates are merged in a host copy, then each parameter placed shard by
+    shard. A checkpoint of format 1 is restored by orbax directly into the shardings, and a
+    parameter with updates is then rewritten one shard at a time through the host.
     """
     folder = Path(folder)
     deltas = deltas or {}
+    flat_abstract = weights.flatten(abstract)
     if is_checkpoint(folder):
         path = folder / component
         if not path.is_dir():
             raise weights.WeightError(f"checkpoint {folder} has no {component}/")
-        _check_checkpoint_shapes(path, abstract)
+        if (path / PARAMS).is_file():
+            host = _read_params(path / PARAMS, flat_abstract)
+            host.update({p: np.array(host[p]) for p in deltas})  # writable copies to merge into
+            return _merge_and_place(host, flat_abstract, deltas, abstract)
+        stored = _orbax_shapes(path)
+        _check_shapes(stored, flat_abstract)
         with ocp.StandardCheckpointer() as ckptr:
             restored = ckptr.restore(path.absolute(), abstract)
         if not deltas:
@@ -107,13 +116,31 @@ def load_component(
         raise weights.WeightError(
             f"{folder} has no {component}/ (expected a diffusers-format folder)"
         )
-    flat_abstract = weights.flatten(abstract)
     expected = {p: (tuple(a.shape), np.dtype(a.dtype)) for p, a in flat_abstract.items()}
     host = weights.import_folder(source, expected, RULES[component])
+    return _merge_and_place(host, flat_abstract, deltas, abstract)
+
+
+def _merge_and_place(
+    host: dict[weights.Path_, np.ndarray],
+    flat_abstract: dict[weights.Path_, jax.ShapeDtypeStruct],
+    deltas: Mapping[weights.Path_, ParamDelta],
+    abstract: Tree,
+) -> Tree:
     _in_threads(lambda p: deltas[p].merge_into(host[p], ()), deltas)
-    # Each host copy is dropped once placed.
+    # Each host array is dropped once placed.
     placed = _in_threads(lambda p: _place(host.pop(p), flat_abstract[p]), flat_abstract)
     return weights.unflatten_like(abstract, placed)
+
+
+def _read_params(
+    file: Path, flat_abstract: Mapping[weights.Path_, jax.ShapeDtypeStruct]
+) -> dict[weights.Path_, np.ndarray]:
+    """A checkpoint component's parameters as read-only memory maps, checked against
+    `flat_abstract`."""
+    stored = {tuple(name.split("/")): array for name, array in weights.read_safetensors(file)}
+    _check_shapes({p: a.shape for p, a in stored.items()}, flat_abstract)
+    return {p: stored[p] for p in flat_abstract}
 
 
 def _in_threads(fn: Callable[[weights.Path_], Any], paths: Iterable[weights.Path_]) -> dict:
@@ -127,8 +154,10 @@ def _in_threads(fn: Callable[[weights.Path_], Any], paths: Iterable[weights.Path
 def _place(value: np.ndarray, target: jax.ShapeDtypeStruct) -> jax.Array:
     sharding = getattr(target, "sharding", None)
     if sharding is None:
-        return jax.device_put(value)
-    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+        return jax.device_put(value.astype(target.dtype, copy=False))
+    return jax.make_array_from_callback(
+        value.shape, sharding, lambda index: value[index].astype(target.dtype, copy=False)
+    )
 
 
 def _merge_placed(array: jax.Array, delta: ParamDelta) -> jax.Array:
@@ -149,17 +178,23 @@ def _merge_placed(array: jax.Array, delta: ParamDelta) -> jax.Array:
     return jax.make_array_from_single_device_arrays(array.shape, array.sharding, pieces)
 
 
-def _check_checkpoint_shapes(path: Path, abstract: Tree) -> None:
-    """Name the first missing or mis-shaped parameter instead of orbax's generic error."""
+def _orbax_shapes(path: Path) -> dict[weights.Path_, tuple[int, ...]]:
     with ocp.StandardCheckpointer() as ckptr:
         meta = ckptr.metadata(path.absolute()).item_metadata
-        stored = weights.flatten(getattr(meta, "tree", meta))
-    for p, want in weights.flatten(abstract).items():
+    return {p: m.shape for p, m in weights.flatten(getattr(meta, "tree", meta)).items()}
+
+
+def _check_shapes(
+    stored: Mapping[weights.Path_, tuple[int, ...]],
+    flat_abstract: Mapping[weights.Path_, jax.ShapeDtypeStruct],
+) -> None:
+    """Name the first missing or mis-shaped parameter (instead of a generic error later)."""
+    for p, want in flat_abstract.items():
         name = ".".join(p)
         if p not in stored:
             raise weights.WeightError(
                 f"missing weight for {name}, expected shape {tuple(want.shape)}"
             )
-        got = tuple(stored[p].shape)
+        got = tuple(stored[p])
         if got != tuple(want.shape):
             raise weights.WeightError(f"{name} has shape {got}, expected {tuple(want.shape)}")
