@@ -1,4 +1,5 @@
-"""Model weights on disk: a diffusers-format folder or the project's own orbax checkpoint.
+"""Model weights on disk: a diffusers-format folder or the project's own checkpoint (format 2:
+one safetensors file per component in the programs' layout; format 1, orbax, is still read).
 
 Both load straight into given shardings: `abstract` trees of `jax.ShapeDtypeStruct` carry the
 target sharding of every parameter, and each device receives only its shards. LoRA updates
