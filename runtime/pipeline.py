@@ -251,15 +251,7 @@ class Pipeline:
         both only change the host-side step tables, so any build serves any choice (the
         solver order, which sizes the sampler state, is the build's)."""
         started_at, start = time.time(), time.perf_counter()
-        key = self.key
-        prompts = [prompt] * key.batch if isinstance(prompt, str) else list(prompt)
-        negatives = (
-            [negative_prompt] * key.batch
-            if isinstance(negative_prompt, str)
-            else list(negative_prompt)
-        )
-        if len(prompts) != key.batch or len(negatives) != key.batch:
-            raise ValueError(f"this build generates batches of {key.batch} prompts")
+        texts = self._texts(prompt, negative_prompt)
         step_args = interface.named("denoise_step", self.exe["denoise_step"].args_info[0])
         latent_shape = tuple(step_args["latents"].shape)
         latents = _initial_latents(latent_shape, seed, init_noise)
@@ -275,70 +267,29 @@ class Pipeline:
             if self.config.boundary_ratio is None
             else self.config.boundary_ratio * self.config.scheduler.num_train_timesteps
         )
+        experts = ["transformer"] + (["transformer_2"] if boundary is not None else [])
         with no_compilation() as counter:
-            # CFG: prompt i then its negative, the step's (cond_i, uncond_i) batch layout.
-            pairs = zip(prompts, negatives, strict=True)
-            texts = [t for pair in pairs for t in pair] if key.cfg else prompts
-            ids, mask = tokenizer.tokenize(
-                self.tokenizer, texts, self.config.text_encoder.max_length
-            )
-            emb = self._run(
-                "text_encode",
-                params=self.params["text_encoder"],
-                ids=place(ids, self._input_sharding("text_encode", "ids")),
-                mask=place(mask, self._input_sharding("text_encode", "mask")),
-            )["embeddings"]
-            emb = handoff(
-                jax.block_until_ready(emb), self._input_sharding("kv_cache", "embeddings")
-            )
+            emb = self._encode(texts)
             encoded = time.perf_counter() - start
-            experts = ["transformer"] + (["transformer_2"] if boundary is not None else [])
-            kv = jax.block_until_ready(
-                {
-                    e: self._run("kv_cache", params=self.params[e], embeddings=emb)["kv"]
-                    for e in experts
-                }
-            )
+            kv = self._kv_caches(emb, experts)
             first_step = time.perf_counter() - start
-            step_in = interface.named("denoise_step", self.exe["denoise_step"].input_shardings[0])
-            out = {
-                "latents": place(latents, step_in["latents"]),
-                "state": {
-                    name: place(getattr(state, name), step_in["state"][name])
-                    for name in ("last_sample", "x0_history")
-                },
-            }
-            for i in range(steps):
+
+            def expert_at(i: int) -> tuple[str, float]:
                 high_noise = boundary is None or float(tables.timesteps[i]) >= boundary
-                expert = "transformer" if high_noise else "transformer_2"
                 scale = guidance if high_noise or guidance_2 is None else guidance_2
-                out = self._run(
-                    "denoise_step",
-                    params=self.params[expert],
-                    latents=out["latents"],
-                    kv=tuple(handoff(a, s) for a, s in zip(kv[expert], step_in["kv"], strict=True)),
-                    row={k: place(v, step_in["row"][k]) for k, v in tables.row(i).items()},
-                    state=out["state"],
-                    guidance=place(np.float32(scale), step_in["guidance"]),
-                )
-                if on_step is not None:
-                    jax.block_until_ready(out["latents"])
-                    on_step(i + 1, steps)
-            # Dispatch is asynchronous: without waiting, the steps' time would show up in the
-            # decode's phase (the last step is followed by the decode either way).
-            jax.block_until_ready(out["latents"])
+                return ("transformer" if high_noise else "transformer_2"), scale
+
+            x = self._denoise(latents, state, tables, kv, expert_at, on_step)
             denoise = time.perf_counter() - start - first_step
-            x = handoff(out["latents"], self._input_sharding("vae_decode", "latents"))
-            frames = self._run("vae_decode", params=self.params["vae"], latents=x)["frames"]
-            frames = np.asarray(frames)  # replicated in multi-process builds: local data
+            frames = self._decode(x)
         total = time.perf_counter() - start
-        process_start = clock.process_start_time()
         phases = {
             "text_encode": encoded,
             "kv_cache": first_step - encoded,
             "denoise": denoise,
             "vae_decode": total - first_step - denoise,
         }
+        process_start = clock.process_start_time()
         report = GenerationReport(
             compile_count=counter.count,
             started_at=started_at,
@@ -358,6 +309,78 @@ class Pipeline:
             loras=list(self.loras),
         )
         return frames, report
+
+    def _texts(self, prompt: str | list[str], negative_prompt: str | list[str]) -> list[str]:
+        """The texts to encode, in the step's batch layout: with CFG, prompt i then its
+        negative (cond_i, uncond_i)."""
+        batch = self.key.batch
+        prompts = [prompt] * batch if isinstance(prompt, str) else list(prompt)
+        negatives = (
+            [negative_prompt] * batch if isinstance(negative_prompt, str) else list(negative_prompt)
+        )
+        if len(prompts) != batch or len(negatives) != batch:
+            raise ValueError(f"this build generates batches of {batch} prompts")
+        pairs = zip(prompts, negatives, strict=True)
+        return [t for pair in pairs for t in pair] if self.key.cfg else prompts
+
+    def _encode(self, texts: list[str]) -> jax.Array:
+        """Prompt embeddings, laid out as kv_cache takes them."""
+        ids, mask = tokenizer.tokenize(self.tokenizer, texts, self.config.text_encoder.max_length)
+        emb = self._run(
+            "text_encode",
+            params=self.params["text_encoder"],
+            ids=place(ids, self._input_sharding("text_encode", "ids")),
+            mask=place(mask, self._input_sharding("text_encode", "mask")),
+        )["embeddings"]
+        return handoff(jax.block_until_ready(emb), self._input_sharding("kv_cache", "embeddings"))
+
+    def _kv_caches(self, emb: jax.Array, experts: list[str]) -> dict[str, Any]:
+        """Every layer's cross-attention keys and values, per expert."""
+        return jax.block_until_ready(
+            {e: self._run("kv_cache", params=self.params[e], embeddings=emb)["kv"] for e in experts}
+        )
+
+    def _denoise(
+        self,
+        latents: np.ndarray,
+        state: schedulers.SamplerState,
+        tables: schedulers.SamplerTables,
+        kv: dict[str, Any],
+        expert_at: Callable[[int], tuple[str, float]],
+        on_step: Callable[[int, int], None] | None,
+    ) -> jax.Array:
+        """The latents after every step; `expert_at(i)`: step i's transformer and guidance."""
+        step_in = interface.named("denoise_step", self.exe["denoise_step"].input_shardings[0])
+        out = {
+            "latents": place(latents, step_in["latents"]),
+            "state": {
+                name: place(getattr(state, name), step_in["state"][name])
+                for name in ("last_sample", "x0_history")
+            },
+        }
+        steps = tables.num_steps
+        for i in range(steps):
+            expert, scale = expert_at(i)
+            out = self._run(
+                "denoise_step",
+                params=self.params[expert],
+                latents=out["latents"],
+                kv=tuple(handoff(a, s) for a, s in zip(kv[expert], step_in["kv"], strict=True)),
+                row={k: place(v, step_in["row"][k]) for k, v in tables.row(i).items()},
+                state=out["state"],
+                guidance=place(np.float32(scale), step_in["guidance"]),
+            )
+            if on_step is not None:
+                jax.block_until_ready(out["latents"])
+                on_step(i + 1, steps)
+        # Dispatch is asynchronous: without waiting, the steps' time would show up in the
+        # decode's phase (the last step is followed by the decode either way).
+        return jax.block_until_ready(out["latents"])
+
+    def _decode(self, latents: jax.Array) -> np.ndarray:
+        """uint8 frames on the host (replicated in multi-process builds: local data)."""
+        x = handoff(latents, self._input_sharding("vae_decode", "latents"))
+        return np.asarray(self._run("vae_decode", params=self.params["vae"], latents=x)["frames"])
 
 
 def _initial_latents(
