@@ -22,7 +22,6 @@ from runtime.artifact import ArtifactError, Manifest
 from runtime.loader import Present, Request, match_build
 from runtime.outputs import OutputError, check_writable
 from runtime.video import video_paths
-from wan import lora
 from wan.configs import ModelConfig
 from wan.presets import model_spec
 
@@ -155,17 +154,23 @@ def run_cmd(
             "a multi-process run needs --coordinator HOST:PORT, --num-processes P > 1 and "
             "--process-id in [0, P)"
         )
-    loras, loras_2 = _loras(lora_args, "--lora"), _loras(lora_2_args, "--lora-2")
     outputs = [(p, "--out") for p in video_paths(out, batch)]
     outputs += [(save_frames, "--save-frames"), (report_path, "--report")]
     try:
         for path, option in outputs:
             if path is not None:
                 check_writable(path, option)
+    except (OutputError, OSError) as e:
+        raise CliError(str(e)) from None
+    # Imported once the paths are known good: wan.lora brings ml_dtypes (a second or more).
+    from wan import lora
+
+    loras, loras_2 = _loras(lora_args, "--lora"), _loras(lora_2_args, "--lora-2")
+    try:
         config = ModelConfig.from_folder(weights)
         request = Request(width, height, frames, batch, guidance > 1.0, config.hash())
         lora.check_experts(config.num_experts, loras_2)
-    except (OutputError, ValueError, OSError) as e:  # LoraError is a ValueError
+    except (ValueError, OSError) as e:  # LoraError is a ValueError
         raise CliError(str(e)) from None
 
     def match(present: Present) -> tuple[Path, Manifest]:
@@ -259,6 +264,8 @@ def run_cmd(
 
 def _loras(args: tuple[str, ...], option: str) -> list[tuple[Path, float]]:
     """FILE[:SCALE] arguments as (path, scale); a missing file fails before anything loads."""
+    from wan import lora
+
     specs = [lora.parse_spec(a) for a in args]
     for path, _ in specs:
         if not path.is_file():
