@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import safetensors.numpy
 
 from wan import weights
 from wan.atomic import atomic_folder
@@ -66,7 +67,7 @@ def save_checkpoint(
         for name, tree in components.items():
             (tmp / name).mkdir()
             flat = {"/".join(p): np.asarray(v) for p, v in weights.flatten(tree).items()}
-            weights.write_safetensors(tmp / name / PARAMS, flat)
+            safetensors.numpy.save_file(flat, tmp / name / PARAMS)
         if tokenizer_dir is not None:
             shutil.copytree(tokenizer_dir, tmp / "tokenizer")
         meta = {
@@ -88,8 +89,7 @@ def load_component(
     with the LoRA updates `deltas` (by parameter path) merged in.
 
     A diffusers folder is imported tensor by tensor on the host and a checkpoint memory-mapped;
-    parameters with updates are merged in a host copy, then each parameter placed shard by
-    shard. A checkpoint of format 1 is restored by orbax directly into the shardings, and a
+    each parameter is then placed shard by shard, its updates merged into each shard on the way. A checkpoint of format 1 is restored by orbax directly into the shardings, and a
     parameter with updates is then rewritten one shard at a time through the host.
     """
     folder = Path(folder)
@@ -101,8 +101,7 @@ def load_component(
             raise weights.WeightError(f"checkpoint {folder} has no {component}/")
         if (path / PARAMS).is_file():
             host = _read_params(path / PARAMS, flat_abstract)
-            host.update({p: np.array(host[p]) for p in deltas})  # writable copies to merge into
-            return _merge_and_place(host, flat_abstract, deltas, abstract)
+            return _place_all(host, flat_abstract, deltas, abstract)
         stored = _orbax_shapes(path)
         _check_shapes(stored, flat_abstract)
         with ocp.StandardCheckpointer() as ckptr:
@@ -119,18 +118,20 @@ def load_component(
         )
     expected = {p: (tuple(a.shape), np.dtype(a.dtype)) for p, a in flat_abstract.items()}
     host = weights.import_folder(source, expected, RULES[component])
-    return _merge_and_place(host, flat_abstract, deltas, abstract)
+    return _place_all(host, flat_abstract, deltas, abstract)
 
 
-def _merge_and_place(
+def _place_all(
     host: dict[weights.Path_, np.ndarray],
     flat_abstract: dict[weights.Path_, jax.ShapeDtypeStruct],
     deltas: Mapping[weights.Path_, ParamDelta],
     abstract: Tree,
 ) -> Tree:
-    _in_threads(lambda p: deltas[p].merge_into(host[p], ()), deltas)
-    # Each host array is dropped once placed.
-    placed = _in_threads(lambda p: _place(host.pop(p), flat_abstract[p]), flat_abstract)
+    """Every parameter placed, its updates merged shard by shard; each host array is dropped
+    once placed."""
+    placed = _in_threads(
+        lambda p: _place(host.pop(p), flat_abstract[p], deltas.get(p)), flat_abstract
+    )
     return weights.unflatten_like(abstract, placed)
 
 
@@ -152,13 +153,33 @@ def _in_threads(fn: Callable[[weights.Path_], Any], paths: Iterable[weights.Path
         return dict(zip(paths, pool.map(fn, paths), strict=True))
 
 
-def _place(value: np.ndarray, target: jax.ShapeDtypeStruct) -> jax.Array:
+def _place(
+    value: np.ndarray, target: jax.ShapeDtypeStruct, delta: ParamDelta | None = None
+) -> jax.Array:
+    """`value` (as target's dtype, `delta` merged) in target's sharding: each distinct shard is
+    made once on the host (a view when nothing changes) and put on the devices holding it."""
     sharding = getattr(target, "sharding", None)
     if sharding is None:
-        return jax.device_put(value.astype(target.dtype, copy=False))
-    return jax.make_array_from_callback(
-        value.shape, sharding, lambda index: value[index].astype(target.dtype, copy=False)
-    )
+        return jax.device_put(_block(value, (), target.dtype, delta))
+    blocks: dict[tuple, np.ndarray] = {}
+
+    def block(index: tuple[slice, ...]) -> np.ndarray:
+        bounds = tuple(s.indices(n) for s, n in zip(index, value.shape, strict=True))
+        if bounds not in blocks:
+            blocks[bounds] = _block(value, index, target.dtype, delta)
+        return blocks[bounds]
+
+    return jax.make_array_from_callback(value.shape, sharding, block)
+
+
+def _block(
+    value: np.ndarray, index: tuple[slice, ...], dtype: Any, delta: ParamDelta | None
+) -> np.ndarray:
+    if delta is None:
+        return value[index].astype(dtype, copy=False)
+    out = np.array(value[index], dtype=dtype)
+    delta.merge_into(out, index)
+    return out
 
 
 def _merge_placed(array: jax.Array, delta: ParamDelta) -> jax.Array:

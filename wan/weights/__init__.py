@@ -114,25 +114,6 @@ def read_safetensors(path: str | Path) -> Iterator[tuple[str, np.ndarray]]:
         yield name, data[start:end].view(dtype).reshape(info["shape"])
 
 
-def write_safetensors(path: str | Path, tensors: Mapping[str, np.ndarray]) -> None:
-    """Write `tensors` as one .safetensors file (header padded to 8 bytes, tensors in order)."""
-    codes = {np.dtype(v): k for k, v in _SAFETENSORS_DTYPES.items()}
-    header, offset = {}, 0
-    for name, array in tensors.items():
-        header[name] = {
-            "dtype": codes[array.dtype],
-            "shape": list(array.shape),
-            "data_offsets": [offset, offset + array.nbytes],
-        }
-        offset += array.nbytes
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    with Path(path).open("wb") as f:
-        f.write(len(text).to_bytes(8, "little") + text)
-        for array in tensors.values():
-            f.write(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
-
-
 def safetensors_metadata(path: str | Path) -> dict[str, str]:
     """The free-form `__metadata__` strings of a .safetensors file ({} when there are none)."""
     return _header(Path(path))[0].get("__metadata__") or {}
