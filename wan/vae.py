@@ -3,13 +3,19 @@
 Video is (B, T, H, W, C). Every 3-D conv is causal in time: it sees the last CACHE_T frames of
 its own input from earlier chunks as left context (zeros before the video starts). Like
 diffusers, video runs through the network chunk by chunk (decode: one latent frame at a time;
-encode: the first frame, then 4 frames at a time). The first chunk behaves differently (temporal
-up/down-sampling is skipped) and runs alone; it returns the feature cache, a pytree of
-fixed-shape arrays, which the remaining chunks carry through one `jax.lax.scan`, so the compiled
-program holds a single body for all later chunks.
+encode: the first frame, then 4 frames at a time), carrying the feature cache, a pytree of
+fixed-shape arrays, through one `jax.lax.scan`. The first chunk behaves differently (temporal
+up/down-sampling is skipped):
+- decode runs it inside the same scan body, at the later chunks' shapes: after each temporal
+  upsampler only its last frame is real, and the others are zeroed wherever a causal conv reads
+  them, which is what the zero padding before the video is. One body means each distinct conv is
+  compiled once: the XLA TPU backend compiles every distinct conv fusion separately, and a
+  first-chunk copy of the decoder made up a third of the decode's compile time.
+- encode runs it alone before the scan (its output has fewer frames).
 
-Cache convention: a block's `__call__(x, cache)` takes the cache of its own layers (None on the
-first chunk) and returns `(y, new_cache)`.
+Cache convention: a block's `__call__(x, cache, first)` takes the cache of its own layers (None
+on encode's first chunk) and returns `(y, new_cache)`. `first` is None on encode, and on decode
+a boolean scalar: this is the video's first chunk.
 
 Sharding: every 5-D activation, every cache tensor and the scan carry is pinned to
 `wan.sharding.VIDEO`; conv kernels name their output-channel axis "vae_conv_out". Nearest
@@ -33,8 +39,8 @@ CACHE_T = 2  # left context of a causal conv with temporal kernel 3
 ENCODE_CHUNK = 4  # video frames per encoder chunk after the first (diffusers' value)
 RMS_EPS = 1e-12  # F.normalize's eps
 
-Cache = Any  # a pytree of (B, t, H, W, C) arrays, None on the first chunk
-Block = Callable[[jax.Array, Cache], tuple[jax.Array, Cache]]
+Cache = Any  # a pytree of (B, t, H, W, C) arrays, None on encode's first chunk
+Block = Callable[[jax.Array, Cache, jax.Array | None], tuple[jax.Array, Cache]]
 
 
 def _video(x: jax.Array) -> jax.Array:
@@ -86,12 +92,25 @@ class Conv3d(nnx.Conv):
         return _video(super().__call__(_video(x)))
 
 
-def causal(conv: Conv3d, x: jax.Array, cache: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+def real_frames(x: jax.Array, first: jax.Array | None) -> jax.Array:
+    """x with the frames that are not real set to zero: on decode's first chunk, all but the
+    last (see the module docstring)."""
+    t = x.shape[1]
+    if first is None or t == 1:
+        return x
+    keep = jnp.logical_or(jnp.logical_not(first), jnp.arange(t) == t - 1)
+    return jnp.where(keep[None, :, None, None, None], x, jnp.zeros((), x.dtype))
+
+
+def causal(
+    conv: Conv3d, x: jax.Array, cache: jax.Array | None, first: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
     """A temporal-kernel-3 conv of one chunk, continuing the stream: the cache holds the last
     CACHE_T input frames of the previous chunks (zeros before the first), which is what
     diffusers' left padding plus its cache of up to two frames amounts to."""
     if cache is None:
         cache = jnp.zeros((x.shape[0], CACHE_T, *x.shape[2:]), x.dtype)
+    x = real_frames(x, first)
     window = jnp.concatenate([cache, x], axis=1)
     return conv(window), _video(window[:, -CACHE_T:])
 
@@ -156,11 +175,11 @@ class ResidualBlock(nnx.Module):
         self.conv2 = make.conv(out_dim, out_dim, 3)
         self.conv_shortcut = make.conv(in_dim, out_dim, 1) if in_dim != out_dim else None
 
-    def __call__(self, x: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
+    def __call__(self, x: jax.Array, cache: Cache, first: jax.Array | None = None):
         c1, c2 = _parts(cache, 2)
         h = x if self.conv_shortcut is None else self.conv_shortcut(x)
-        x, c1 = causal(self.conv1, nnx.silu(self.norm1(x)), c1)
-        x, c2 = causal(self.conv2, nnx.silu(self.norm2(x)), c2)
+        x, c1 = causal(self.conv1, nnx.silu(self.norm1(x)), c1, first)
+        x, c2 = causal(self.conv2, nnx.silu(self.norm2(x)), c2, first)
         return x + h, (c1, c2)
 
 
@@ -173,7 +192,7 @@ class AttentionBlock(nnx.Module):
         self.to_qkv = make.conv(dim, 3 * dim, 1)
         self.proj = make.conv(dim, dim, 1)
 
-    def __call__(self, x: jax.Array, cache: Cache = None) -> tuple[jax.Array, Cache]:
+    def __call__(self, x: jax.Array, cache: Cache = None, first: jax.Array | None = None):
         b, t, h, w, c = x.shape
         qkv = self.to_qkv(self.norm(x)).reshape(b, t, h * w, 3 * c)
         q, k, v = jnp.split(qkv, 3, axis=-1)
@@ -190,11 +209,11 @@ class MidBlock(nnx.Module):
         self.resnets = nnx.List([ResidualBlock(dim, dim, make) for _ in range(2)])
         self.attentions = nnx.List([AttentionBlock(dim, make)])
 
-    def __call__(self, x: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
+    def __call__(self, x: jax.Array, cache: Cache, first: jax.Array | None = None):
         c0, c1 = _parts(cache, 2)
-        x, c0 = self.resnets[0](x, c0)
+        x, c0 = self.resnets[0](x, c0, first)
         x, _ = self.attentions[0](x)
-        x, c1 = self.resnets[1](x, c1)
+        x, c1 = self.resnets[1](x, c1, first)
         return x, (c0, c1)
 
 
@@ -206,15 +225,14 @@ class Upsample(nnx.Module):
         self.resample = make.conv(dim, dim // 2, (1, 3, 3))
         self.time_conv = make.conv(dim, 2 * dim, (3, 1, 1)) if temporal else None
 
-    def __call__(self, x: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
+    def __call__(self, x: jax.Array, cache: Cache, first: jax.Array):
         if self.time_conv is not None:
-            if cache is None:
-                # diffusers skips the time conv on the first chunk and starts the next one from
-                # zero padding: the first chunk leaves a zero cache.
-                cache = jnp.zeros((x.shape[0], CACHE_T, *x.shape[2:]), x.dtype)
-            else:
-                y, cache = causal(self.time_conv, x, cache)
-                x = interleave_time(y)
+            y, tail = causal(self.time_conv, x, cache, first)
+            # diffusers skips the time conv on the first chunk (its one real frame is put last
+            # here) and starts the next chunk from zero padding: a zero cache.
+            skipped = _video(jnp.concatenate([jnp.zeros_like(x), x], axis=1))
+            x = jnp.where(first, skipped, interleave_time(y))
+            cache = _video(jnp.where(first, jnp.zeros_like(tail), tail))
         return self.resample(upsample_nearest_2x(x)), cache
 
 
@@ -226,7 +244,7 @@ class Downsample(nnx.Module):
         self.resample = make.conv(dim, dim, (1, 3, 3), stride=(1, 2, 2), pad=(0, 1))
         self.time_conv = make.conv(dim, dim, (3, 1, 1), stride=(2, 1, 1)) if temporal else None
 
-    def __call__(self, x: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
+    def __call__(self, x: jax.Array, cache: Cache, first: None = None):
         x = self.resample(x)
         if self.time_conv is None:
             return x, None
@@ -236,12 +254,14 @@ class Downsample(nnx.Module):
         return self.time_conv(jnp.concatenate([cache, x], axis=1)), last
 
 
-def _chain(blocks: Iterable[Block], x: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
+def _chain(
+    blocks: Iterable[Block], x: jax.Array, cache: Cache, first: jax.Array | None
+) -> tuple[jax.Array, Cache]:
     """Run blocks in order, each on its own part of the cache."""
     blocks = list(blocks)
     new = []
     for block, c in zip(blocks, _parts(cache, len(blocks)), strict=True):
-        x, c = block(x, c)
+        x, c = block(x, c, first)
         new.append(c)
     return x, tuple(new)
 
@@ -254,8 +274,8 @@ class UpBlock(nnx.Module):
         self.resnets = nnx.List([ResidualBlock(d, out_dim, make) for d in dims])
         self.upsamplers = None if up is None else nnx.List([Upsample(out_dim, up == "3d", make)])
 
-    def __call__(self, x: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
-        return _chain([*self.resnets, *(self.upsamplers or ())], x, cache)
+    def __call__(self, x: jax.Array, cache: Cache, first: jax.Array):
+        return _chain([*self.resnets, *(self.upsamplers or ())], x, cache, first)
 
 
 class Encoder(nnx.Module):
@@ -284,7 +304,7 @@ class Encoder(nnx.Module):
     def __call__(self, x: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
         c_in, c_down, c_mid, c_out = _parts(cache, 4)
         x, c_in = causal(self.conv_in, x, c_in)
-        x, c_down = _chain(self.down_blocks, x, c_down)
+        x, c_down = _chain(self.down_blocks, x, c_down, None)
         x, c_mid = self.mid_block(x, c_mid)
         x, c_out = causal(self.conv_out, nnx.silu(self.norm_out(x)), c_out)
         return x, (c_in, c_down, c_mid, c_out)
@@ -309,17 +329,25 @@ class Decoder(nnx.Module):
         self.norm_out = make.norm(dims[-1])
         self.conv_out = make.conv(dims[-1], cfg.out_channels, 3)
 
-    def __call__(self, x: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
+    def __call__(self, x: jax.Array, cache: Cache, first: jax.Array):
         c_in, c_mid, c_up, c_out = _parts(cache, 4)
-        x, c_in = causal(self.conv_in, x, c_in)
-        x, c_mid = self.mid_block(x, c_mid)
-        x, c_up = _chain(self.up_blocks, x, c_up)
-        x, c_out = causal(self.conv_out, nnx.silu(self.norm_out(x)), c_out)
+        x, c_in = causal(self.conv_in, x, c_in, first)
+        x, c_mid = self.mid_block(x, c_mid, first)
+        x, c_up = _chain(self.up_blocks, x, c_up, first)
+        x, c_out = causal(self.conv_out, nnx.silu(self.norm_out(x)), c_out, first)
         return x, (c_in, c_mid, c_up, c_out)
 
 
-def stream(net: Block, first: jax.Array, chunks: jax.Array) -> jax.Array:
-    """`net` over the first chunk alone, then over `chunks` (B, N, t, H, W, C) in one scan
+def _joined(ys: jax.Array) -> jax.Array:
+    """Scan outputs (N, B, t, H, W, C) -> (B, N * t, H, W, C), in order along time."""
+    n, b, t, *rest = ys.shape
+    return jnp.moveaxis(ys, 0, 1).reshape(b, n * t, *rest)
+
+
+def stream(
+    net: Callable[[jax.Array, Cache], tuple[jax.Array, Cache]], first: jax.Array, chunks: jax.Array
+) -> jax.Array:
+    """`net` (the encoder) over the first chunk alone, then over `chunks` (B, N, t, H, W, C) in one scan
     whose carry is the cache; the outputs joined along time."""
     y0, cache = net(_video(first), None)
 
@@ -328,9 +356,25 @@ def stream(net: Block, first: jax.Array, chunks: jax.Array) -> jax.Array:
         return _pin(cache), y
 
     _, ys = jax.lax.scan(step, _pin(cache), jnp.moveaxis(chunks, 1, 0))
-    n, b, t, *rest = ys.shape
-    ys = jnp.moveaxis(ys, 0, 1).reshape(b, n * t, *rest)
-    return _video(jnp.concatenate([y0, ys], axis=1))
+    return _video(jnp.concatenate([y0, _joined(ys)], axis=1))
+
+
+def stream_padded_first(net: Block, chunks: jax.Array) -> jax.Array:
+    """`net` over every chunk of `chunks` (B, N, t, H, W, C), the first included, in one scan
+    body (the first chunk at the others' shapes, its output's real frame last); the real
+    frames joined along time."""
+    first = jnp.arange(chunks.shape[1]) == 0
+    chunks = jnp.moveaxis(chunks, 1, 0)
+    _, cache = jax.eval_shape(net, chunks[0], None, first[0])
+    cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), cache)
+
+    def step(cache: Cache, inputs: tuple[jax.Array, jax.Array]) -> tuple[Cache, jax.Array]:
+        chunk, is_first = inputs
+        y, cache = net(_video(chunk), _pin(cache), is_first)
+        return _pin(cache), y
+
+    _, ys = jax.lax.scan(step, _pin(cache), (chunks, first))
+    return _video(_joined(ys)[:, ys.shape[2] - 1 :])
 
 
 class WanVAE(nnx.Module):
@@ -368,7 +412,7 @@ class WanVAE(nnx.Module):
         for temporal factor k and spatial factor s; one latent frame per chunk."""
         b, t, *frame = z.shape
         x = self.post_quant_conv(z.astype(self.dtype))
-        video = stream(self.decoder, x[:, :1], x[:, 1:].reshape(b, t - 1, 1, *frame))
+        video = stream_padded_first(self.decoder, x.reshape(b, t, 1, *frame))
         return _video(jnp.clip(video, -1.0, 1.0))
 
 
