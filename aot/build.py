@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import functools
 import gzip
 import hashlib
@@ -23,7 +22,7 @@ from typing import Any
 
 import jax
 
-from aot import hlo
+from aot import hlo, store
 from aot.targets import SPLASH_BLOCKS, Target, devices, peak_flops
 from runtime.artifact import (
     MANIFEST,
@@ -41,7 +40,7 @@ from runtime.loader import host_layout
 from wan import attention as attention_lib
 from wan import interface, sharding
 from wan import programs as wan_programs
-from wan.atomic import atomic_folder
+from wan.atomic import atomic_folder, locked
 from wan.configs import ModelConfig
 
 # Test hook: kill the process right after this program's files are written.
@@ -73,7 +72,8 @@ class BuildResult:
     plan: BuildPlan
     folder: Path
     manifest: Manifest
-    skipped: bool
+    skipped: bool  # the folder was already there, up to date
+    programs: dict[str, str]  # name -> "compiled" or "reused" (from the store); {} if skipped
 
 
 def plan_build(
@@ -284,15 +284,15 @@ def build(
     out_root.mkdir(parents=True, exist_ok=True)
     folder = out_root / plan.key.folder_name()
     fingerprint = compiler_fingerprint(plan.target)
-    with _lock(out_root / ".locks" / f"{folder.name}.lock"):
+    with locked(out_root / ".locks" / f"{folder.name}.lock"):
         if not force and (existing := _reusable(folder, plan, fingerprint)) is not None:
-            return BuildResult(plan, folder, existing, skipped=True)
+            return BuildResult(plan, folder, existing, skipped=True, programs={})
         for stale in out_root.glob(f".tmp-{folder.name}-*"):
             shutil.rmtree(stale, ignore_errors=True)  # left by a killed build of this key
         with atomic_folder(folder, out_root / f".tmp-{folder.name}-{os.getpid()}") as tmp:
-            manifest = _compile_all(plan, tmp, fingerprint, progress)
+            manifest, statuses = _compile_all(plan, tmp, out_root, fingerprint, force, progress)
             manifest.write(tmp)
-    return BuildResult(plan, folder, manifest, skipped=False)
+    return BuildResult(plan, folder, manifest, skipped=False, programs=statuses)
 
 
 def _reusable(folder: Path, plan: BuildPlan, fingerprint: str) -> Manifest | None:
@@ -311,25 +311,11 @@ def _reusable(folder: Path, plan: BuildPlan, fingerprint: str) -> Manifest | Non
     return manifest if ok else None
 
 
-@contextlib.contextmanager
-def _lock(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def compile_plan(
-    plan: BuildPlan,
-    progress: Callable[[str], None] | None = None,
-    frames_dtype: str = "uint8",
-    only: Collection[str] | None = None,
-) -> Iterator[tuple[wan_programs.Program, Any, jax.sharding.Mesh, float, int]]:
-    """Compile the programs of `plan` (or those named in `only`) one by one: (program,
-    compiled, mesh, seconds, peak RSS)."""
+def lower_plan(
+    plan: BuildPlan, frames_dtype: str = "uint8", only: Collection[str] | None = None
+) -> Iterator[tuple[wan_programs.Program, jax.stages.Lowered, jax.sharding.Mesh]]:
+    """Lower the programs of `plan` (or those named in `only`) one by one: (program, lowered,
+    mesh)."""
     devs = devices(plan.target)
     meshes = {
         "transformer": sharding.make_mesh(devs, plan.mesh.items()),
@@ -356,21 +342,43 @@ def compile_plan(
     # Every process of a multi-process job needs whole frames on its host (np.asarray of an
     # array it cannot address fails), so there the decode replicates its output.
     multi_process = host_layout(devs)[0] > 1
-    for index, program in enumerate(progs, 1):
+    for program in progs:
         mesh = meshes[program.mesh]
-        label = f"[{index}/{len(progs)}] {plan.key.folder_name()} {program.name}"
-        with _Ticker(label, progress), RssSampler() as rss:
-            start = time.perf_counter()
-            decode = program.name == "vae_decode"
-            compiled = compile_program(
-                program,
-                mesh,
-                *rules[program.mesh],
-                placed={"latents": latents} if decode else None,
-                replicated_out=decode and multi_process,
-            )
-            seconds = time.perf_counter() - start
-        yield program, compiled, mesh, seconds, rss.peak
+        decode = program.name == "vae_decode"
+        lowered = lower_program(
+            program,
+            mesh,
+            *rules[program.mesh],
+            placed={"latents": latents} if decode else None,
+            replicated_out=decode and multi_process,
+        )
+        yield program, lowered, mesh
+
+
+def compile_plan(
+    plan: BuildPlan,
+    progress: Callable[[str], None] | None = None,
+    frames_dtype: str = "uint8",
+    only: Collection[str] | None = None,
+) -> Iterator[tuple[wan_programs.Program, Any, jax.sharding.Mesh, float, int]]:
+    """Compile the programs of `plan` (or those named in `only`) one by one: (program,
+    compiled, mesh, seconds, peak RSS)."""
+    for program, lowered, mesh in lower_plan(plan, frames_dtype, only):
+        compiled, seconds, rss = _compile(
+            lowered, f"{plan.key.folder_name()} {program.name}", progress
+        )
+        yield program, compiled, mesh, seconds, rss
+
+
+def _compile(
+    lowered: jax.stages.Lowered, label: str, progress: Callable[[str], None] | None
+) -> tuple[Any, float, int]:
+    """(compiled, seconds, peak RSS), with a live progress line."""
+    with _Ticker(label, progress), RssSampler() as rss:
+        start = time.perf_counter()
+        compiled = lowered.compile()
+        seconds = time.perf_counter() - start
+    return compiled, seconds, rss.peak
 
 
 def compile_in_process(plan: BuildPlan, frames_dtype: str = "uint8") -> dict[str, Any]:
@@ -379,13 +387,31 @@ def compile_in_process(plan: BuildPlan, frames_dtype: str = "uint8") -> dict[str
 
 
 def _compile_all(
-    plan: BuildPlan, folder: Path, fingerprint: str, progress: Callable[[str], None] | None
-) -> Manifest:
+    plan: BuildPlan,
+    folder: Path,
+    out_root: Path,
+    fingerprint: str,
+    force: bool,
+    progress: Callable[[str], None] | None,
+) -> tuple[Manifest, dict[str, str]]:
+    """The manifest of `plan` with its programs' files in `folder`, each compiled unless the
+    store of `out_root` has it (--force compiles all); and each program's status."""
     entries: dict[str, ProgramEntry] = {}
-    for program, compiled, mesh, seconds, rss in compile_plan(plan, progress):
-        entries[program.name] = _write_program(folder, program, compiled, mesh, seconds, rss)
-        if program.name == "denoise_step":
-            entries[program.name].kernel_flops = kernel_flops(plan)
+    statuses: dict[str, str] = {}
+    lowered_programs = list(lower_plan(plan))
+    for index, (program, lowered, mesh) in enumerate(lowered_programs, 1):
+        label = f"[{index}/{len(lowered_programs)}] {plan.key.folder_name()} {program.name}"
+        make = functools.partial(_make_program, plan, program, lowered, mesh, label, progress)
+        device_ids = [d.id for d in mesh.devices.flat]
+        pid = store.program_id(
+            lowered.as_text(), fingerprint, device_ids, program.args, program.out_axes
+        )
+        entry, stored, reused = store.fetch_or_make(out_root, pid, make, replace=force)
+        store.link_files(entry, stored, folder)
+        entries[program.name] = entry
+        statuses[program.name] = "reused" if reused else "compiled"
+        if reused and progress is not None:
+            progress(f"{label} reused (same program as an earlier build)")
         if os.environ.get(KILL_AFTER_ENV) == program.name:
             os.kill(os.getpid(), signal.SIGKILL)
     devs = devices(plan.target)  # both meshes lay the devices out in this order
@@ -396,7 +422,7 @@ def _compile_all(
             f"VAE: neither latent dimension divides vae_spatial={plan.vae_mesh[1]}; width is "
             "sharded unevenly (XLA pads it)"
         )
-    return Manifest(
+    manifest = Manifest(
         schema_version=SCHEMA_VERSION,
         key=plan.key,
         model_config=plan.config.to_dict(),
@@ -417,6 +443,24 @@ def _compile_all(
         notes=notes,
         programs=entries,
     )
+    return manifest, statuses
+
+
+def _make_program(
+    plan: BuildPlan,
+    program: wan_programs.Program,
+    lowered: jax.stages.Lowered,
+    mesh: jax.sharding.Mesh,
+    label: str,
+    progress: Callable[[str], None] | None,
+    folder: Path,
+) -> ProgramEntry:
+    """Compile `lowered` and write its files into `folder`: its manifest entry."""
+    compiled, seconds, rss = _compile(lowered, label, progress)
+    entry = _write_program(folder, program, compiled, mesh, seconds, rss)
+    if program.name == "denoise_step":
+        entry.kernel_flops = kernel_flops(plan)
+    return entry
 
 
 def compile_program(
@@ -427,8 +471,20 @@ def compile_program(
     placed: dict[str, jax.sharding.Sharding] | None = None,
     replicated_out: bool = False,
 ) -> Any:
-    """Lower and compile `program` for `mesh` under `rules` (abstract inputs only). `placed`:
-    inputs (by name) that arrive with a given sharding, as another program leaves them."""
+    """`lower_program`, compiled."""
+    return lower_program(program, mesh, rules, uneven, placed, replicated_out).compile()
+
+
+def lower_program(
+    program: wan_programs.Program,
+    mesh: jax.sharding.Mesh,
+    rules: sharding.Rules,
+    uneven: frozenset[str] = frozenset(),
+    placed: dict[str, jax.sharding.Sharding] | None = None,
+    replicated_out: bool = False,
+) -> jax.stages.Lowered:
+    """Lower `program` for `mesh` under `rules` (abstract inputs only). `placed`: inputs (by
+    name) that arrive with a given sharding, as another program leaves them."""
     placed = placed or {}
     in_shardings = tuple(
         placed[name]
@@ -455,7 +511,7 @@ def compile_program(
         donate_argnums=program.donate_argnums,
     )
     with jax.set_mesh(mesh), sharding.axis_rules(rules, uneven):
-        return jitted.lower(*program.args.values()).compile()
+        return jitted.lower(*program.args.values())
 
 
 def _write_program(

@@ -206,6 +206,26 @@ def list_cmd(folder: Path) -> None:
     click.echo(report.list_table(folder))
 
 
+@cli.command("gc")
+@click.argument("folder", type=click.Path(path_type=Path), default=Path("artifacts"))
+@click.option("--dry-run", is_flag=True, help="List what would be removed, remove nothing.")
+def gc_cmd(folder: Path, dry_run: bool) -> None:
+    """Remove the stored programs (FOLDER/.programs) that no build in FOLDER references."""
+    import shutil
+
+    from aot import store
+
+    if not folder.is_dir():
+        raise CliError(f"{folder} is not a folder of builds (make one with `aot build`)")
+    builds = [p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    unused = store.garbage(folder, builds)
+    size = sum(f.stat().st_size for e in unused for f in e.rglob("*") if f.is_file())
+    for entry in unused if not dry_run else ():
+        shutil.rmtree(entry, ignore_errors=True)
+    verb = "would remove" if dry_run else "removed"
+    click.echo(f"{verb} {len(unused)} unreferenced program(s), {size / 1e6:.1f} MB")
+
+
 @cli.command("inspect")
 @click.argument("build_dir", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True)

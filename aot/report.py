@@ -61,18 +61,25 @@ def _lower_bound_text(manifest: Manifest) -> str:
     return "unknown peak" if bound is None else f"{bound:.3f} s"
 
 
+def _status_text(result: Any) -> str:
+    if result.skipped:
+        return "up to date"
+    reused = [n for n, st in result.programs.items() if st == "reused"]
+    return f"built, reused {','.join(reused)}" if reused else "built"
+
+
 def builds_table(results: Sequence[Any]) -> str:
     rows = []
     for r in results:
         m = r.manifest
         rows.append([
             r.folder.name,
-            "up to date" if r.skipped else "built",
+            _status_text(r),
             _peak_text(m),
             f"{_step_flops(m) / 1e12:.3f}",
             _lower_bound_text(m),
             _collectives_text(_all_collectives(m)),
-            f"{sum(p.compile_seconds for p in m.programs.values()):.1f}",
+            f"{sum(m.programs[n].compile_seconds for n, st in r.programs.items() if st == 'compiled'):.1f}",
         ])  # fmt: skip
     header = [
         "build",
@@ -88,7 +95,12 @@ def builds_table(results: Sequence[Any]) -> str:
 
 def builds_json(results: Sequence[Any]) -> list[dict[str, Any]]:
     return [
-        {"folder": str(r.folder), "skipped": r.skipped, "manifest": r.manifest.to_json()}
+        {
+            "folder": str(r.folder),
+            "skipped": r.skipped,
+            "programs": r.programs,
+            "manifest": r.manifest.to_json(),
+        }
         for r in results
     ]
 

@@ -103,6 +103,18 @@ class ProgramEntry:
     gathered_bytes_per_latent_frame: int | None = None
     kernel_flops: float = 0.0  # per device: custom-call kernels' work, which `flops` cannot see
 
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> ProgramEntry:
+        return cls(
+            **{
+                **raw,
+                "executable": FileEntry(**raw["executable"]),
+                "hlo": FileEntry(**raw["hlo"]),
+                "inputs": [_array_spec(a) for a in raw["inputs"]],
+                "outputs": [_array_spec(a) for a in raw["outputs"]],
+            }
+        )
+
 
 @dataclasses.dataclass
 class Manifest:
@@ -158,17 +170,7 @@ class Manifest:
         raw.setdefault("default_mesh", False)
         raw.setdefault("peak_flops", None)
         raw.setdefault("ulysses_all_to_alls", 0)
-        programs = {}
-        for name, p in raw["programs"].items():
-            programs[name] = ProgramEntry(
-                **{
-                    **p,
-                    "executable": FileEntry(**p["executable"]),
-                    "hlo": FileEntry(**p["hlo"]),
-                    "inputs": [_array_spec(a) for a in p["inputs"]],
-                    "outputs": [_array_spec(a) for a in p["outputs"]],
-                }
-            )
+        programs = {name: ProgramEntry.from_json(p) for name, p in raw["programs"].items()}
         return cls(**{**raw, "key": BuildKey.from_json(raw["key"]), "programs": programs})
 
     def write(self, folder: Path) -> None:

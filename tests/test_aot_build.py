@@ -7,11 +7,12 @@ import gzip
 import json
 import math
 import os
+import shutil
 
 import jax
 import numpy as np
 import pytest
-from conftest import TINY_SHAPE, run_cli
+from conftest import TINY_SHAPE, run_cli, save_tiny_diffusers_pipeline
 
 from aot import hlo
 from aot.build import compile_program, plan_build
@@ -22,21 +23,59 @@ from wan.interface import PROGRAMS
 from wan.presets import PRESETS
 
 
+def _statuses(stdout: str) -> dict[str, list[str]]:
+    """Program name -> its status in each build of an `aot build --json` report."""
+    out: dict[str, list[str]] = {}
+    for build in json.loads(stdout):
+        for name, status in build["programs"].items():
+            out.setdefault(name, []).append(status)
+    return {name: sorted(s) for name, s in out.items()}
+
+
 def test_matrix_builds_then_skips(tmp_path):
-    args = ["build", "--model", "tiny", "--res", "192x320", "--res", "320x192", "--frames", "9",
-            "--batch", "1", "--batch", "2", "--target", "cpu-8", "--out", str(tmp_path)]  # fmt: skip
-    first = run_cli("aot", *args)
+    """A 2 x 2 matrix compiles each distinct program once (text_encode and kv_cache depend on
+    the batch only) and a second run compiles nothing; a two-expert model of the same shapes
+    into the same folder reuses every program (its experts share the tiny architecture)."""
+    matrix = ["--res", "192x320", "--res", "320x192", "--frames", "9", "--batch", "1",
+              "--batch", "2", "--target", "cpu-8", "--out", str(tmp_path)]  # fmt: skip
+    first = run_cli("aot", "build", "--model", "tiny", *matrix)
     builds = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("."))
     assert len(builds) == 4, builds
     assert {b.split("_")[1] for b in builds} == {"192x320", "320x192"}
     assert "4 built" in first.stdout
     # Live progress lines per program, n/4 and the elapsed time.
     assert "[4/4]" in first.stderr and "vae_decode done in" in first.stderr
-    second = run_cli("aot", *args)
+    assert first.stderr.count("text_encode done in") == 2
+    assert first.stderr.count("text_encode reused") == 2
+    second = run_cli("aot", "build", "--model", "tiny", *matrix)
     assert "nothing to compile: all 4 builds are up to date" in second.stdout
     assert "compiling" not in second.stderr
     listing = run_cli("aot", "list", str(tmp_path)).stdout
     assert all(b in listing for b in builds)
+    # Every build folder holds its own copy of each file (a hard link to the store's).
+    manifests = [read_manifest(tmp_path / b) for b in builds]
+    encoders = {m.programs["text_encode"].executable.sha256 for m in manifests}
+    assert len(encoders) == 2
+    two_experts = tmp_path / "pipeline-a"
+    save_tiny_diffusers_pipeline(two_experts, two_experts=True)
+    other = run_cli("aot", "build", "--model", str(two_experts), *matrix, "--json")
+    assert _statuses(other.stdout) == {name: ["reused"] * 4 for name in PROGRAMS}
+    for build in json.loads(other.stdout):
+        assert set(read_manifest(build["folder"]).programs) == set(PROGRAMS)
+    assert "removed 0 unreferenced" in run_cli("aot", "gc", str(tmp_path)).stdout
+
+
+def test_gc_removes_programs_no_build_references(tmp_path):
+    run_cli("aot", "build", "--model", "tiny", *TINY_SHAPE, "--target", "cpu-8", "--out",
+            str(tmp_path))  # fmt: skip
+    (build,) = [p for p in tmp_path.iterdir() if not p.name.startswith(".")]
+    stored = sorted((tmp_path / ".programs").iterdir())
+    assert len(stored) == len(PROGRAMS)
+    shutil.rmtree(build)
+    assert "would remove 4 unreferenced" in run_cli("aot", "gc", str(tmp_path), "--dry-run").stdout
+    assert all(p.exists() for p in stored)
+    assert "removed 4 unreferenced" in run_cli("aot", "gc", str(tmp_path)).stdout
+    assert list((tmp_path / ".programs").iterdir()) == []
 
 
 def test_manifest_and_files(tiny_build):
