@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -43,66 +45,78 @@ def cli() -> None:
     """Ahead-of-time compile the WAN text-to-video programs for any target."""
 
 
+_MATRIX = [
+    click.option("--model", required=True, help="Preset name or diffusers-format folder."),
+    click.option("--res", "resolutions", multiple=True, required=True, help="WxH, repeatable."),
+    click.option(
+        "--frames", "frames_list", multiple=True, required=True, type=int, help="4k+1, repeatable."
+    ),
+    click.option(
+        "--batch",
+        "batches",
+        multiple=True,
+        required=True,
+        type=int,
+        help="Videos per call, repeatable.",
+    ),
+    click.option(
+        "--target",
+        required=True,
+        help=(
+            "cpu-N, cpu-PxN (P processes of N), current, single-host TPU VMs, one "
+            f"process ({targets.describe_aliases()}), tpu-<gen>:<topology> (a slice in hosts of the "
+            "generation's VM: v5e/v6e 8 chips, v4/v5p/tpu7x 4), tpu-<gen>:<topology>/<host> "
+            "(other VM sizes, e.g. tpu-v6e:4x4/2x2)."
+        ),
+    ),
+    click.option(
+        "--mesh",
+        "mesh_text",
+        default=None,
+        help="data=..,fsdp=..,context=..,tensor=.. (default: per target and batch).",
+    ),
+    click.option(
+        "--vae-spatial",
+        default="auto",
+        show_default=True,
+        help="auto or N (must divide the device count).",
+    ),
+    click.option(
+        "--attention",
+        default="auto",
+        show_default=True,
+        help=(
+            "auto, dot, blockwise[:<q>:<kv>], splash[:<q>:<kv>:<kv_compute>] (TPU) or cudnn (GPU). "
+            "auto: dot up to 8192 tokens, else splash on TPU, cudnn on GPU, blockwise on CPU."
+        ),
+    ),
+    click.option(
+        "--context-parallel",
+        type=click.Choice(["auto", "gather", "ulysses"]),
+        default="auto",
+        show_default=True,
+        help=(
+            "How sequence-sharded self-attention meets its keys: gather them, or all-to-all to "
+            "head sharding (ulysses). auto: ulysses when the heads divide over the sequence shards."
+        ),
+    ),
+    click.option(
+        "--no-cfg",
+        is_flag=True,
+        help="Build without classifier-free guidance (the step runs B, not 2B).",
+    ),
+]
+
+
+def _matrix_options(command: Callable) -> Callable:
+    """The options that describe a build matrix, shared by `aot build` and `aot plan`."""
+    for option in reversed(_MATRIX):
+        command = option(command)
+    return command
+
+
 @cli.command("build")
-@click.option("--model", required=True, help="Preset name or diffusers-format folder.")
-@click.option("--res", "resolutions", multiple=True, required=True, help="WxH, repeatable.")
-@click.option(
-    "--frames", "frames_list", multiple=True, required=True, type=int, help="4k+1, repeatable."
-)
-@click.option(
-    "--batch",
-    "batches",
-    multiple=True,
-    required=True,
-    type=int,
-    help="Videos per call, repeatable.",
-)
-@click.option(
-    "--target",
-    required=True,
-    help=(
-        "cpu-N, cpu-PxN (P processes of N), current, single-host TPU VMs, one "
-        f"process ({targets.describe_aliases()}), tpu-<gen>:<topology> (a slice in hosts of the "
-        "generation's VM: v5e/v6e 8 chips, v4/v5p/tpu7x 4), tpu-<gen>:<topology>/<host> "
-        "(other VM sizes, e.g. tpu-v6e:4x4/2x2)."
-    ),
-)
-@click.option(
-    "--mesh",
-    "mesh_text",
-    default=None,
-    help="data=..,fsdp=..,context=..,tensor=.. (default: per target and batch).",
-)
-@click.option(
-    "--vae-spatial",
-    default="auto",
-    show_default=True,
-    help="auto or N (must divide the device count).",
-)
-@click.option(
-    "--attention",
-    default="auto",
-    show_default=True,
-    help=(
-        "auto, dot, blockwise[:<q>:<kv>], splash[:<q>:<kv>:<kv_compute>] (TPU) or cudnn (GPU). "
-        "auto: dot up to 8192 tokens, else splash on TPU, cudnn on GPU, blockwise on CPU."
-    ),
-)
-@click.option(
-    "--context-parallel",
-    type=click.Choice(["auto", "gather", "ulysses"]),
-    default="auto",
-    show_default=True,
-    help=(
-        "How sequence-sharded self-attention meets its keys: gather them, or all-to-all to "
-        "head sharding (ulysses). auto: ulysses when the heads divide over the sequence shards."
-    ),
-)
-@click.option(
-    "--no-cfg",
-    is_flag=True,
-    help="Build without classifier-free guidance (the step runs B, not 2B).",
-)
+@_matrix_options
 @click.option(
     "--out", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True
 )
@@ -112,59 +126,16 @@ def cli() -> None:
 )
 @POLICY_OPTION
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def build_cmd(
-    model, resolutions, frames_list, batches, target, mesh_text, vae_spatial, attention,
-    context_parallel, no_cfg, out, force, strict, policy_path, as_json,
-) -> None:  # fmt: skip
+def build_cmd(out, force, strict, policy_path, as_json, **matrix) -> None:
     """Compile the program matrix (--res x --frames x --batch) for one target."""
     from aot import build as builder
     from aot import check, report
-    from wan.presets import resolve_model
-    from wan.programs import VideoShape
-    from wan.sharding import MeshShape
 
+    plans = _plans(**matrix)
     try:
-        config = resolve_model(model)
-    except (ValueError, OSError) as e:
-        raise CliError(str(e)) from None
-    from aot.local_job import local_job
-    from runtime.processes import JobError
-
-    try:
-        tgt = targets.parse_target(target)
-        # cpu-PxN: this process joins a local multi-process job until the command is done.
-        click.get_current_context().with_resource(local_job(tgt))
-        num_devices = len(targets.devices(tgt))
-        mesh = MeshShape.parse(mesh_text) if mesh_text else None
-        if vae_spatial != "auto" and not vae_spatial.isdigit():
-            raise ValueError(f"--vae-spatial {vae_spatial}: use auto or a positive integer")
-        spatial = None if vae_spatial == "auto" else int(vae_spatial)
         policy = check.load_policy(policy_path)
-    except (ValueError, targets.TargetError, JobError) as e:
+    except check.CheckInputError as e:
         raise CliError(str(e)) from None
-    name = Path(model).name if Path(model).is_dir() else model
-    plans = []
-    for res in resolutions:
-        w, h = _resolution(res)
-        for frames in frames_list:
-            for batch in batches:
-                shape = VideoShape(width=w, height=h, frames=frames, batch=batch, cfg=not no_cfg)
-                try:
-                    plans.append(
-                        builder.plan_build(
-                            name,
-                            config,
-                            shape,
-                            tgt,
-                            num_devices,
-                            mesh,
-                            spatial,
-                            None if attention == "auto" else attention,
-                            None if context_parallel == "auto" else context_parallel,
-                        )  # fmt: skip
-                    )
-                except builder.BuildError as e:
-                    raise CliError(str(e)) from None
     progress = None if as_json else (lambda line: click.echo(line, err=True))
     results = [builder.build(plan, out, force=force, progress=progress) for plan in plans]
     built = sum(not r.skipped for r in results)
@@ -193,6 +164,79 @@ def build_cmd(
         )
         if strict:
             raise click.exceptions.Exit(1)
+
+
+def _plans(
+    model, resolutions, frames_list, batches, target, mesh_text, vae_spatial, attention,
+    context_parallel, no_cfg,
+) -> list:  # fmt: skip
+    """The BuildPlans of a matrix, in --res, --frames, --batch order; bad input is a CliError."""
+    from aot import build as builder
+    from aot.local_job import local_job
+    from runtime.processes import JobError
+    from wan.presets import resolve_model
+    from wan.programs import VideoShape
+    from wan.sharding import MeshShape
+
+    try:
+        config = resolve_model(model)
+        tgt = targets.parse_target(target)
+        # cpu-PxN: this process joins a local multi-process job until the command is done.
+        click.get_current_context().with_resource(local_job(tgt))
+        num_devices = len(targets.devices(tgt))
+        mesh = MeshShape.parse(mesh_text) if mesh_text else None
+        if vae_spatial != "auto" and not vae_spatial.isdigit():
+            raise ValueError(f"--vae-spatial {vae_spatial}: use auto or a positive integer")
+        spatial = None if vae_spatial == "auto" else int(vae_spatial)
+        name = Path(model).name if Path(model).is_dir() else model
+        return [
+            builder.plan_build(
+                name, config, VideoShape(*_resolution(res), frames, batch, cfg=not no_cfg), tgt,
+                num_devices, mesh, spatial, None if attention == "auto" else attention,
+                None if context_parallel == "auto" else context_parallel,
+            )
+            for res in resolutions
+            for frames in frames_list
+            for batch in batches
+        ]  # fmt: skip
+    except (ValueError, OSError, targets.TargetError, JobError, builder.BuildError) as e:
+        raise CliError(str(e)) from None
+
+
+@cli.command("plan")
+@_matrix_options
+@click.option(
+    "--out", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+def plan_cmd(out, as_json, **matrix) -> None:
+    """The builds of a matrix, each with the `aot build` command that makes just it: run them
+    on separate workers (a CI matrix, Kubernetes or Ray jobs) and copy the folders into one
+    artifacts folder. Compiles nothing."""
+    from aot import report
+
+    entries = [_plan_entry(plan, matrix["model"], out) for plan in _plans(**matrix)]
+    if as_json:
+        click.echo(json.dumps(entries, indent=1))
+    else:
+        click.echo(
+            report.text_table(["build", "command"], [[e["folder"], e["command"]] for e in entries])
+        )
+
+
+def _plan_entry(plan, model: str, out: Path) -> dict:
+    """One build of a plan: its key, folder name and the command that makes it (every default
+    resolved, so the worker builds this key whatever its own defaults)."""
+    key = plan.key
+    args = [
+        "aot", "build", "--model", model, "--res", f"{key.width}x{key.height}",
+        "--frames", str(key.frames), "--batch", str(key.batch), "--target", key.target,
+        "--mesh", ",".join(f"{a}={n}" for a, n in key.mesh),
+        "--vae-spatial", str(key.vae_mesh[1]), "--attention", key.attention,
+        "--context-parallel", key.context_parallel, *([] if key.cfg else ["--no-cfg"]),
+        "--out", str(out),
+    ]  # fmt: skip
+    return {"key": key.to_json(), "folder": key.folder_name(), "command": shlex.join(args)}
 
 
 @cli.command("list")

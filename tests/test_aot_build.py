@@ -7,17 +7,19 @@ import gzip
 import json
 import math
 import os
+import shlex
 import shutil
+import subprocess
 
 import jax
 import numpy as np
 import pytest
-from conftest import TINY_SHAPE, run_cli, save_tiny_diffusers_pipeline
+from conftest import BIN, TINY_SHAPE, run_cli, save_tiny_diffusers_pipeline
 
 from aot import hlo
 from aot.build import compile_program, plan_build
 from aot.targets import parse_target
-from runtime.artifact import SCHEMA_VERSION, read_manifest, sha256_file
+from runtime.artifact import SCHEMA_VERSION, BuildKey, read_manifest, sha256_file, verify_files
 from wan import interface, programs, sharding
 from wan.interface import PROGRAMS
 from wan.presets import PRESETS
@@ -249,3 +251,32 @@ def test_denoise_step_holds_one_copy_of_latents_and_state(tiny_build):
     assert (
         memory["peak"] == memory["argument"] + memory["output"] - memory["alias"] + memory["temp"]
     )
+
+
+def test_plan_fans_out_and_concurrent_builds_compile_each_program_once(tmp_path):
+    """`aot plan --json` names each build of a matrix and the command that makes just it. That
+    command and the whole matrix, run at the same time into one folder, both succeed, every
+    build is complete, and no program is compiled twice."""
+    matrix = ["--model", "tiny", "--res", "192x320", "--res", "320x192", "--frames", "9",
+              "--batch", "1", "--target", "cpu-8", "--out", str(tmp_path)]  # fmt: skip
+    plan = json.loads(run_cli("aot", "plan", *matrix, "--json").stdout)
+    assert [e["folder"] for e in plan] == [BuildKey.from_json(e["key"]).folder_name() for e in plan]
+    assert len({e["folder"] for e in plan}) == 2 and not any(tmp_path.iterdir())
+    one = shlex.split(plan[1]["command"])
+    assert one[:2] == ["aot", "build"]
+    procs = [
+        subprocess.Popen(
+            [str(BIN / "aot"), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )  # fmt: skip
+        for args in (["build", *matrix], one[1:])
+    ]
+    outputs = [p.communicate(timeout=900) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    compiled = sum(err.count(" done in ") for _, err in outputs)
+    # text_encode and kv_cache once (one batch), denoise_step and vae_decode per resolution
+    assert compiled == 6, outputs
+    builds = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("."))
+    assert builds == sorted(e["folder"] for e in plan)
+    for build in builds:
+        manifest = read_manifest(tmp_path / build)
+        verify_files(tmp_path / build, manifest)

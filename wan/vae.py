@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from wan.configs import VAEConfig
-from wan.sharding import VIDEO, constrain, logical_init
+from wan.sharding import VIDEO, constrain, current_spec, logical_init
 
 CACHE_T = 2  # left context of a causal conv with temporal kernel 3
 ENCODE_CHUNK = 4  # video frames per encoder chunk after the first (diffusers' value)
@@ -194,12 +194,20 @@ class AttentionBlock(nnx.Module):
 
     def __call__(self, x: jax.Array, cache: Cache = None, first: jax.Array | None = None):
         b, t, h, w, c = x.shape
-        qkv = self.to_qkv(self.norm(x)).reshape(b, t, h * w, 3 * c)
+        # Pixel order does not matter to attention: the pixels are flattened with the sharded
+        # spatial axis major, so that each device keeps its own queries (and gathers only keys
+        # and values) whichever axis the build shards.
+        spec = current_spec(VIDEO, x.shape)
+        width_major = spec is not None and spec[3] is not None
+        qkv = self.to_qkv(self.norm(x))
+        qkv = (qkv.transpose(0, 1, 3, 2, 4) if width_major else qkv).reshape(b, t, h * w, 3 * c)
         q, k, v = jnp.split(qkv, 3, axis=-1)
         logits = jnp.einsum("btqc,btkc->btqk", q, k) * c**-0.5
         weights = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(v.dtype)
-        out = jnp.einsum("btqk,btkc->btqc", weights, v).reshape(b, t, h, w, c)
-        return x + self.proj(_video(out)), None
+        out = jnp.einsum("btqk,btkc->btqc", weights, v)
+        if width_major:
+            out = out.reshape(b, t, w, h, c).transpose(0, 1, 3, 2, 4)
+        return x + self.proj(_video(out.reshape(b, t, h, w, c))), None
 
 
 class MidBlock(nnx.Module):

@@ -1,0 +1,132 @@
+"""Compile time of the VAE decode, side by side with another commit of this repository.
+
+Each measurement is a fresh process that lowers and compiles one vae_decode (the real preset's
+VAE, one video, vae mesh (1, N) sharded over the spatial axis the build would choose) for a
+deviceless target, and reports the seconds and the size of the optimized HLO: its instruction
+count and its distinct convolutions (the XLA TPU backend compiles each distinct conv fusion
+separately, and that is where the time goes). With --against REV the same measurement runs from
+a git worktree of REV, alternating with this tree, so machine noise hits both alike.
+
+    python bench/vae_compile.py --res 720x1280 --against f916593 --repeats 1
+
+A real-size compile takes 5-15 minutes and ~6 GB of memory on a 2-core host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def measure(preset: str, target_name: str, width: int, height: int, latent_frames: int) -> dict:
+    """Compile one vae_decode here: seconds and HLO figures."""
+    from aot import targets
+
+    target = targets.parse_target(target_name)
+    targets.prepare_environment(target)
+    devices = targets.devices(target)
+    from aot.build import compile_program  # in every revision of aot.build
+    from wan import programs, sharding
+    from wan.presets import PRESETS
+
+    config = PRESETS[preset]
+    shape = programs.VideoShape(width, height, 4 * (latent_frames - 1) + 1, batch=1)
+    vae_mesh = sharding.vae_mesh_shape(len(devices), 1, len(devices))
+    _, _, lat_h, lat_w, _ = shape.latent_shape(config)
+    layout = sharding.choose_vae_layout(lat_h, lat_w, vae_mesh[1])
+    mesh = sharding.make_mesh(devices, tuple(zip(sharding.VAE_AXES, vae_mesh, strict=True)))
+    program = programs.vae_decode_program(config, shape)
+    start = time.perf_counter()
+    text = compile_program(program, mesh, layout.rules(), layout.uneven).as_text()
+    seconds = time.perf_counter() - start
+    convs = set(re.findall(r"= (\S+) convolution\((?:[^)]*)\), (window=\{[^}]*\}[^,]*)", text))
+    from aot import hlo
+
+    return {
+        "compile_seconds": round(seconds, 2),  # lowering (about a second) included
+        "vae_axis": layout.axis,
+        "gathered_mb_per_latent_frame": round(
+            hlo.gathers(hlo.parse(text)).per_latent_frame / 1e6, 1
+        ),
+        "hlo_instructions": sum(1 for line in text.splitlines() if " = " in line),
+        "distinct_convolutions": len(convs),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="wan2.1-t2v-14b")
+    parser.add_argument("--target", default="tpu-v6e-8")
+    parser.add_argument("--res", action="append", help="WxH, repeatable (default 720x1280)")
+    parser.add_argument("--latent-frames", type=int, default=3)
+    parser.add_argument("--against", help="a git revision to measure side by side")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "vae_compile.json")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        width, height = (int(v) for v in args.worker.split("x"))
+        print(json.dumps(measure(args.preset, args.target, width, height, args.latent_frames)))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        trees = {"this tree": ROOT}
+        if args.against:
+            other = Path(tmp) / "against"
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(other),
+                            args.against], check=True, capture_output=True)  # fmt: skip
+            trees[args.against] = other
+        try:
+            runs: dict[str, dict[str, list[dict]]] = {}
+            for res in args.res or ["720x1280"]:
+                for _ in range(args.repeats):
+                    for name, tree in trees.items():
+                        cmd = [sys.executable, str(tree / "bench" / "vae_compile.py"),
+                               "--worker", res, "--preset", args.preset, "--target", args.target,
+                               "--latent-frames", str(args.latent_frames)]  # fmt: skip
+                        if tree != ROOT:  # the old tree may predate this script
+                            cmd[1] = str(Path(__file__).resolve())
+                        env = {**os.environ, "PYTHONPATH": str(tree)}
+                        out = subprocess.run(cmd, check=True, capture_output=True, text=True,
+                                             env=env, cwd=tree)  # fmt: skip
+                        result = json.loads(out.stdout.strip().splitlines()[-1])
+                        runs.setdefault(res, {}).setdefault(name, []).append(result)
+                        print(res, name, result, flush=True)
+        finally:
+            if args.against:
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
+                                str(trees[args.against])], capture_output=True)  # fmt: skip
+    median = {
+        res: {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+              for name, rs in by_tree.items()}
+        for res, by_tree in runs.items()
+    }  # fmt: skip
+    result = {
+        "command": "python " + " ".join([f"bench/{Path(__file__).name}", *sys.argv[1:]]),
+        "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores",
+        "date": time.strftime("%Y-%m-%d"),
+        "preset": args.preset, "target": args.target, "latent_frames": args.latent_frames,
+        "runs": runs, "median": median,
+    }  # fmt: skip
+    if args.against:
+        result["compile_ratio_this_over_against"] = {
+            res: m["this tree"]["compile_seconds"] / m[args.against]["compile_seconds"]
+            for res, m in median.items()
+        }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: result[k] for k in result if k not in ("runs",)}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
