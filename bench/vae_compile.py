@@ -4,7 +4,8 @@ Each measurement is a fresh process that lowers and compiles one vae_decode (the
 VAE, one video, vae mesh (1, N) sharded over the spatial axis the build would choose) for a
 deviceless target, and reports the seconds and the size of the optimized HLO: its instruction
 count and its distinct convolutions (the XLA TPU backend compiles each distinct conv fusion
-separately, and that is where the time goes). With --against REV the same measurement runs from
+separately, and that is where the time goes), and libtpu's own seconds per compile stage (HLO
+passes, backend passes, code generation). With --against REV the same measurement runs from
 a git worktree of REV, alternating with this tree, so machine noise hits both alike.
 
     python bench/vae_compile.py --res 720x1280 --against f916593 --repeats 1
@@ -27,6 +28,23 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+# libtpu logs the seconds of its compile stages at INFO level.
+STAGE_LOGS = {"TPU_MIN_LOG_LEVEL": "0", "TPU_STDERR_LOG_LEVEL": "0"}
+STAGES = ("HLO_PASSES", "BACKEND_PASSES", "CODE_GENERATION", "END_TO_END")
+
+
+def stage_seconds(log: str) -> dict[str, float]:
+    """Seconds of each libtpu compile stage ("BACKEND_PASSES stage duration: 1m23.9s")."""
+    out = {}
+    for stage, text in re.findall(r"(\w+) stage duration: (\S+)", log):
+        if stage in STAGES:
+            m = re.fullmatch(r"(?:(\d+)h)?(?:(\d+)m(?!s))?(?:([\d.]+)s)?(?:([\d.]+)ms)?", text)
+            if m:
+                h, mins, sec, ms = (float(g) if g else 0.0 for g in m.groups())
+                out[f"{stage.lower()}_seconds"] = round(3600 * h + 60 * mins + sec + ms / 1e3, 2)
+    return out
 
 
 def measure(preset: str, target_name: str, width: int, height: int, latent_frames: int) -> dict:
@@ -96,10 +114,11 @@ def main() -> None:
                                "--latent-frames", str(args.latent_frames)]  # fmt: skip
                         if tree != ROOT:  # the old tree may predate this script
                             cmd[1] = str(Path(__file__).resolve())
-                        env = {**os.environ, "PYTHONPATH": str(tree)}
+                        env = {**os.environ, "PYTHONPATH": str(tree), **STAGE_LOGS}
                         out = subprocess.run(cmd, check=True, capture_output=True, text=True,
                                              env=env, cwd=tree)  # fmt: skip
                         result = json.loads(out.stdout.strip().splitlines()[-1])
+                        result.update(stage_seconds(out.stderr))
                         runs.setdefault(res, {}).setdefault(name, []).append(result)
                         print(res, name, result, flush=True)
         finally:
