@@ -463,16 +463,9 @@ def _make_program(
     return entry
 
 
-def compile_program(
-    program: wan_programs.Program,
-    mesh: jax.sharding.Mesh,
-    rules: sharding.Rules,
-    uneven: frozenset[str] = frozenset(),
-    placed: dict[str, jax.sharding.Sharding] | None = None,
-    replicated_out: bool = False,
-) -> Any:
-    """`lower_program`, compiled."""
-    return lower_program(program, mesh, rules, uneven, placed, replicated_out).compile()
+def compile_program(*args: Any, **kwargs: Any) -> Any:
+    """`lower_program(*args, **kwargs)`, compiled."""
+    return lower_program(*args, **kwargs).compile()
 
 
 def lower_program(

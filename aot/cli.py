@@ -16,21 +16,7 @@ from pathlib import Path
 import click
 
 from aot import targets
-
-
-class CliError(click.ClickException):
-    """One line on stderr, exit status 2."""
-
-    exit_code = 2
-
-
-def _resolution(text: str) -> tuple[int, int]:
-    try:
-        w, h = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise click.BadParameter(f"{text!r} is not WxH (e.g. 720x1280)") from None
-    return w, h
-
+from runtime.cli_args import CliError, parse_resolution
 
 POLICY_OPTION = click.option(
     "--policy",
@@ -191,7 +177,7 @@ def _plans(
         name = Path(model).name if Path(model).is_dir() else model
         return [
             builder.plan_build(
-                name, config, VideoShape(*_resolution(res), frames, batch, cfg=not no_cfg), tgt,
+                name, config, VideoShape(*parse_resolution(res), frames, batch, cfg=not no_cfg), tgt,
                 num_devices, mesh, spatial, None if attention == "auto" else attention,
                 None if context_parallel == "auto" else context_parallel,
             )

@@ -1,7 +1,7 @@
 """All-gathered bytes per latent frame of the VAE decode, from the optimized HLO of a build.
 
 The reference decoder's nearest-neighbour resize all-gathers ~1.1 GB per device per latent
-frame at 720p on tpu-v6e-8 (issue 3); ours must stay <= 10% of that. The decode runs the first
+frame at 720p on tpu-v6e-8; ours must stay <= 10% of that. The decode runs the first
 latent frame alone and every later one through one scan body, so the figure per latent frame
 is the larger of the first chunk's bytes and one scan trip's (the steady state of a long
 video; the first chunk skips temporal upsampling). Gathered bytes are the all-gathers plus the
@@ -10,7 +10,7 @@ all-gather done as a ring of permutes); conv halo exchanges are permutes too, bu
 
     .venv/bin/python bench/vae_allgather.py --target tpu-v6e-8 --res 1280x720 --res 720x1280
 
-`--per-activation` compiles seed 000's alternative instead: every activation picks its own
+`--per-activation` compiles the alternative instead: every activation picks its own
 axis (width where vae_spatial divides it, else height), which flips axis between pyramid
 levels of a portrait video; the all-to-all count shows the flips.
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from aot import hlo, targets  # noqa: E402
 
 REFERENCE_BYTES = 1.1e9  # the reference decoder, 720p, tpu-v6e-8, per device per latent frame
+
+
+def per_activation_constrain(vae_spatial: int) -> Callable[[Any, Any], Any]:
+    """The alternative to choosing the axis once: each VAE activation picks its axis from its
+    own shape (width where vae_spatial divides it, else height). A stand-in for `constrain`
+    inside wan.vae, to show the all-to-alls that choosing once avoids."""
+    from wan import sharding
+
+    def constrain_per_activation(x: Any, logical: Any) -> Any:
+        h, w = x.shape[2:4]  # VAE activations are (B, T, H, W, ...)
+        with sharding.axis_rules(sharding.choose_vae_layout(h, w, vae_spatial).rules()):
+            return sharding.constrain(x, logical)
+
+    return constrain_per_activation
 
 
 def compile_decode(
@@ -61,7 +76,7 @@ def main() -> None:
     parser.add_argument("--vae-spatial", type=int, default=8)
     parser.add_argument("--save-hlo", type=Path, help="folder for the optimized HLO texts")
     parser.add_argument(
-        "--per-activation", action="store_true", help="seed 000's per-activation axis choice"
+        "--per-activation", action="store_true", help="each activation picks its own axis"
     )
     args = parser.parse_args()
     target = targets.parse_target(args.target)
@@ -69,9 +84,9 @@ def main() -> None:
     devices = targets.devices(target)
     choice = "per-activation" if args.per_activation else "once"
     if args.per_activation:
-        from wan import sharding, vae
+        from wan import vae
 
-        vae.constrain = sharding.per_activation_constrain(args.vae_spatial)
+        vae.constrain = per_activation_constrain(args.vae_spatial)
     for res in args.res or ["1280x720", "720x1280"]:
         width, height = (int(v) for v in res.split("x"))
         start = time.perf_counter()

@@ -1,5 +1,5 @@
 """The VAE decode alone, side by side on one target: one video per device, mesh (N, 1), against
-the spatially sharded (1, N), at several batches (seed 003: B=8 720p on tpu7x-8, peak HBM
+the spatially sharded (1, N), at several batches (B=8 720p on tpu7x-8, peak HBM
 68.12 -> 24.32 GiB). Deviceless compile of the real VAE; peak bytes per device, compile seconds
 and collectives per variant.
 

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 import numpy as np
@@ -19,24 +20,12 @@ from tqdm import tqdm
 
 from runtime import clock, processes
 from runtime.artifact import ArtifactError, Manifest
+from runtime.cli_args import CliError, parse_resolution
 from runtime.loader import Present, Request, match_build
 from runtime.outputs import OutputError, check_writable
 from runtime.video import video_paths
 from wan.configs import ModelConfig
 from wan.presets import model_spec
-
-
-class CliError(click.ClickException):
-    """One line on stderr, exit status 2."""
-
-    exit_code = 2
-
-
-def _resolution(text: str) -> tuple[int, int]:
-    m = re.fullmatch(r"(\d+)x(\d+)", text.lower())
-    if not m:
-        raise click.BadParameter(f"{text!r} is not WxH (e.g. 720x1280)")
-    return int(m.group(1)), int(m.group(2))
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -144,24 +133,10 @@ def run_cmd(
 
     Under jax.distributed (one process per host, same arguments but --process-id) every
     process loads the same build and runs it SPMD; process 0 writes the files."""
-    width, height = _resolution(resolution)
-    if not weights.is_dir():
-        raise CliError(
-            f"--weights {weights} is not a folder (a diffusers-format folder or a checkpoint)"
-        )
-    if (num_processes > 1) != (coordinator is not None) or process_id >= num_processes:
-        raise click.UsageError(
-            "a multi-process run needs --coordinator HOST:PORT, --num-processes P > 1 and "
-            "--process-id in [0, P)"
-        )
-    outputs = [(p, "--out") for p in video_paths(out, batch)]
-    outputs += [(save_frames, "--save-frames"), (report_path, "--report")]
-    try:
-        for path, option in outputs:
-            if path is not None:
-                check_writable(path, option)
-    except (OutputError, OSError) as e:
-        raise CliError(str(e)) from None
+    width, height = parse_resolution(resolution)
+    _check_arguments(weights, coordinator, num_processes, process_id)
+    _check_outputs([(p, "--out") for p in video_paths(out, batch)]
+                   + [(save_frames, "--save-frames"), (report_path, "--report")])  # fmt: skip
     # Imported once the paths are known good: wan.lora brings ml_dtypes (a second or more).
     from wan import lora
 
@@ -180,37 +155,18 @@ def run_cmd(
             found = match_build(
                 artifacts, request, model_spec(config, weights), present, build_name
             )
-            shapes = found[1].parameter_shapes("kv_cache")
             for specs in (loras, loras_2):
-                lora.check(specs, shapes)
+                lora.check(specs, found[1].parameter_shapes("kv_cache"))
             return found
         except (ArtifactError, lora.LoraError, OSError) as e:
             raise CliError(str(e)) from None
 
-    # Host CPU devices are arranged for a cpu-N/cpu-PxN build before jax starts; accelerators
-    # are counted.
-    on_cpu = processes.host_platform() == "cpu"
-    if on_cpu:
-        folder, manifest = match(Present.host_cpu(num_processes))
-        if manifest.key.target.startswith("cpu-"):
-            processes.use_host_devices(manifest.local_device_count)
-    if num_processes > 1:
-        try:
-            processes.join(coordinator, num_processes, process_id, join_timeout)
-        except processes.JobError as e:
-            raise CliError(str(e)) from None
-    import jax
-
-    if not on_cpu:
-        folder, manifest = match(Present.of(jax.devices()))
-
+    folder, manifest = _start(match, coordinator, num_processes, process_id, join_timeout)
     from runtime.pipeline import Pipeline
-    from runtime.video import write_mp4
     from wan.tokenizer import TokenizerError
     from wan.weights import WeightError
 
-    process_start = clock.process_start_time()
-    imports = time.time() - process_start
+    imports = time.time() - clock.process_start_time()
     try:
         pipe = Pipeline.from_build(folder, manifest, weights, config, loras, loras_2)
         noise = np.load(init_noise) if init_noise else None
@@ -221,30 +177,88 @@ def run_cmd(
                 if done == total:
                     bar.close()  # before the decode, so the bar shows the denoising rate
 
-            videos, report = pipe.generate(
-                prompt,
-                negative_prompt,
-                steps,
-                guidance,
-                guidance_2,
-                seed,
-                noise,
-                on_step,
-                sampler=sampler,
-                shift=shift,
-            )
+            videos, report = pipe.generate(prompt, negative_prompt, steps, guidance, guidance_2,
+                                           seed, noise, on_step, sampler=sampler, shift=shift)  # fmt: skip
     except (ArtifactError, lora.LoraError, WeightError, TokenizerError, ValueError, OSError) as e:
         raise CliError(str(e)) from None
-    if jax.process_index() != 0:
-        return
+    import jax
+
+    if jax.process_index() == 0:
+        _write(videos, report, imports, out, save_frames, report_path)
+
+
+def _check_arguments(
+    weights: Path, coordinator: str | None, num_processes: int, process_id: int
+) -> None:
+    if not weights.is_dir():
+        raise CliError(
+            f"--weights {weights} is not a folder (a diffusers-format folder or a checkpoint)"
+        )
+    if (num_processes > 1) != (coordinator is not None) or process_id >= num_processes:
+        raise click.UsageError(
+            "a multi-process run needs --coordinator HOST:PORT, --num-processes P > 1 and "
+            "--process-id in [0, P)"
+        )
+
+
+def _check_outputs(outputs: list[tuple[Path | None, str]]) -> None:
+    """Every path the run will write can be written, before anything loads."""
+    try:
+        for path, option in outputs:
+            if path is not None:
+                check_writable(path, option)
+    except (OutputError, OSError) as e:
+        raise CliError(str(e)) from None
+
+
+def _start(
+    match: Callable[[Present], tuple[Path, Manifest]],
+    coordinator: str | None,
+    num_processes: int,
+    process_id: int,
+    join_timeout: int,
+) -> tuple[Path, Manifest]:
+    """Start jax for the build that `match` finds on the present devices, and return it. Host
+    CPU devices are arranged for a cpu-N/cpu-PxN build before jax starts (so the build is
+    matched first); accelerators are counted once jax has started."""
+    on_cpu = processes.host_platform() == "cpu"
+    if on_cpu:
+        folder, manifest = match(Present.host_cpu(num_processes))
+        if manifest.key.target.startswith("cpu-"):
+            processes.use_host_devices(manifest.local_device_count)
+    if num_processes > 1:
+        try:
+            processes.join(coordinator, num_processes, process_id, join_timeout)
+        except processes.JobError as e:
+            raise CliError(str(e)) from None
+    if on_cpu:
+        return folder, manifest
+    import jax
+
+    return match(Present.of(jax.devices()))
+
+
+def _write(
+    videos: np.ndarray,
+    report: Any,
+    imports: float,
+    out: Path,
+    save_frames: Path | None,
+    report_path: Path | None,
+) -> None:
+    """The videos, the frames and the report, with the write and the whole run timed."""
+    from runtime.video import write_mp4
+
     try:
         written = time.time()
-        paths = [write_mp4(v, p) for v, p in zip(videos, video_paths(out, batch), strict=True)]
+        paths = [
+            write_mp4(v, p) for v, p in zip(videos, video_paths(out, len(videos)), strict=True)
+        ]
         if save_frames:
             np.save(save_frames, videos)
         report = dataclasses.replace(
             report,
-            seconds_from_process_start_to_video=round(time.time() - process_start, 4),
+            seconds_from_process_start_to_video=round(time.time() - clock.process_start_time(), 4),
             phases={
                 "imports": round(imports, 4),
                 **report.phases,

@@ -262,23 +262,12 @@ class Pipeline:
         )
         tables = schedulers.make_tables(scheduler, steps)
         state = schedulers.init_state(scheduler, latent_shape)
-        boundary = (
-            None
-            if self.config.boundary_ratio is None
-            else self.config.boundary_ratio * self.config.scheduler.num_train_timesteps
-        )
-        experts = ["transformer"] + (["transformer_2"] if boundary is not None else [])
+        experts, expert_at = self._experts(tables, guidance, guidance_2)
         with no_compilation() as counter:
             emb = self._encode(texts)
             encoded = time.perf_counter() - start
             kv = self._kv_caches(emb, experts)
             first_step = time.perf_counter() - start
-
-            def expert_at(i: int) -> tuple[str, float]:
-                high_noise = boundary is None or float(tables.timesteps[i]) >= boundary
-                scale = guidance if high_noise or guidance_2 is None else guidance_2
-                return ("transformer" if high_noise else "transformer_2"), scale
-
             x = self._denoise(latents, state, tables, kv, expert_at, on_step)
             denoise = time.perf_counter() - start - first_step
             frames = self._decode(x)
@@ -309,6 +298,22 @@ class Pipeline:
             loras=list(self.loras),
         )
         return frames, report
+
+    def _experts(
+        self, tables: Any, guidance: float, guidance_2: float | None
+    ) -> tuple[list[str], Callable[[int], tuple[str, float]]]:
+        """The transformers in use, and for step i the one that runs it with its guidance
+        scale: Wan 2.2's high-noise expert (`transformer`) down to the boundary timestep, then
+        `transformer_2` (with `guidance_2` when given)."""
+        ratio = self.config.boundary_ratio
+        boundary = None if ratio is None else ratio * self.config.scheduler.num_train_timesteps
+
+        def expert_at(i: int) -> tuple[str, float]:
+            high_noise = boundary is None or float(tables.timesteps[i]) >= boundary
+            scale = guidance if high_noise or guidance_2 is None else guidance_2
+            return ("transformer" if high_noise else "transformer_2"), scale
+
+        return ["transformer"] + (["transformer_2"] if boundary is not None else []), expert_at
 
     def _texts(self, prompt: str | list[str], negative_prompt: str | list[str]) -> list[str]:
         """The texts to encode, in the step's batch layout: with CFG, prompt i then its

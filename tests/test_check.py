@@ -45,7 +45,7 @@ def rewrite_manifest(folder: Path, edit) -> None:
 
 
 def flipped_vae_hlo() -> tuple[str, dict[str, int]]:
-    """An activation sharded on width, then on height (the seed's per-layer axis choice),
+    """An activation sharded on width, then on height (an axis chosen per layer),
     compiled on the (1, 8) VAE mesh: the optimized HLO and its memory stats."""
     mesh = sharding.make_mesh(jax.devices()[:8], (("redundant", 1), ("vae_spatial", 8)))
 
@@ -301,7 +301,7 @@ def test_build_runs_the_check(tiny_build, tmp_path):
     assert bad.returncode == 2 and "unreadable" in bad.stderr and "compiling" not in bad.stderr
 
 
-# CI: the seed's portrait case. Latent width not divisible by the VAE's 8 spatial shards,
+# CI: portrait 720x1280's case (latent width 90). Latent width not divisible by the VAE's 8 spatial shards,
 # height divisible: the VAE shards height at every level and must never reshard.
 def build_and_check(out: Path, res: str, target: str) -> None:
     run_cli("aot", "build", "--model", "tiny", "--res", res, "--frames", "9", "--batch", "1",

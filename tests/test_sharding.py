@@ -1,8 +1,7 @@
-"""Issue 3's acceptance: every sharding decision made once, from the whole shape.
+"""Every sharding decision made once, from the whole shape.
 
 Tables for the VAE mesh and its spatial axis; HLO proofs that a portrait VAE decode needs no
-all-to-all and no padding (and that choosing the axis per layer, as the seed-000 PR did, does
-need all-to-alls); the KV cache pinned to the batch; upsampling that never gathers the
+all-to-all and no padding (and that choosing the axis per layer instead does need all-to-alls); the KV cache pinned to the batch; upsampling that never gathers the
 activation; and sharded programs that equal their single-device runs.
 
 "No padding from uneven sharding" is checked on the optimized HLO's per-device shapes: every
@@ -236,7 +235,7 @@ def test_portrait_decode_has_no_all_to_all_and_no_padding_tpu(tpu_devices):
 
 
 def test_per_layer_axis_choice_is_caught(monkeypatch):
-    monkeypatch.setattr("wan.vae.constrain", sharding.per_activation_constrain(PORTRAIT_MESH[1]))
+    monkeypatch.setattr("wan.vae.constrain", BENCH.per_activation_constrain(PORTRAIT_MESH[1]))
     problems = portrait_violations(compile_portrait(CPU8, portrait_layout()))
     assert any("all-to-all" in p for p in problems), problems
 

@@ -234,16 +234,3 @@ def choose_vae_layout(latent_height: int, latent_width: int, vae_spatial: int) -
     if latent_height % vae_spatial == 0:
         return VaeLayout("height")
     return VaeLayout("width", padded=True)
-
-
-def per_activation_constrain(vae_spatial: int) -> Callable[[jax.Array, LogicalAxes], jax.Array]:
-    """The counterfactual (seed 000's PR): each VAE activation picks its axis from its own shape
-    (width where it divides, else height). A stand-in for `constrain` inside wan.vae, used by
-    tests and bench/vae_allgather.py to show the all-to-alls that choosing once avoids."""
-
-    def constrain_per_activation(x: jax.Array, logical: LogicalAxes) -> jax.Array:
-        h, w = x.shape[2:4]  # VAE activations are (B, T, H, W, ...)
-        with axis_rules(choose_vae_layout(h, w, vae_spatial).rules()):
-            return constrain(x, logical)
-
-    return constrain_per_activation
