@@ -402,10 +402,7 @@ def _compile_all(
     for index, (program, lowered, mesh) in enumerate(lowered_programs, 1):
         label = f"[{index}/{len(lowered_programs)}] {plan.key.folder_name()} {program.name}"
         make = functools.partial(_make_program, plan, program, lowered, mesh, label, progress)
-        device_ids = [d.id for d in mesh.devices.flat]
-        pid = store.program_id(
-            lowered.as_text(), fingerprint, device_ids, program.args, program.out_axes
-        )
+        pid = store.program_id(program, lowered, mesh, fingerprint)
         entry, stored, reused = store.fetch_or_make(out_root, pid, make, replace=force)
         store.link_files(entry, stored, folder)
         entries[program.name] = entry

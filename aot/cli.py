@@ -250,8 +250,9 @@ def gc_cmd(folder: Path, dry_run: bool) -> None:
     builds = [p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")]
     unused = store.garbage(folder, builds)
     size = sum(f.stat().st_size for e in unused for f in e.rglob("*") if f.is_file())
-    for entry in unused if not dry_run else ():
-        shutil.rmtree(entry, ignore_errors=True)
+    if not dry_run:
+        for entry in unused:
+            shutil.rmtree(entry, ignore_errors=True)
     verb = "would remove" if dry_run else "removed"
     click.echo(f"{verb} {len(unused)} unreferenced program(s), {size / 1e6:.1f} MB")
 

@@ -18,26 +18,25 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from runtime.artifact import ArtifactError, ProgramEntry, read_manifest
 from wan.atomic import atomic_folder, locked
+
+if TYPE_CHECKING:
+    from wan.programs import Program
 
 STORE = ".programs"
 ENTRY = "entry.json"
 
 
-def program_id(
-    lowered_text: str,
-    fingerprint: str,
-    device_ids: Sequence[int],
-    input_names: Sequence[str],
-    output_names: Sequence[str],
-) -> str:
+def program_id(program: Program, lowered: Any, mesh: Any, fingerprint: str) -> str:
+    """The identity of a lowered program (a `jax.stages.Lowered` on a mesh)."""
     digest = hashlib.sha256()
-    for part in (fingerprint, repr(list(device_ids)), repr(list(input_names)),
-                 repr(list(output_names)), lowered_text):  # fmt: skip
+    for part in (fingerprint, repr([d.id for d in mesh.devices.flat]), repr(list(program.args)),
+                 repr(list(program.out_axes)), lowered.as_text()):  # fmt: skip
         digest.update(part.encode())
         digest.update(b"\0")
     return digest.hexdigest()

@@ -52,9 +52,7 @@ def main() -> None:
                         model, resolve_model(model), shape, target, len(devices)
                     )
                     for program, lowered, mesh in build.lower_plan(plan):
-                        pid = store.program_id(lowered.as_text(), fingerprint,
-                                               [d.id for d in mesh.devices.flat], program.args,
-                                               program.out_axes)  # fmt: skip
+                        pid = store.program_id(program, lowered, mesh, fingerprint)
                         name = f"{plan.key.folder_name()}/{program.name}"
                         ids.setdefault(model, {})[name] = pid
     seen: set[str] = set()

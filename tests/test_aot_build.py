@@ -54,7 +54,8 @@ def test_matrix_builds_then_skips(tmp_path):
     assert "compiling" not in second.stderr
     listing = run_cli("aot", "list", str(tmp_path)).stdout
     assert all(b in listing for b in builds)
-    # Every build folder holds its own copy of each file (a hard link to the store's).
+    # Every build folder holds each of its files, a hard link to the store's.
+    assert all((tmp_path / b / "text_encode.exec").stat().st_nlink >= 2 for b in builds)
     manifests = [read_manifest(tmp_path / b) for b in builds]
     encoders = {m.programs["text_encode"].executable.sha256 for m in manifests}
     assert len(encoders) == 2

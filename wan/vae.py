@@ -10,7 +10,8 @@ up/down-sampling is skipped):
   upsampler only its last frame is real, and the others are zeroed wherever a causal conv reads
   them, which is what the zero padding before the video is. One body means each distinct conv is
   compiled once: the XLA TPU backend compiles every distinct conv fusion separately, and a
-  first-chunk copy of the decoder made up a third of the decode's compile time.
+  first-chunk copy of the decoder added a third to the decode's compile time
+  (bench/vae_compile.py).
 - encode runs it alone before the scan (its output has fewer frames).
 
 Cache convention: a block's `__call__(x, cache, first)` takes the cache of its own layers (None
