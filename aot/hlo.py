@@ -1,12 +1,12 @@
-"""Read XLA's optimized HLO text (`compiled.as_text()`): loops, collectives, FLOPs.
+"""Read XLA's optimized HLO text (`compiled.as_text()`): its structure, loops and collectives.
 
 Why this exists: `compiled.cost_analysis()` counts a while loop's body once, so a 40-layer
 `scan` reports about one layer, and collectives only show up in the optimized HLO. This module
-parses the text, works out how many times each computation runs per program execution (loop
-trip counts multiply, nested loops compound), and from that
-
-- lists the collectives with their per-device bytes and source location (`collectives`),
-- counts FLOPs the way XLA's HloCostAnalysis does, with the loop trip counts applied (`cost`).
+parses the text (`parse`), works out each while loop's trip count (`loops`) and how many times
+each computation runs per program execution (`Module.multipliers`: loop trip counts multiply,
+nested loops compound), and from that lists the collectives with their per-device bytes and
+source location (`collectives`, `collective_summary`). `aot.hlo_cost` counts FLOPs and
+`aot.vae_gathers` accounts a chunked decode's all-gathers over the module parsed here.
 
 The parser is written against real CPU and TPU output: long `backend_config` JSON with braces
 and quoted strings, tiled layouts (`{1,0:T(8,128)(2,1)S(1)}`), tuple shapes with
@@ -20,68 +20,7 @@ import dataclasses
 import json
 import math
 import re
-from collections import Counter
 from collections.abc import Iterable
-
-# Elementwise ops: HloCostAnalysis counts one op per output element, as a transcendental for
-# the ops below and as a FLOP for the others.
-_TRANSCENDENTAL = frozenset(
-    [
-        "atan2",
-        "cbrt",
-        "cosine",
-        "erf",
-        "exponential",
-        "exponential-minus-one",
-        "log",
-        "log-plus-one",
-        "logistic",
-        "power",
-        "rsqrt",
-        "sine",
-        "sqrt",
-        "tan",
-        "tanh",
-    ]
-)
-_ELEMENTWISE = _TRANSCENDENTAL | frozenset(
-    [
-        "abs",
-        "add",
-        "and",
-        "bitcast-convert",
-        "ceil",
-        "clamp",
-        "compare",
-        "complex",
-        "convert",
-        "count-leading-zeros",
-        "divide",
-        "floor",
-        "imag",
-        "is-finite",
-        "maximum",
-        "minimum",
-        "multiply",
-        "negate",
-        "not",
-        "or",
-        "popcnt",
-        "real",
-        "reduce-precision",
-        "remainder",
-        "round-nearest-afz",
-        "round-nearest-even",
-        "select",
-        "shift-left",
-        "shift-right-arithmetic",
-        "shift-right-logical",
-        "sign",
-        "stochastic-convert",
-        "subtract",
-        "xor",
-    ]
-)
 
 # Collective opcodes -> normalised kind. Async pairs are counted at their -start.
 COLLECTIVES = {
@@ -96,9 +35,6 @@ COLLECTIVES = {
     "collective-permute-start": "collective-permute",
     "collective-broadcast": "collective-broadcast",
 }
-
-# Custom-call targets known to do no arithmetic (TPU scratch allocation).
-_BOOKKEEPING_CUSTOM_CALLS = frozenset(["AllocateBuffer"])
 
 # Attributes that name called computations.
 _CALL_ATTRS = (
@@ -234,16 +170,6 @@ class Collective:
     source_line: int | None
 
 
-@dataclasses.dataclass(frozen=True)
-class Cost:
-    """FLOPs and transcendentals per program execution, loop trip counts applied."""
-
-    flops: float
-    transcendentals: float
-    unknown_loops: tuple[str, ...]  # while instructions counted once (trip count unknown)
-    custom_calls: dict[str, str]  # custom-call name -> target: work not counted (see cost)
-
-
 def _bits(dtype: str) -> int:
     """Bits per element: the width in the type's name (s32, bf16, f8e4m3fn, c64); pred 8;
     token and opaque 0."""
@@ -316,7 +242,8 @@ def _parse_shape(s: str, i: int) -> tuple[Shape, int]:
     return Shape(m.group(1), dims), j
 
 
-def _unquote(v: str) -> str:
+def unquote(v: str) -> str:
+    """An attribute's value without its quotes, JSON escapes decoded (unquoted: unchanged)."""
     if not v.startswith('"'):
         return v
     try:
@@ -329,7 +256,8 @@ def _names(value: str) -> tuple[str, ...]:
     return tuple(n.lstrip("%") for n in re.findall(r"[^\s,{}]+", value))
 
 
-def _ints(value: str) -> tuple[int, ...]:
+def ints(value: str) -> tuple[int, ...]:
+    """The integers in an attribute's value, in order (`{0,2}` -> (0, 2))."""
     return tuple(int(x) for x in re.findall(r"-?\d+", value))
 
 
@@ -349,7 +277,7 @@ class _StackTables:
         key, rest = int(m.group(1)), m.group(2)
         fields = dict(_METADATA_FIELD.findall(rest))
         if section == "FileNames":
-            self.files[key] = _unquote(rest)
+            self.files[key] = unquote(rest)
         elif section == "FileLocations":
             self.locations[key] = (int(fields["file_name_id"]), int(fields["line"]))
         elif section == "StackFrames":
@@ -388,7 +316,7 @@ def _parse_instruction(line: str, computation: str, tables: _StackTables) -> Ins
         (key, callee) for key in _CALL_ATTRS if key in attrs for callee in _names(attrs[key])
     )
     meta = dict(_METADATA_FIELD.findall(attrs.get("metadata", "")))
-    source_file = _unquote(meta["source_file"]) if "source_file" in meta else None
+    source_file = unquote(meta["source_file"]) if "source_file" in meta else None
     source_line = int(meta["source_line"]) if "source_line" in meta else None
     if source_file is None and "stack_frame_id" in meta:
         source_file, source_line = tables.location(int(meta["stack_frame_id"]))
@@ -401,7 +329,7 @@ def _parse_instruction(line: str, computation: str, tables: _StackTables) -> Ins
         calls=calls,
         computation=computation,
         literal=literal,
-        op_name=_unquote(meta["op_name"]) if "op_name" in meta else None,
+        op_name=unquote(meta["op_name"]) if "op_name" in meta else None,
         source_file=source_file,
         source_line=source_line,
     )
@@ -677,7 +605,7 @@ def collectives(module: Module) -> list[Collective]:
                     bytes=shape.bytes,
                     shape=shape,
                     replica_groups=ins.attrs.get("replica_groups"),
-                    dimensions=_ints(dims) if dims is not None else None,
+                    dimensions=ints(dims) if dims is not None else None,
                     op_name=located.op_name,
                     source_file=located.source_file,
                     source_line=located.source_line,
@@ -701,288 +629,3 @@ def collective_summary(source: Module | Iterable[Collective]) -> dict[str, dict[
         s["static_count"] += 1
         s["static_bytes"] += c.bytes
     return summary
-
-
-# ---------------------------------------------------------------------------- FLOPs
-
-
-def _window(ins: Instruction) -> list[dict[str, int]]:
-    """Per spatial dimension: size, stride, pad_lo, pad_hi, lhs_dilate, rhs_dilate."""
-    text = ins.attrs.get("window", "").strip("{}")
-    fields = dict(f.split("=", 1) for f in text.split() if "=" in f)
-    if "size" not in fields:
-        return []
-    sizes = [int(x) for x in fields["size"].split("x")]
-    n = len(sizes)
-
-    def per_dim(key: str, default: int) -> list[int]:
-        return [int(x) for x in fields[key].split("x")] if key in fields else [default] * n
-
-    pads = (
-        [tuple(int(p) for p in x.split("_")) for x in fields["pad"].split("x")]
-        if "pad" in fields
-        else [(0, 0)] * n
-    )
-    strides, base = per_dim("stride", 1), per_dim("lhs_dilate", 1)
-    dilation = per_dim("rhs_dilate", 1)
-    return [
-        dict(
-            size=sizes[d],
-            stride=strides[d],
-            pad_lo=pads[d][0],
-            pad_hi=pads[d][1],
-            lhs_dilate=base[d],
-            rhs_dilate=dilation[d],
-        )
-        for d in range(n)
-    ]
-
-
-def _valid_positions(w: dict[str, int], in_size: int, out_size: int, k_size: int) -> int:
-    """Number of (output, kernel) position pairs that read an input element, as XLA counts."""
-    if (
-        in_size == out_size == k_size == w["lhs_dilate"]
-        and w["rhs_dilate"] == 1
-        and max(1, in_size - 1) == w["stride"]
-        and w["pad_lo"] == w["pad_hi"] == 0
-    ):
-        return in_size
-    if (
-        in_size == 1
-        and k_size == out_size
-        and w["rhs_dilate"] == w["lhs_dilate"] == w["stride"] == 1
-        and w["pad_lo"] == w["pad_hi"] == out_size - 1
-    ):
-        return out_size
-    count = 0
-    for k in range(k_size):
-        if w["stride"] == 1 and w["lhs_dilate"] == 1:
-            base = w["pad_lo"] - k * w["rhs_dilate"]
-            count += max(min(in_size + base, out_size) - max(base, 0), 0)
-            continue
-        for o in range(out_size):
-            undilated = o * w["stride"] - w["pad_lo"] + k * w["rhs_dilate"]
-            if undilated % w["lhs_dilate"] == 0 and 0 <= undilated // w["lhs_dilate"] < in_size:
-                count += 1
-    return count
-
-
-def _convolution_flops(module: Module, ins: Instruction) -> float:
-    lhs, rhs = module.operand(ins, 0).shape, module.operand(ins, 1).shape
-    lhs_labels, rhs_out = ins.attrs["dim_labels"].split("_", 1)
-    rhs_labels, out_labels = rhs_out.split("->")
-    batch = lhs.dims[lhs_labels.index("b")]
-    in_feature = lhs.dims[lhs_labels.index("f")]
-    out_feature = ins.shape.dims[out_labels.index("f")]
-    positions = 1
-    for d, w in enumerate(_window(ins)):
-        label = str(d)
-        positions *= _valid_positions(
-            w,
-            lhs.dims[lhs_labels.index(label)],
-            ins.shape.dims[out_labels.index(label)],
-            rhs.dims[rhs_labels.index(label)],
-        )
-    groups = int(ins.attrs.get("feature_group_count", 1))
-    batch_groups = int(ins.attrs.get("batch_group_count", 1))
-    return 2.0 * (in_feature // groups) * out_feature * (batch // batch_groups) * positions
-
-
-def _reduce_window_count(ins: Instruction) -> int:
-    window = _window(ins)
-    out = ins.shape.tuple_shapes[0] if ins.shape.is_tuple else ins.shape
-    size = math.prod(w["size"] for w in window)
-    count = (size - 1) * out.elements
-    # XLA counts a reduce-window that is a reduce plus a broadcast along one dimension (a
-    # cumulative op) as that reduce.
-    reduced = [d for d, w in enumerate(window) if w["size"] != 1]
-    padded = [d for d, w in enumerate(window) if w["pad_lo"] or w["pad_hi"]]
-    if len(reduced) == 1 and len(padded) == 1 and not ins.shape.is_tuple:
-        for d, w in enumerate(window):
-            if (
-                w["size"] != 1
-                and w["pad_lo"] == w["pad_hi"] != 0
-                and w["size"] == 2 * w["pad_lo"] + 1
-            ):
-                if w["pad_lo"] == out.dims[d] - 1:
-                    size = out.dims[d]
-                    count = out.elements // size + size - 1
-                break
-    return count
-
-
-class _Counter:
-    """HloCostAnalysis-style recursion over computations, with loop trip counts applied."""
-
-    def __init__(self, module: Module):
-        self.module = module
-        self.memo: dict[str, tuple[float, float]] = {}
-        self.unknown_loops: set[str] = set()
-        self.custom_calls: dict[str, str] = {}
-
-    def computation(self, name: str) -> tuple[float, float]:
-        if name not in self.memo:
-            totals = [self.instruction(ins) for ins in self.module.computations[name].instructions]
-            self.memo[name] = (sum(t[0] for t in totals), sum(t[1] for t in totals))
-        return self.memo[name]
-
-    def scaled(self, name: str, n: float) -> tuple[float, float]:
-        flops, trans = self.computation(name)
-        return flops * n, trans * n
-
-    def instruction(self, ins: Instruction) -> tuple[float, float]:
-        m, op, out = self.module, ins.opcode, ins.shape
-        called = [c for _, c in ins.calls]
-        if op in _ELEMENTWISE:
-            return (
-                (0.0, float(out.elements)) if op in _TRANSCENDENTAL else (float(out.elements), 0.0)
-            )
-        if op in ("dot", "scaled-dot"):
-            lhs = m.operand(ins, 0).shape
-            width = math.prod(lhs.dims[d] for d in _ints(ins.attrs.get("lhs_contracting_dims", "")))
-            return 2.0 * out.elements * width, 0.0
-        if op == "convolution":
-            return _convolution_flops(m, ins), 0.0
-        if op == "fusion":
-            inner = m.computations[called[0]].instructions
-            if ins.attrs.get("kind") == "kCustom":  # XLA costs these by their gather/scatter
-                for sub in inner:
-                    if sub.opcode == "gather":
-                        return 0.0, 0.0
-                    if sub.opcode == "scatter":
-                        return self.instruction(sub)
-            return self.computation(called[0])
-        if op == "while":
-            loop = m.loops[ins.name]
-            if loop.trip_count is None:
-                self.unknown_loops.add(ins.name)
-            trips = loop.trip_count if loop.trip_count is not None else 1
-            body, cond = self.computation(loop.body), self.computation(loop.condition)
-            return (body[0] + cond[0]) * trips, (body[1] + cond[1]) * trips
-        if op in ("call", "async-start"):
-            return self.computation(called[0])
-        if op == "conditional":
-            branches = [self.computation(c) for c in called]
-            return max(b[0] for b in branches), max(b[1] for b in branches)
-        if op == "reduce":
-            result = out.tuple_shapes[0] if out.is_tuple else out
-            return self.scaled(called[0], m.operand(ins, 0).shape.elements - result.elements)
-        if op == "reduce-window":
-            return self.scaled(called[0], _reduce_window_count(ins))
-        if op == "map":
-            return self.scaled(called[0], out.elements)
-        if op == "scatter":
-            n = (len(ins.operands) - 1) // 2
-            return self.scaled(called[0], m.operand(ins, n + 1).shape.elements)
-        if op == "select-and-scatter":
-            source = m.operand(ins, 1).shape.elements
-            window = math.prod(w["size"] for w in _window(ins))
-            select = self.scaled(called[0], source * (window - 1))
-            scatter = self.scaled(called[1], source)
-            return select[0] + scatter[0], select[1] + scatter[1]
-        if op == "sort":
-            n = m.operand(ins, 0).shape.elements
-            return float(n * (n - 1).bit_length()), 0.0  # n x ceil(log2 n)
-        if op in ("all-reduce", "all-reduce-start"):  # XLA assumes 2 replicas: 1 op per element
-            return float(out.elements), 0.0
-        if op == "fft":
-            lengths = _ints(ins.attrs.get("fft_length", ""))
-            real = m.operand(ins, 0).shape
-            log_factors = math.prod(n.bit_length() - 1 for n in lengths)  # floor(log2 n)
-            return 8.0 * log_factors * real.elements, 0.0
-        if op == "triangular-solve":
-            a, b = m.operand(ins, 0).shape, m.operand(ins, 1).shape
-            return 2.0 * a.dims[-1] * b.elements, 0.0
-        if op == "cholesky":
-            a = m.operand(ins, 0).shape
-            return float(a.dims[-1] * a.elements // 3), 0.0
-        if op in ("rng", "rng-bit-generator"):
-            return 0.0, float(out.elements)
-        if op == "custom-call":
-            target = _unquote(ins.attrs.get("custom_call_target", ""))
-            if target not in _BOOKKEEPING_CUSTOM_CALLS:
-                self.custom_calls[ins.name] = target
-        return 0.0, 0.0
-
-
-def cost(module: Module) -> Cost:
-    """FLOPs and transcendentals of one execution, counted like XLA's HloCostAnalysis (dots
-    2 x output x contracted size, convolutions 2 x output x kernel window x input features per
-    group, elementwise ops 1 per output element, reductions (input - output elements) x reducer)
-    but with while bodies and conditions multiplied by their trip counts. Differences from XLA:
-    a custom-call counts 0 (XLA: -1) and is listed unless it is known bookkeeping (a Pallas
-    kernel's work is invisible here); a loop of unknown trip count counts once and is listed."""
-    counter = _Counter(module)
-    flops, trans = counter.computation(module.entry)
-    return Cost(flops, trans, tuple(sorted(counter.unknown_loops)), counter.custom_calls)
-
-
-def flops(module: Module) -> float:
-    """FLOPs per execution with loop trip counts applied (see `cost`)."""
-    return cost(module).flops
-
-
-# ----------------------------------------------------------------------------------------------
-# Gathered bytes of a chunked decode (the VAE: first chunk alone, later chunks in one scan).
-
-WINDOWED_GATHER = "windowed_dot_general_body_ag"  # XLA's name for a permute-ring all-gather
-
-
-@dataclasses.dataclass(frozen=True)
-class Gathers:
-    first: int  # bytes gathered per device outside the chunk scan (the first chunk)
-    per_trip: int  # bytes per trip of the chunk scan: one latent frame in steady state
-    trips: int
-    all_to_all: int  # all-to-all executions per run
-    top: list[tuple[str, int]]  # (op_name, bytes per run) of the largest gathers
-
-    @property
-    def per_latent_frame(self) -> int:
-        return max(self.first, self.per_trip)
-
-
-def _reachable(module: Module, root: str) -> set[str]:
-    seen, todo = set(), [root]
-    while todo:
-        name = todo.pop()
-        if name not in seen:
-            seen.add(name)
-            todo.extend(c for ins in module.computations[name].instructions for _, c in ins.calls)
-    return seen
-
-
-def chunk_scan(module: Module) -> Loop | None:
-    """The decode's scan over latent frames: the entry's while loop that JAX emitted (XLA adds
-    loops of its own, e.g. windowed einsums, whose op_name is not JAX's `while`)."""
-    scans = [
-        loop
-        for loop in loops(module)
-        if loop.computation == module.entry
-        and (module.instructions[loop.name].op_name or "").endswith("/while")
-    ]
-    return scans[0] if len(scans) == 1 else None
-
-
-def gathers(module: Module) -> Gathers:
-    """The gathered bytes of a chunked decode (e.g. the VAE's), split into its chunk scan and
-    the rest (a module without one chunk scan counts everything as `first`)."""
-    scan = chunk_scan(module)
-    body = _reachable(module, scan.body) if scan else set()
-    found = collectives(module)
-    gathered = [
-        c
-        for c in found
-        if c.kind == "all-gather"
-        or (c.kind == "collective-permute" and WINDOWED_GATHER in c.computation)
-    ]
-    trips = (scan.trip_count or 1) if scan else 0
-    top: Counter[str] = Counter()
-    for c in gathered:
-        top[c.op_name or c.name] += c.count * c.bytes
-    return Gathers(
-        first=sum(c.count * c.bytes for c in gathered if c.computation not in body),
-        per_trip=sum(c.count * c.bytes for c in gathered if c.computation in body) // max(trips, 1),
-        trips=trips,
-        all_to_all=sum(c.count for c in found if c.kind == "all-to-all"),
-        top=top.most_common(8),
-    )
