@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from wan.configs import VideoShape
+
 SCHEMA_VERSION = 2  # 2: program inputs and outputs by name (wan.interface)
 MANIFEST = "manifest.json"
 
@@ -42,6 +44,11 @@ class BuildKey:
     vae_axis: str  # "width" or "height": the VAE's sharded spatial axis, chosen once
     attention: str  # kernel and its largest blocks, e.g. "splash:3072:2048:1024"
     context_parallel: str = "gather"  # or "ulysses" (wan.attention)
+    vae_vmem_mib: int | None = None  # TPU: scoped VMEM of the VAE decode's kernels; None: XLA's
+
+    @property
+    def shape(self) -> VideoShape:
+        return VideoShape(self.width, self.height, self.frames, self.batch, self.cfg)
 
     def folder_name(self) -> str:
         mesh = "-".join(f"{name[0]}{size}" for name, size in self.mesh)
@@ -49,9 +56,10 @@ class BuildKey:
         cfg = "" if self.cfg else "_nocfg"
         attention = self.attention.replace(":", "-")
         ulysses = "_ulysses" if self.context_parallel == "ulysses" else ""
+        vmem = f"_vmem{self.vae_vmem_mib}" if self.vae_vmem_mib else ""
         return (
             f"{self.model}_{self.width}x{self.height}_f{self.frames}_b{self.batch}{cfg}"
-            f"_{self.target.replace('/', '-host')}_{mesh}_{vae}_{attention}{ulysses}"
+            f"_{self.target.replace('/', '-host')}_{mesh}_{vae}_{attention}{ulysses}{vmem}"
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -102,6 +110,9 @@ class ProgramEntry:
     # vae_decode: bytes all-gathered per device per latent frame (the steady-state chunk)
     gathered_bytes_per_latent_frame: int | None = None
     kernel_flops: float = 0.0  # per device: custom-call kernels' work, which `flops` cannot see
+    compiler_options: dict[str, Any] = dataclasses.field(default_factory=dict)  # XLA's, by name
+    # per device: bytes of `params` left whole on every device of a multi-device mesh
+    replicated_param_bytes: int = 0
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> ProgramEntry:

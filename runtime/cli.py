@@ -6,11 +6,12 @@ arranged for it (host device count for cpu-N builds); then the Pipeline API does
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from runtime.cli_args import CliError, parse_resolution
 from runtime.loader import Present, Request, match_build
 from runtime.outputs import OutputError, check_writable
 from runtime.video import video_paths
-from wan.configs import ModelConfig
+from wan.configs import ModelConfig, VideoShape
 from wan.presets import model_spec
 
 
@@ -143,7 +144,7 @@ def run_cmd(
     loras, loras_2 = _loras(lora_args, "--lora"), _loras(lora_2_args, "--lora-2")
     try:
         config = ModelConfig.from_folder(weights)
-        request = Request(width, height, frames, batch, guidance > 1.0, config.hash())
+        request = Request(VideoShape(width, height, frames, batch, guidance > 1.0), config.hash())
         lora.check_experts(config.num_experts, loras_2)
     except (ValueError, OSError) as e:  # LoraError is a ValueError
         raise CliError(str(e)) from None
@@ -170,13 +171,7 @@ def run_cmd(
     try:
         pipe = Pipeline.from_build(folder, manifest, weights, config, loras, loras_2)
         noise = np.load(init_noise) if init_noise else None
-        with tqdm(total=steps, desc="denoising", unit="step", file=sys.stderr) as bar:
-
-            def on_step(done: int, total: int) -> None:
-                bar.update(1)
-                if done == total:
-                    bar.close()  # before the decode, so the bar shows the denoising rate
-
+        with _step_bar(steps) as on_step:
             videos, report = pipe.generate(prompt, negative_prompt, steps, guidance, guidance_2,
                                            seed, noise, on_step, sampler=sampler, shift=shift)  # fmt: skip
     except (ArtifactError, lora.LoraError, WeightError, TokenizerError, ValueError, OSError) as e:
@@ -185,6 +180,19 @@ def run_cmd(
 
     if jax.process_index() == 0:
         _write(videos, report, imports, out, save_frames, report_path)
+
+
+@contextlib.contextmanager
+def _step_bar(steps: int) -> Iterator[Callable[[int, int], None]]:
+    """A progress bar of the denoising steps, and the on_step callback that advances it."""
+    with tqdm(total=steps, desc="denoising", unit="step", file=sys.stderr) as bar:
+
+        def on_step(done: int, total: int) -> None:
+            bar.update(1)
+            if done == total:
+                bar.close()  # before the decode, so the bar shows the denoising rate
+
+        yield on_step
 
 
 def _check_arguments(

@@ -19,16 +19,13 @@ from runtime.artifact import (
     read_manifest,
     verify_files,
 )
+from wan.configs import VideoShape
 from wan.interface import PROGRAMS, SIGNATURES
 
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    width: int
-    height: int
-    frames: int
-    batch: int
-    cfg: bool
+    shape: VideoShape
     model_hash: str | None = None  # the weights' model config hash, when known
 
 
@@ -52,8 +49,17 @@ class Present:
         return cls("cpu", None, None, processes)
 
 
+def build_folders(artifacts: Path) -> list[Path]:
+    """The build folders in a folder of builds, sorted: its subfolders that have a manifest,
+    hidden ones (the program store, `.programs`) skipped. Their manifests are not read."""
+    return sorted(
+        p for p in artifacts.iterdir() if not p.name.startswith(".") and (p / MANIFEST).is_file()
+    )
+
+
 def candidate_builds(artifacts: Path) -> list[tuple[Path, Manifest]]:
-    """The builds in `artifacts` (a build folder itself, or a folder of builds)."""
+    """The builds in `artifacts` (a build folder itself, or a folder of builds) whose manifest
+    reads."""
     if (artifacts / MANIFEST).is_file():
         return [(artifacts, read_manifest(artifacts))]
     if not artifacts.is_dir():
@@ -61,9 +67,7 @@ def candidate_builds(artifacts: Path) -> list[tuple[Path, Manifest]]:
             f"{artifacts} does not exist: build with `aot build --out {artifacts} ...`"
         )
     found = []
-    for folder in sorted(
-        p for p in artifacts.iterdir() if p.is_dir() and not p.name.startswith(".")
-    ):
+    for folder in build_folders(artifacts):
         with contextlib.suppress(ArtifactError):
             found.append((folder, read_manifest(folder)))
     return found
@@ -72,9 +76,7 @@ def candidate_builds(artifacts: Path) -> list[tuple[Path, Manifest]]:
 def passed_over(manifest: Manifest, request: Request, present: Present) -> str | None:
     """Why the build of `manifest` cannot serve `request` on `present` devices; None if it can."""
     k, m = manifest.key, manifest
-    if (k.width, k.height, k.frames, k.batch, k.cfg) != (
-        request.width, request.height, request.frames, request.batch, request.cfg,
-    ):  # fmt: skip
+    if k.shape != request.shape:
         return f"another shape ({k.width}x{k.height} f{k.frames} b{k.batch}{'' if k.cfg else ' nocfg'})"
     if request.model_hash is not None and m.model_hash != request.model_hash:
         return "another model config than the weights"
@@ -117,9 +119,10 @@ def match_build(
     elif fits:
         why = f"{len(fits)} builds serve this request: choose one with --build NAME"
     else:
+        shape = request.shape
         command = (
-            f"aot build --model {model_name} --res {request.width}x{request.height} "
-            f"--frames {request.frames} --batch {request.batch}{'' if request.cfg else ' --no-cfg'}"
+            f"aot build --model {model_name} --res {shape.width}x{shape.height} "
+            f"--frames {shape.frames} --batch {shape.batch}{'' if shape.cfg else ' --no-cfg'}"
             f" --target {builds[0][1].key.target if builds else 'cpu-8'} --out {artifacts}"
         )
         why = f"no build serves this request; make it with: {command}"
@@ -131,6 +134,7 @@ def match_build(
 
 
 def installed_versions() -> dict[str, str]:
+    """The compiler packages a build records and a run must match: jax, jaxlib, libtpu."""
     out = {}
     for name in ("jax", "jaxlib", "libtpu"):
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):

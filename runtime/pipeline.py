@@ -23,7 +23,7 @@ from runtime import clock
 from runtime.artifact import ArtifactError, BuildKey, Manifest
 from runtime.loader import Present, Request, load_build, match_build
 from wan import checkpoint, interface, lora, schedulers, tokenizer
-from wan.configs import ModelConfig
+from wan.configs import ModelConfig, SchedulerConfig
 from wan.presets import model_spec
 from wan.weights import flatten
 
@@ -263,24 +263,35 @@ class Pipeline:
         tables = schedulers.make_tables(scheduler, steps)
         state = schedulers.init_state(scheduler, latent_shape)
         experts, expert_at = self._experts(tables, guidance, guidance_2)
+        marks = {}  # phase -> seconds from start to its end
         with no_compilation() as counter:
             emb = self._encode(texts)
-            encoded = time.perf_counter() - start
+            marks["text_encode"] = time.perf_counter() - start
             kv = self._kv_caches(emb, experts)
-            first_step = time.perf_counter() - start
+            marks["kv_cache"] = time.perf_counter() - start
             x = self._denoise(latents, state, tables, kv, expert_at, on_step)
-            denoise = time.perf_counter() - start - first_step
+            marks["denoise"] = time.perf_counter() - start
             frames = self._decode(x)
-        total = time.perf_counter() - start
-        phases = {
-            "text_encode": encoded,
-            "kv_cache": first_step - encoded,
-            "denoise": denoise,
-            "vae_decode": total - first_step - denoise,
-        }
+            marks["vae_decode"] = time.perf_counter() - start
+        return frames, self._report(counter.count, started_at, marks, steps, scheduler)
+
+    def _report(
+        self,
+        compile_count: int,
+        started_at: float,
+        marks: dict[str, float],
+        steps: int,
+        scheduler: SchedulerConfig,
+    ) -> GenerationReport:
+        """The report of one generate() from the end of each phase (seconds after its start)."""
+        first_step, total = marks["kv_cache"], marks["vae_decode"]
+        denoise = marks["denoise"] - first_step
+        phases, begin = {}, 0.0
+        for name, end in marks.items():
+            phases[name], begin = round(end - begin, 4), end
         process_start = clock.process_start_time()
-        report = GenerationReport(
-            compile_count=counter.count,
+        return GenerationReport(
+            compile_count=compile_count,
             started_at=started_at,
             seconds_to_first_step=round(first_step, 4),
             seconds_denoising=round(denoise, 4),
@@ -292,12 +303,11 @@ class Pipeline:
                 started_at + first_step - process_start, 4
             ),
             seconds_from_process_start_to_video=round(started_at + total - process_start, 4),
-            phases={**self.load_phases, **{k: round(v, 4) for k, v in phases.items()}},
+            phases={**self.load_phases, **phases},
             sampler=scheduler.kind,
             shift=scheduler.flow_shift,
             loras=list(self.loras),
         )
-        return frames, report
 
     def _experts(
         self, tables: Any, guidance: float, guidance_2: float | None

@@ -18,6 +18,7 @@ from safetensors.numpy import save_file
 from runtime.loader import Request
 from runtime.pipeline import CompileCounter, Pipeline
 from wan import checkpoint, lora, programs, sharding, weights
+from wan.configs import VideoShape
 from wan.presets import PRESETS
 from wan.random_weights import write_random_checkpoint
 from wan.weights import transformer as transformer_rules
@@ -329,7 +330,7 @@ def _run(setup, *extra, out="v.mp4", check=True):
 
 def _in_process(setup, **loras) -> np.ndarray:
     counter = CompileCounter()
-    pipe = Pipeline.load(setup["artifacts"], setup["folder"], Request(WIDTH, HEIGHT, FRAMES, 1, cfg=False), **loras)  # fmt: skip
+    pipe = Pipeline.load(setup["artifacts"], setup["folder"], Request(VideoShape(WIDTH, HEIGHT, FRAMES, 1, cfg=False)), **loras)  # fmt: skip
     frames, report = pipe.generate(PROMPT, steps=4, guidance=1.0, init_noise=_noise(), sampler="euler", shift=5.0)  # fmt: skip
     assert counter.count == 0 and report.compile_count == 0  # loading and merging included
     return frames

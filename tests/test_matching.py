@@ -16,6 +16,7 @@ from conftest import TINY_SHAPE, run_cli
 from aot import targets
 from runtime.artifact import ArtifactError, read_manifest
 from runtime.loader import Present, Request, host_layout, match_build
+from wan.configs import VideoShape
 
 PROMPT = ["--prompt", "a cat", "--steps", "2", "--guidance", "5"]
 SMALL = ["--res", "64x96", "--frames", "5", "--batch", "1"]
@@ -61,7 +62,7 @@ def test_build_option_picks_the_named_one(three_builds, tiny_weights, tmp_path):
 def test_eight_devices_prefer_the_default_mesh(three_builds):
     """This process has 8 devices: cpu-4 is passed over, the default mesh wins over context=8."""
     names, artifacts = three_builds
-    request = Request(192, 320, 9, 1, cfg=True)
+    request = Request(VideoShape(192, 320, 9, 1))
     folder, _ = match_build(artifacts, request, "tiny", Present.of(jax.devices()))
     assert folder.name == names["cpu-8True"]
     with pytest.raises(ArtifactError, match="needs 4 cpu devices, this process has 8"):
@@ -88,7 +89,7 @@ def test_tpu_v6e_8_is_one_host_and_keeps_frames_sharded(tpu_and_cpu):
 
 
 def test_another_platform_is_never_chosen(tpu_and_cpu, tmp_path):
-    request = Request(64, 96, 5, 1, cfg=True)
+    request = Request(VideoShape(64, 96, 5, 1))
     for present in (Present.host_cpu(), Present.of(jax.devices())):
         folder, manifest = match_build(tpu_and_cpu, request, "tiny", present)
         assert manifest.platform == "cpu"

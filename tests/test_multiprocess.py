@@ -5,6 +5,7 @@ sharded VAE through the in-program gather and the frames come back replicated to
 
 from __future__ import annotations
 
+import math
 import subprocess
 
 import numpy as np
@@ -15,6 +16,7 @@ from aot.local_job import free_port
 from aot.targets import TargetError, parse_target
 from runtime.artifact import ArtifactError, read_manifest
 from runtime.loader import Present, Request, match_build
+from wan.configs import VideoShape
 
 SHAPE = ["--res", "64x96", "--frames", "5", "--batch", "2"]
 RUN = ["--prompt", "a red cat", "--steps", "3", "--seed", "3", *SHAPE]
@@ -37,12 +39,47 @@ def artifacts(tmp_path_factory):
     return out
 
 
+def read_manifests(artifacts) -> dict:
+    """target -> manifest of the builds in `artifacts`."""
+    found = [read_manifest(p) for p in artifacts.iterdir() if not p.name.startswith(".")]
+    return {m.key.target: m for m in found}
+
+
+def test_decode_handoff_as_designed(artifacts):
+    """Batch 2 on 8 devices: the denoise step leaves the latents sharded over `data` and the
+    decode is spatial (vae_spatial = 8). The decode takes the latents as the step leaves them,
+    gathers them whole (small) rather than switching mesh through an all-to-all, and only a
+    multi-process job replicates its frames: one all-gather of the whole frames, nothing else
+    (one process keeps them where they were decoded)."""
+    manifests = read_manifests(artifacts)
+    assert sorted(manifests) == ["cpu-2x4", "cpu-8"]
+    for m in manifests.values():
+        assert m.vae_mesh_axes == {"redundant": 1, "vae_spatial": 8}
+        step, decode = m.programs["denoise_step"], m.programs["vae_decode"]
+        (left,) = [o.sharding for o in step.outputs if o.path == "latents"]
+        (taken,) = [i.sharding for i in decode.inputs if i.path == "latents"]
+        assert left == taken == "P('data', None, None, None, None)", (left, taken)
+        assert "all-to-all" not in decode.collectives, decode.collectives
+
+    one, two = (manifests[t].programs["vae_decode"] for t in ("cpu-8", "cpu-2x4"))
+    (frames,) = two.outputs
+    assert frames.path == "frames" and frames.sharding == "P(None, None, None, None, None)"
+    assert one.outputs[0].sharding == "P(None, None, None, 'vae_spatial', None)"
+    frame_bytes = math.prod(frames.shape) * np.dtype(frames.dtype).itemsize
+    runs = {kind: (c["count"], c["bytes"]) for kind, c in one.collectives.items()}
+    count, nbytes = runs.get("all-gather", (0, 0))
+    runs["all-gather"] = (count + 1, nbytes + frame_bytes)
+    assert {kind: (c["count"], c["bytes"]) for kind, c in two.collectives.items()} == runs, (
+        one.collectives,
+        two.collectives,
+    )
+
+
 def test_two_processes_equal_one(artifacts, tmp_path, tiny_weights):
-    manifests = {read_manifest(p).key.target: read_manifest(p) for p in artifacts.iterdir()
-                 if not p.name.startswith(".")}  # fmt: skip
+    manifests = read_manifests(artifacts)
     assert manifests["cpu-2x4"].process_count == 2 and manifests["cpu-8"].process_count == 1
     with pytest.raises(ArtifactError, match="2-process job.*--num-processes"):
-        match_build(artifacts, Request(64, 96, 5, 2, True), "tiny", Present.host_cpu(3))
+        match_build(artifacts, Request(VideoShape(64, 96, 5, 2)), "tiny", Present.host_cpu(3))
     decode = manifests["cpu-2x4"].programs["vae_decode"]
     assert decode.outputs[0].sharding == "P(None, None, None, None, None)"
 

@@ -17,8 +17,7 @@ from diffusers import WanPipeline
 from aot.build import compile_in_process, plan_build
 from aot.targets import parse_target
 from runtime.pipeline import Pipeline
-from wan.configs import ModelConfig
-from wan.programs import VideoShape
+from wan.configs import ModelConfig, VideoShape
 
 WIDTH, HEIGHT, FRAMES, STEPS = 32, 48, 9, 4  # portrait; 3 latent frames
 PROMPTS = ["a red cat running in the rain", "a boat on the sea at night"]

@@ -20,8 +20,8 @@ from aot.targets import parse_target
 from runtime.artifact import ArtifactError, read_manifest, sha256_file
 from runtime.loader import Request
 from runtime.pipeline import Pipeline
+from wan.configs import VideoShape
 from wan.presets import PRESETS
-from wan.programs import VideoShape
 
 PROMPT = "a red cat running in the rain"
 RUN = ["--prompt", PROMPT, "--steps", "3", "--seed", "7", "--guidance", "5"]
@@ -165,7 +165,7 @@ def test_loading_in_process_refuses_wrong_devices(build_copy, tiny_weights):
     """The Python API checks the same things before deserialising."""
     _edit_manifest(build_copy, lambda m: m.update(device_ids=m["device_ids"][:4]))
     with pytest.raises(ArtifactError, match="needs 4 cpu devices, this process has 8"):
-        Pipeline.load(build_copy.parent, tiny_weights, Request(192, 320, 9, 1, cfg=True))
+        Pipeline.load(build_copy.parent, tiny_weights, Request(VideoShape(192, 320, 9, 1)))
 
 
 def test_runtime_imports_no_model_code():

@@ -26,10 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from aot import hlo, targets
+from aot import hlo, targets, vae_gathers
 from aot.build import compile_program
-from wan import interface, programs, schedulers, sharding
-from wan.configs import VAEConfig
+from wan import axes, interface, programs, schedulers, sharding
+from wan.configs import VAEConfig, VideoShape
 from wan.presets import PRESETS
 from wan.random_weights import random_params
 
@@ -150,13 +150,49 @@ def test_vae_axis_pads_width_when_neither_divides():
     assert layout.uneven == {"vae_width"}
 
 
+def test_unknown_logical_axis_is_an_error():
+    """A typo in a logical name must not silently replicate the dimension."""
+    with pytest.raises(ValueError, match=r"unknown logical axis \['lenght'\]"):
+        sharding.logical_to_spec(
+            ("batch", "lenght"), (8, 64), {"data": 8}, sharding.TRANSFORMER_RULES
+        )
+    # Every name the rules know is a wan.axes name.
+    names = {name for name, _ in sharding.TRANSFORMER_RULES}
+    names |= {name for name, _ in sharding.VaeLayout("width").rules()}
+    assert names <= axes.ALL
+
+
+@pytest.mark.parametrize(
+    "transformer, batch, gather, vae_mesh",
+    [
+        # batch 8 on data: the decode takes batch-sharded latents and decodes batch-parallel.
+        (sharding.MeshShape(data=8), 8, False, (8, 1)),
+        # batch 2 over data: the latents arrive batch-sharded, the decode is spatial: gathered.
+        (sharding.MeshShape(data=2, context=4), 2, True, (1, 8)),
+        # batch 1: nothing on data, the latents arrive whole.
+        (sharding.MeshShape(context=8), 1, False, (1, 8)),
+    ],
+)
+def test_sharding_plan_handoff(transformer, batch, gather, vae_mesh):
+    """The plan of a build says how the decode takes the latents the denoise step leaves."""
+    plan = sharding.ShardingPlan.choose(transformer, (batch, 3, 90, 160, 16))
+    assert plan.vae_mesh == vae_mesh and plan.gather_latents == gather
+    meshes = plan.meshes(jax.devices()[:8])
+    (latents,) = plan.placed("vae_decode", meshes).values()
+    assert latents.mesh is meshes["transformer"] and latents.spec == plan.latents_spec()
+    assert (latents.spec[0] is not None) == (transformer.data > 1)
+    assert plan.placed("denoise_step", meshes) == {}
+    assert plan.replicated_outputs("vae_decode", 2) and not plan.replicated_outputs("vae_decode", 1)
+    assert plan.rules("vae") == (plan.vae_layout.rules(), plan.vae_layout.uneven)
+
+
 # ----------------------------------------------------------------------------------------------
 # HLO proofs: a portrait decode with no all-to-all and no padding; the per-layer choice fails.
 
 # Latent 12 x 10 (H x W), vae_spatial 4: 10 % 4 != 0 but 12 % 4 == 0, while the widths above
 # the latent (20, 40, 80) divide: a per-layer choice flips axis, the once-chosen one does not.
 # 3 latent frames: the chunk scan keeps 2 trips (XLA unrolls a 1-trip loop, doubling the work).
-PORTRAIT = programs.VideoShape(width=80, height=96, frames=9, batch=4)
+PORTRAIT = VideoShape(width=80, height=96, frames=9, batch=4)
 PORTRAIT_MESH = (2, 4)  # vae_spatial=4: 2 videos per device group, so per-device batch 2
 
 
@@ -169,7 +205,7 @@ def video_extents(module: hlo.Module, batch: int, everywhere: bool) -> set[tuple
         instructions = module.instructions.values()
     else:
         entry = module.computations[module.entry]
-        scan = module.instructions[hlo.chunk_scan(module).name]
+        scan = module.instructions[vae_gathers.chunk_scan(module).name]
         params = [i for i in entry.instructions if i.opcode == "parameter"]
         instructions = [*params, entry.root, scan]
     found = set()
@@ -285,7 +321,7 @@ def reference_kv(params: dict, embeddings: np.ndarray) -> tuple[np.ndarray, np.n
 @pytest.mark.parametrize("batch, sharded", [(2, True), (4, True), (1, False)])
 def test_kv_cache_batch_sharded_or_replicated(batch, sharded):
     """Step batch 2B (CFG) over data x fsdp = 4: 4 and 8 divide, 2 does not (no error)."""
-    shape = programs.VideoShape(width=64, height=64, frames=5, batch=batch)
+    shape = VideoShape(width=64, height=64, frames=5, batch=batch)
     program = programs.kv_cache_program(TINY, shape, "dot")
     compiled = compile_program(program, transformer_mesh(CPU8, KV_MESH), RULES)
     batch_axes = ("data", "fsdp") if sharded else None
@@ -308,7 +344,7 @@ def test_kv_cache_batch_sharded_or_replicated(batch, sharded):
 
 def test_denoise_step_consumes_the_kv_cache_as_laid_out():
     """The kv input of denoise_step has exactly the kv_cache output's sharding: no reshard."""
-    shape = programs.VideoShape(width=64, height=64, frames=5, batch=2)
+    shape = VideoShape(width=64, height=64, frames=5, batch=2)
     mesh = transformer_mesh(CPU8, KV_MESH)
     produced = compile_program(programs.kv_cache_program(TINY, shape, "dot"), mesh, RULES)
     step = programs.denoise_step_program(TINY, shape, "dot")
@@ -350,7 +386,7 @@ FOUR_HEADS = dataclasses.replace(
 )
 def test_denoise_step_sharded_equals_single_device(config, attention, context_parallel, atol):
     """data=2 x context=4 on 8 host devices == the single-device dot step."""
-    shape = programs.VideoShape(width=64, height=64, frames=5, batch=1)
+    shape = VideoShape(width=64, height=64, frames=5, batch=1)
     mesh = transformer_mesh(CPU8, sharding.MeshShape(data=2, context=4))
     sharded = programs.denoise_step_program(config, shape, attention, context_parallel)
     compiled = compile_program(sharded, mesh, RULES)
@@ -387,7 +423,7 @@ def test_denoise_step_sharded_equals_single_device(config, attention, context_pa
 def test_denoise_step_with_fsdp_has_no_all_to_all():
     """Batch 8 (step batch 16) over data=2 x fsdp=4: the time embedding leaves the weights'
     fsdp layout without an all-to-all."""
-    shape = programs.VideoShape(width=64, height=64, frames=5, batch=8)
+    shape = VideoShape(width=64, height=64, frames=5, batch=8)
     mesh = transformer_mesh(CPU8, sharding.MeshShape(data=2, fsdp=4))
     compiled = compile_program(programs.denoise_step_program(TINY, shape, "dot"), mesh, RULES)
     kinds = {c.kind for c in hlo.collectives(hlo.parse(compiled.as_text()))}
@@ -405,7 +441,7 @@ def test_ulysses_all_to_alls_are_the_only_ones_at_720p():
     """B=1 at 720x1280/81 frames over fsdp=4 x context=2 (the 14B's tpu-v6e-8 mesh), where
     the 21-frame patch grid does not split into 8 contiguous runs of tokens: the patches are
     embedded where their tokens live, so the step's all-to-alls are the attention's 4 per layer."""
-    shape = programs.VideoShape(width=720, height=1280, frames=81, batch=1)
+    shape = VideoShape(width=720, height=1280, frames=81, batch=1)
     mesh = transformer_mesh(CPU8, sharding.MeshShape(fsdp=4, context=2))
     program = programs.denoise_step_program(EIGHT_HEADS, shape, "blockwise", "ulysses")
     module = hlo.parse(compile_program(program, mesh, RULES).as_text())
@@ -422,7 +458,7 @@ DECODE_LATENT = dict(width=48, height=64, frames=5)
 def decode_reference():
     """Random VAE weights, 8 videos of latents, and their single-device fp32 frames."""
     params = random_params(TINY, "vae", seed=3)
-    shape = programs.VideoShape(**DECODE_LATENT, batch=8)
+    shape = VideoShape(**DECODE_LATENT, batch=8)
     program = programs.vae_decode_program(TINY, shape, frames_dtype="float32")
     rng = np.random.default_rng(1)
     latents = rng.standard_normal(program.args["latents"].shape).astype(np.float32)
@@ -434,7 +470,7 @@ def decode_reference():
 )
 def test_vae_decode_sharded_equals_single_device(decode_reference, mesh_shape, batch, axis):
     params, latents, want = decode_reference
-    shape = programs.VideoShape(**DECODE_LATENT, batch=batch)
+    shape = VideoShape(**DECODE_LATENT, batch=batch)
     _, _, lat_h, lat_w, _ = shape.latent_shape(TINY)
     layout = sharding.choose_vae_layout(lat_h, lat_w, mesh_shape[1])
     assert layout == sharding.VaeLayout(axis)
@@ -461,13 +497,13 @@ def test_upsampling_gathers_no_activation(width, height, axis):
     quarter of 720p on cpu-8, with the budget scaled by pixels; the real size on tpu-v6e-8
     takes minutes to compile: bench/vae_allgather.py (docs/benchmarks.md)."""
     config = PRESETS["wan2.1-t2v-14b"]
-    shape = programs.VideoShape(width, height, frames=9, batch=1)  # 3 latent frames
+    shape = VideoShape(width, height, frames=9, batch=1)  # 3 latent frames
     _, _, lat_h, lat_w, _ = shape.latent_shape(config)
     layout = sharding.choose_vae_layout(lat_h, lat_w, 8)
     assert layout == sharding.VaeLayout(axis)
     program = programs.vae_decode_program(config, shape)
     compiled = compile_program(program, vae_mesh(CPU8, (1, 8)), layout.rules(), layout.uneven)
-    g = hlo.gathers(hlo.parse(compiled.as_text()))
+    g = vae_gathers.gathers(hlo.parse(compiled.as_text()))
     # The reference's 1.1 GB at 720p, scaled by pixels: it gathers whole activations.
     budget = 0.1 * BENCH.REFERENCE_BYTES * (width * height) / (1280 * 720)
     assert g.trips == 3 and g.all_to_all == 0  # every latent frame, the first included
@@ -480,7 +516,7 @@ def test_both_orientations_have_the_same_collectives():
     decodes have the same collectives by kind and count, and no all-to-all."""
     summaries = {}
     for width, height, axis in [(128, 80, "width"), (80, 128, "height")]:
-        shape = programs.VideoShape(width, height, frames=9, batch=1)
+        shape = VideoShape(width, height, frames=9, batch=1)
         _, _, lat_h, lat_w, _ = shape.latent_shape(TINY)
         layout = sharding.choose_vae_layout(lat_h, lat_w, 8)
         assert layout.axis == axis
@@ -498,7 +534,7 @@ def test_720p_denoise_step_runs_splash_on_tpu(tpu_devices):
     only while loop)."""
     from aot.build import plan_build
 
-    shape = programs.VideoShape(width=1280, height=720, frames=81, batch=1)
+    shape = VideoShape(width=1280, height=720, frames=81, batch=1)
     target = targets.parse_target("tpu-v6e-8")
     plan = plan_build("tiny", TINY, shape, target, len(tpu_devices))
     assert shape.tokens(TINY) == 75600

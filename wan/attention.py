@@ -27,7 +27,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import (
 )
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
-from wan import sharding
+from wan import axes, sharding
 
 Attention = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -184,8 +184,8 @@ KERNELS = ("dot", "blockwise", "splash", "cudnn")
 CONTEXT_PARALLEL = ("gather", "ulysses")
 # Kernels XLA's SPMD partitioner can split by itself; the others run inside shard_map.
 PARTITIONABLE = ("dot", "blockwise")
-Q_AXES = ("batch", "length", "heads", None)
-KV_AXES = ("batch", "kv_length", "heads", None)  # gathered: every query sees every key
+Q_AXES = (axes.BATCH, axes.LENGTH, axes.HEADS, None)
+KV_AXES = (axes.BATCH, axes.KV_LENGTH, axes.HEADS, None)  # gathered: every query sees every key
 
 _SIZES = r"(?::([1-9]\d*))"
 

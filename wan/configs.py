@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Self
 
@@ -53,6 +55,17 @@ class TransformerConfig:
     @property
     def inner_dim(self) -> int:
         return self.num_attention_heads * self.attention_head_dim
+
+    def patch_grid(self, video: Sequence[int]) -> tuple[int, int, int]:
+        """(frames, rows, cols) of patches for a latent video of (T, H, W): the token grid."""
+        if any(n % p for n, p in zip(video, self.patch_size, strict=True)):
+            raise ValueError(
+                f"latent size {tuple(video)} is not a multiple of the patch size {self.patch_size}"
+            )
+        grid = tuple(n // p for n, p in zip(video, self.patch_size, strict=True))
+        if max(grid) > self.rope_max_seq_len:
+            raise ValueError(f"patch grid {grid} exceeds rope_max_seq_len={self.rope_max_seq_len}")
+        return grid  # type: ignore[return-value]
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> Self:
@@ -204,3 +217,30 @@ class ModelConfig:
             boundary_ratio=pipeline.get("boundary_ratio"),
             dtype=dtype or stored_dtype(root / "transformer"),
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class VideoShape:
+    """What one call of the pipeline makes: batch videos of width x height pixels (frames = 4k + 1),
+    with or without classifier-free guidance."""
+
+    width: int
+    height: int
+    frames: int
+    batch: int
+    cfg: bool = True
+
+    @property
+    def step_batch(self) -> int:
+        return 2 * self.batch if self.cfg else self.batch
+
+    def tokens(self, config: ModelConfig) -> int:
+        """Video tokens the transformer attends over: the latent grid over its patch."""
+        return math.prod(config.transformer.patch_grid(self.latent_shape(config)[1:4]))
+
+    def latent_shape(self, config: ModelConfig) -> tuple[int, int, int, int, int]:
+        """Channels-last latents (B, T, H/8, W/8, C)."""
+        vae = config.vae
+        frames = (self.frames - 1) // vae.temporal_factor + 1
+        s = vae.spatial_factor
+        return (self.batch, frames, self.height // s, self.width // s, vae.z_dim)

@@ -26,42 +26,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from wan import interface, schedulers, sharding
-from wan.configs import ModelConfig
+from wan import axes, interface, schedulers, sharding
+from wan.configs import ModelConfig, VideoShape
+from wan.sharding import LATENTS, VIDEO
 from wan.text_encoder import UMT5Encoder, prompt_embeddings
 from wan.transformer import WanTransformer
 from wan.vae import WanVAE, denormalize_latents
 
 Tree = Any
 Axes = tuple[str | None, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class VideoShape:
-    """One request shape. width x height in pixels; frames = 4k + 1."""
-
-    width: int
-    height: int
-    frames: int
-    batch: int
-    cfg: bool = True
-
-    @property
-    def step_batch(self) -> int:
-        return 2 * self.batch if self.cfg else self.batch
-
-    def tokens(self, config: ModelConfig) -> int:
-        """Video tokens the transformer attends over: the latent grid over its patch."""
-        _, t, h, w, _ = self.latent_shape(config)
-        pt, ph, pw = config.transformer.patch_size
-        return (t // pt) * (h // ph) * (w // pw)
-
-    def latent_shape(self, config: ModelConfig) -> tuple[int, int, int, int, int]:
-        """Channels-last latents (B, T, H/8, W/8, C)."""
-        vae = config.vae
-        frames = (self.frames - 1) // vae.temporal_factor + 1
-        s = vae.spatial_factor
-        return (self.batch, frames, self.height // s, self.width // s, vae.z_dim)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -160,11 +133,11 @@ def _is_axes(x: Any) -> bool:
     return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
 
 
-def shardings(mesh: jax.sharding.Mesh, shapes: Tree, axes: Tree, rules: sharding.Rules) -> Tree:
+def shardings(mesh: jax.sharding.Mesh, shapes: Tree, logical: Tree, rules: sharding.Rules) -> Tree:
     """NamedShardings for a pytree of shapes from its logical axes."""
     return jax.tree.map(
         lambda ax, s: sharding.named_sharding(mesh, ax, s.shape, rules),
-        axes,
+        logical,
         shapes,
         is_leaf=_is_axes,
     )
@@ -174,39 +147,35 @@ def _sds(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype))
 
 
-LATENTS: Axes = ("batch", None, None, None, None)
-VIDEO = sharding.VIDEO
-
-
 def text_encode_program(config: ModelConfig, shape: VideoShape) -> Program:
-    graphdef, params, axes = split_abstract(abstract_module(config, "text_encoder"))
+    graphdef, params, param_axes = split_abstract(abstract_module(config, "text_encoder"))
     length = config.text_encoder.max_length
 
     def text_encode(params: Tree, ids: jax.Array, mask: jax.Array) -> jax.Array:
         encoder = nnx.merge(graphdef, params)
         out = prompt_embeddings(encoder(ids, mask), mask, length)
-        return {"embeddings": sharding.constrain(out, ("batch", None, None))}
+        return {"embeddings": sharding.constrain(out, (axes.BATCH, None, None))}
 
     tokens = _sds((shape.step_batch, length), jnp.int32)
     return Program(
         "text_encode",
         text_encode,
         {"params": params, "ids": tokens, "mask": tokens},
-        {"params": axes, "ids": ("batch", None), "mask": ("batch", None)},
-        {"embeddings": ("batch", None, None)},
+        {"params": param_axes, "ids": (axes.BATCH, None), "mask": (axes.BATCH, None)},
+        {"embeddings": (axes.BATCH, None, None)},
         "transformer",
     )
 
 
 def kv_cache_program(config: ModelConfig, shape: VideoShape, attention: str) -> Program:
-    graphdef, params, axes = split_abstract(abstract_module(config, "transformer", attention))
+    graphdef, params, param_axes = split_abstract(abstract_module(config, "transformer", attention))
     tc = config.transformer
     emb = _sds((shape.step_batch, config.text_encoder.max_length, tc.text_dim), config.dtype)
-    kv_axes = ("layers", "batch", "kv_length", "heads")
+    kv_axes = (axes.LAYERS, axes.BATCH, axes.KV_LENGTH, axes.HEADS)
 
     def kv_cache(params: Tree, embeddings: jax.Array) -> dict[str, tuple[jax.Array, jax.Array]]:
         # Batch pinned on input and output: each device computes and keeps its own slice.
-        embeddings = sharding.constrain(embeddings, ("batch", None, None))
+        embeddings = sharding.constrain(embeddings, (axes.BATCH, None, None))
         model = nnx.merge(graphdef, params)
         k, v = model.compute_kv_cache(embeddings)
         return {"kv": (sharding.constrain(k, kv_axes), sharding.constrain(v, kv_axes))}
@@ -215,7 +184,7 @@ def kv_cache_program(config: ModelConfig, shape: VideoShape, attention: str) -> 
         "kv_cache",
         kv_cache,
         {"params": params, "embeddings": emb},
-        {"params": axes, "embeddings": ("batch", None, None)},
+        {"params": param_axes, "embeddings": (axes.BATCH, None, None)},
         {"kv": (kv_axes, kv_axes)},
         "transformer",
     )
@@ -237,12 +206,12 @@ def sampler_row_shapes(config: ModelConfig) -> dict[str, jax.ShapeDtypeStruct]:
 def denoise_step_program(
     config: ModelConfig, shape: VideoShape, attention: str, context_parallel: str = "gather"
 ) -> Program:
-    graphdef, params, axes = split_abstract(
+    graphdef, params, param_axes = split_abstract(
         abstract_module(config, "transformer", attention, context_parallel)
     )
     latents = _sds(shape.latent_shape(config), jnp.float32)
     kv = kv_shape(config, shape)
-    kv_axes = ("layers", "batch", "kv_length", "heads")
+    kv_axes = (axes.LAYERS, axes.BATCH, axes.KV_LENGTH, axes.HEADS)
     row = sampler_row_shapes(config)
     state = state_shapes(config, shape)
     state_axes = {"last_sample": LATENTS, "x0_history": (None, *LATENTS)}
@@ -271,7 +240,7 @@ def denoise_step_program(
         denoise_step,
         {"params": params, "latents": latents, "kv": (kv, kv), "row": row, "state": state,
          "guidance": _sds((), jnp.float32)},
-        {"params": axes, "latents": LATENTS, "kv": (kv_axes, kv_axes),
+        {"params": param_axes, "latents": LATENTS, "kv": (kv_axes, kv_axes),
          "row": {k: (None,) * len(s.shape) for k, s in row.items()}, "state": state_axes,
          "guidance": ()},
         {"latents": LATENTS, "state": state_axes},
@@ -303,7 +272,7 @@ def vae_decode_program(
     """Frames as uint8 (what videos are made of), or as float32 in [0, 1] for comparisons.
     `gather_latents`: the latents arrive batch-sharded; replicate them before the spatial layout
     slices them (an all-gather of the small latents instead of an all-to-all)."""
-    graphdef, params, axes = split_abstract(abstract_module(config, "vae"))
+    graphdef, params, param_axes = split_abstract(abstract_module(config, "vae"))
     latents = _sds(shape.latent_shape(config), jnp.float32)
 
     def vae_decode(params: Tree, latents: jax.Array) -> jax.Array:
@@ -319,7 +288,7 @@ def vae_decode_program(
         "vae_decode",
         vae_decode,
         {"params": params, "latents": latents},
-        {"params": axes, "latents": VIDEO},
+        {"params": param_axes, "latents": VIDEO},
         {"frames": VIDEO},
         "vae",
     )

@@ -18,11 +18,15 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from wan import axes
+
 LogicalAxes = Sequence[str | None]
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
-# Activation layouts used by the models.
-VIDEO = ("vae_batch", None, "vae_height", "vae_width", None)  # VAE activations (B, T, H, W, C)
+# Activation layouts that cross module boundaries.
+# VAE activations (B, T, H, W, C)
+VIDEO = (axes.VAE_BATCH, None, axes.VAE_HEIGHT, axes.VAE_WIDTH, None)
+LATENTS = (axes.BATCH, None, None, None, None)  # diffusion latents (B, T, h, w, C) between programs
 
 _state = threading.local()
 
@@ -60,21 +64,26 @@ def logical_to_spec(
     names, skipping axes the mesh lacks, axes already used, and axes whose product does not
     divide the dimension (then that dimension stays replicated: no error inside jit), unless
     the logical axis is in `uneven`."""
+    unknown = set(logical) - axes.ALL - {None}
+    if unknown:
+        raise ValueError(f"unknown logical axis {sorted(unknown)}: name it in wan.axes")
     table = dict(rules)
     used: set[str] = set()
     spec: list[str | tuple[str, ...] | None] = []
     for name, size in zip(logical, shape, strict=True):
         target = table.get(name) if name is not None else None
-        axes = (target,) if isinstance(target, str) else tuple(target or ())
-        axes = tuple(a for a in axes if a in mesh_shape and mesh_shape[a] > 1 and a not in used)
+        mesh_axes = (target,) if isinstance(target, str) else tuple(target or ())
+        mesh_axes = tuple(
+            a for a in mesh_axes if a in mesh_shape and mesh_shape[a] > 1 and a not in used
+        )
         extent = 1
-        for a in axes:
+        for a in mesh_axes:
             extent *= mesh_shape[a]
-        if not axes or (size % extent and name not in uneven):
+        if not mesh_axes or (size % extent and name not in uneven):
             spec.append(None)
             continue
-        used.update(axes)
-        spec.append(axes[0] if len(axes) == 1 else axes)
+        used.update(mesh_axes)
+        spec.append(mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
     return P(*spec)
 
 
@@ -100,15 +109,16 @@ def constrain(x: jax.Array, logical: LogicalAxes) -> jax.Array:
 TRANSFORMER_AXES = ("data", "fsdp", "context", "tensor")
 
 TRANSFORMER_RULES: Rules = (
-    ("batch", ("data", "fsdp")),  # activations and the KV cache: one slice of the batch per group
-    ("length", ("context", "fsdp")),  # video tokens; fsdp only when the batch left it unused
-    ("kv_length", None),  # prompt tokens: short, kept whole
-    ("embed", "fsdp"),  # weights only: activations never name "embed" on a sharded axis
-    ("act_embed", None),
-    ("heads", "tensor"),
-    ("mlp", "tensor"),
-    ("vocab", "tensor"),
-    ("layers", None),
+    # activations and the KV cache: one slice of the batch per group
+    (axes.BATCH, ("data", "fsdp")),
+    (axes.LENGTH, ("context", "fsdp")),  # video tokens; fsdp only when the batch left it unused
+    (axes.KV_LENGTH, None),  # prompt tokens: short, kept whole
+    (axes.EMBED, "fsdp"),  # weights only: activations never name "embed" on a sharded axis
+    (axes.ACT_EMBED, None),
+    (axes.HEADS, "tensor"),
+    (axes.MLP, "tensor"),
+    (axes.VOCAB, "tensor"),
+    (axes.LAYERS, None),
 )
 
 
@@ -211,17 +221,17 @@ class VaeLayout:
 
     @property
     def uneven(self) -> frozenset[str]:
-        return frozenset({"vae_width"}) if self.padded else frozenset()
+        return frozenset({axes.VAE_WIDTH}) if self.padded else frozenset()
 
     def rules(self) -> Rules:
         return (
-            ("vae_batch", "redundant"),
-            ("vae_width" if self.axis == "width" else "vae_height", "vae_spatial"),
+            (axes.VAE_BATCH, "redundant"),
+            (axes.VAE_WIDTH if self.axis == "width" else axes.VAE_HEIGHT, "vae_spatial"),
             # Conv kernels replicated: a spatially sharded conv needs the whole kernel on every
             # device, and kernels sharded over vae_spatial were all-gathered again for every
             # latent frame (~140 MB per frame at 720p on tpu-v6e-8, bf16), while all of them,
             # encoder included, take 0.5 GB per device in fp32.
-            ("vae_conv_out", None),
+            (axes.VAE_CONV_OUT, None),
         )
 
 
@@ -234,3 +244,72 @@ def choose_vae_layout(latent_height: int, latent_width: int, vae_spatial: int) -
     if latent_height % vae_spatial == 0:
         return VaeLayout("height")
     return VaeLayout("width", padded=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# The plan of one build: both meshes, their rules, and the handoffs between programs.
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingPlan:
+    """Every sharding decision of one build. Each program runs on the mesh it names
+    ("transformer" or "vae"); the plan gives that mesh, its rules, the inputs that arrive as
+    another program leaves them, and which outputs are replicated."""
+
+    transformer: MeshShape
+    vae_mesh: tuple[int, int]  # (redundant, vae_spatial)
+    vae_layout: VaeLayout
+    latent_shape: tuple[int, ...]  # (B, T, h, w, C): what the denoise step hands the decode
+
+    @classmethod
+    def choose(
+        cls, transformer: MeshShape, latent_shape: Sequence[int], vae_spatial: int | None = None
+    ) -> ShardingPlan:
+        """The VAE mesh and spatial axis for a transformer mesh and latent shape (see
+        vae_mesh_shape and choose_vae_layout); ValueError for a bad vae_spatial."""
+        batch, _, height, width, _ = latent_shape
+        vae_mesh = vae_mesh_shape(transformer.size, batch, vae_spatial)
+        layout = choose_vae_layout(height, width, vae_mesh[1])
+        return cls(transformer, vae_mesh, layout, tuple(latent_shape))
+
+    def meshes(self, devices: Sequence[jax.Device]) -> dict[str, jax.sharding.Mesh]:
+        """Both meshes over `devices`, in the same device order."""
+        return {
+            "transformer": make_mesh(devices, self.transformer.items()),
+            "vae": make_mesh(devices, tuple(zip(VAE_AXES, self.vae_mesh, strict=True))),
+        }
+
+    def rules(self, mesh: str) -> tuple[Rules, frozenset[str]]:
+        """(rules, uneven logical axes) of the programs on `mesh`."""
+        if mesh == "vae":
+            return self.vae_layout.rules(), self.vae_layout.uneven
+        return TRANSFORMER_RULES, frozenset()
+
+    def latents_spec(self) -> P:
+        """How the denoise step leaves the latents on the transformer mesh."""
+        return logical_to_spec(
+            LATENTS, self.latent_shape, dict(self.transformer.items()), TRANSFORMER_RULES
+        )
+
+    @property
+    def gather_latents(self) -> bool:
+        """The decode replicates its latents before slicing them spatially: they arrive
+        batch-sharded, and an all-gather of the small latents beats an all-to-all."""
+        return self.latents_spec()[0] is not None and self.vae_mesh[1] > 1
+
+    def placed(
+        self, program: str, meshes: dict[str, jax.sharding.Mesh]
+    ) -> dict[str, jax.sharding.Sharding]:
+        """The inputs of `program` (by name) that arrive with another program's sharding: the
+        decode takes the latents where the last denoise step leaves them (one SPMD handoff,
+        no trip through the host)."""
+        if program != "vae_decode":
+            return {}
+        return {"latents": jax.sharding.NamedSharding(meshes["transformer"], self.latents_spec())}
+
+    @staticmethod
+    def replicated_outputs(program: str, processes: int) -> bool:
+        """Whether `program` returns its outputs whole on every device: the decode's frames in
+        a multi-process job, where each process needs them on its host (np.asarray of an array
+        it cannot address fails)."""
+        return program == "vae_decode" and processes > 1

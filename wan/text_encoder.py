@@ -13,12 +13,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from wan import axes
 from wan.configs import TextEncoderConfig
 from wan.sharding import constrain, logical_init
 
 # Activation layouts. Prompt tokens are "kv_length" as in the transformer: short, kept whole.
-HIDDEN = ("batch", "kv_length", "act_embed")  # the residual stream (B, L, d_model)
-HEADS = ("batch", "kv_length", "heads", None)  # per-head activations (B, L, heads, d_kv)
+HIDDEN = (axes.BATCH, axes.KV_LENGTH, axes.ACT_EMBED)  # the residual stream (B, L, d_model)
+HEADS = (axes.BATCH, axes.KV_LENGTH, axes.HEADS, None)  # per-head activations (B, L, heads, d_kv)
 
 
 def relative_position_buckets(length: int, num_buckets: int, max_distance: int) -> jax.Array:
@@ -44,7 +45,7 @@ class RMSNorm(nnx.Module):
 
     def __init__(self, dim: int, eps: float, *, dtype: jnp.dtype, param_dtype: jnp.dtype):
         self.weight = nnx.Param(
-            logical_init(nnx.initializers.ones, ("embed",))(None, (dim,), param_dtype)
+            logical_init(nnx.initializers.ones, (axes.EMBED,))(None, (dim,), param_dtype)
         )
         self.eps = eps
         self.dtype = dtype
@@ -56,11 +57,11 @@ class RMSNorm(nnx.Module):
 
 
 def _linear(
-    din: int, dout: int, axes: tuple[str, str], *, dtype, param_dtype, rngs: nnx.Rngs
+    din: int, dout: int, logical: tuple[str, str], *, dtype, param_dtype, rngs: nnx.Rngs
 ) -> nnx.Linear:
     return nnx.Linear(
         din, dout, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
-        kernel_init=logical_init(nnx.initializers.lecun_normal(), axes),
+        kernel_init=logical_init(nnx.initializers.lecun_normal(), logical),
     )  # fmt: skip
 
 
@@ -71,11 +72,11 @@ class SelfAttention(nnx.Module):
     def __init__(self, cfg: TextEncoderConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
         inner = cfg.num_heads * cfg.d_kv
         proj = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.q = _linear(cfg.d_model, inner, ("embed", "heads"), **proj)
-        self.k = _linear(cfg.d_model, inner, ("embed", "heads"), **proj)
-        self.v = _linear(cfg.d_model, inner, ("embed", "heads"), **proj)
-        self.o = _linear(inner, cfg.d_model, ("heads", "embed"), **proj)
-        bias_init = logical_init(nnx.initializers.normal(1.0), (None, "heads"))
+        self.q = _linear(cfg.d_model, inner, (axes.EMBED, axes.HEADS), **proj)
+        self.k = _linear(cfg.d_model, inner, (axes.EMBED, axes.HEADS), **proj)
+        self.v = _linear(cfg.d_model, inner, (axes.EMBED, axes.HEADS), **proj)
+        self.o = _linear(inner, cfg.d_model, (axes.HEADS, axes.EMBED), **proj)
+        bias_init = logical_init(nnx.initializers.normal(1.0), (None, axes.HEADS))
         self.relative_attention_bias = nnx.Param(
             bias_init(
                 rngs.params(), (cfg.relative_attention_num_buckets, cfg.num_heads), param_dtype
@@ -103,9 +104,9 @@ class GatedGelu(nnx.Module):
 
     def __init__(self, cfg: TextEncoderConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
         proj = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.wi_0 = _linear(cfg.d_model, cfg.d_ff, ("embed", "mlp"), **proj)
-        self.wi_1 = _linear(cfg.d_model, cfg.d_ff, ("embed", "mlp"), **proj)
-        self.wo = _linear(cfg.d_ff, cfg.d_model, ("mlp", "embed"), **proj)
+        self.wi_0 = _linear(cfg.d_model, cfg.d_ff, (axes.EMBED, axes.MLP), **proj)
+        self.wi_1 = _linear(cfg.d_model, cfg.d_ff, (axes.EMBED, axes.MLP), **proj)
+        self.wo = _linear(cfg.d_ff, cfg.d_model, (axes.MLP, axes.EMBED), **proj)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.wo(jax.nn.gelu(self.wi_0(x), approximate=True) * self.wi_1(x))
@@ -141,11 +142,11 @@ class UMT5Encoder(nnx.Module):
         self.cfg = cfg
         self.shared = nnx.Embed(
             cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
-            embedding_init=logical_init(nnx.initializers.normal(1.0), ("vocab", "embed")),
+            embedding_init=logical_init(nnx.initializers.normal(1.0), (axes.VOCAB, axes.EMBED)),
         )  # fmt: skip
 
         @nnx.split_rngs(splits=cfg.num_layers)
-        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: axes.LAYERS})
         def layers(rngs: nnx.Rngs) -> Block:
             return Block(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
@@ -165,7 +166,7 @@ class UMT5Encoder(nnx.Module):
 
         @nnx.scan(
             in_axes=(0, nnx.Carry), out_axes=nnx.Carry,
-            transform_metadata={nnx.PARTITION_NAME: "layers"},
+            transform_metadata={nnx.PARTITION_NAME: axes.LAYERS},
         )  # fmt: skip
         def run(block: Block, x: jax.Array) -> jax.Array:
             return block(x, key_mask, buckets)

@@ -17,7 +17,7 @@ parameters whatever `param_dtype` is.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 from jax.typing import DTypeLike
 
+from wan import axes
 from wan.attention import CONTEXT_PARALLEL
 from wan.attention import attention as multi_head_attention
 from wan.attention import resolve as resolve_attention
@@ -34,21 +35,21 @@ from wan.sharding import constrain, logical_init
 Axes = tuple[str | None, ...]
 KVCache = tuple[jax.Array, jax.Array]  # (keys, values), each (num_layers, B, L, inner_dim)
 
-HIDDEN: Axes = ("batch", "length", "act_embed")  # "embed" names weight dims only
-KV: Axes = ("batch", "kv_length", "heads")
+HIDDEN: Axes = (axes.BATCH, axes.LENGTH, axes.ACT_EMBED)  # "embed" names weight dims only
+KV: Axes = (axes.BATCH, axes.KV_LENGTH, axes.HEADS)
 
 
 def _linear(
-    din: int, dout: int, axes: Axes, *, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs
+    din: int, dout: int, logical: Axes, *, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs
 ) -> nnx.Linear:
-    """nnx.Linear whose kernel/bias carry the logical axis names `axes` = (in, out)."""
+    """nnx.Linear whose kernel/bias carry the logical axis names `logical` = (in, out)."""
     return nnx.Linear(
         din,
         dout,
         dtype=dtype,
         param_dtype=param_dtype,
-        kernel_init=logical_init(nnx.initializers.lecun_normal(), axes),
-        bias_init=logical_init(nnx.initializers.zeros_init(), axes[1:]),
+        kernel_init=logical_init(nnx.initializers.lecun_normal(), logical),
+        bias_init=logical_init(nnx.initializers.zeros_init(), logical[1:]),
         rngs=rngs,
     )
 
@@ -63,15 +64,15 @@ def _layer_norm(dim: int, eps: float, *, affine: bool, rngs: nnx.Rngs) -> nnx.La
         use_fast_variance=False,
         dtype=jnp.float32,
         param_dtype=jnp.float32,
-        scale_init=logical_init(nnx.initializers.ones_init(), ("embed",)),
-        bias_init=logical_init(nnx.initializers.zeros_init(), ("embed",)),
+        scale_init=logical_init(nnx.initializers.ones_init(), (axes.EMBED,)),
+        bias_init=logical_init(nnx.initializers.zeros_init(), (axes.EMBED,)),
         rngs=rngs,
     )
 
 
 def _modulation_table(rows: int, dim: int, rngs: nnx.Rngs) -> nnx.Param:
     """A learned (1, rows, dim) fp32 table added to the timestep projection (adaLN)."""
-    init = logical_init(nnx.initializers.normal(dim**-0.5), (None, None, "embed"))
+    init = logical_init(nnx.initializers.normal(dim**-0.5), (None, None, axes.EMBED))
     return nnx.Param(init(rngs.params(), (1, rows, dim), jnp.float32))
 
 
@@ -96,8 +97,8 @@ class MLP(nnx.Module):
         rngs: nnx.Rngs,
     ):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.linear_1 = _linear(din, hidden, (in_axis, "mlp"), **kw)
-        self.linear_2 = _linear(hidden, dout, ("mlp", "embed"), **kw)
+        self.linear_1 = _linear(din, hidden, (in_axis, axes.MLP), **kw)
+        self.linear_2 = _linear(hidden, dout, (axes.MLP, axes.EMBED), **kw)
         self.activation = activation
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -168,12 +169,12 @@ class Attention(nnx.Module):
         rngs: nnx.Rngs,
     ):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.to_q = _linear(dim, dim, ("embed", "heads"), **kw)
-        self.to_k = _linear(dim, dim, ("embed", "heads"), **kw)
-        self.to_v = _linear(dim, dim, ("embed", "heads"), **kw)
-        self.to_out = _linear(dim, dim, ("heads", "embed"), **kw)
+        self.to_q = _linear(dim, dim, (axes.EMBED, axes.HEADS), **kw)
+        self.to_k = _linear(dim, dim, (axes.EMBED, axes.HEADS), **kw)
+        self.to_v = _linear(dim, dim, (axes.EMBED, axes.HEADS), **kw)
+        self.to_out = _linear(dim, dim, (axes.HEADS, axes.EMBED), **kw)
         rms = dict(epsilon=eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        rms_init = logical_init(nnx.initializers.ones_init(), ("heads",))
+        rms_init = logical_init(nnx.initializers.ones_init(), (axes.HEADS,))
         self.norm_q = nnx.RMSNorm(dim, scale_init=rms_init, **rms)
         self.norm_k = nnx.RMSNorm(dim, scale_init=rms_init, **rms)
         self.heads = heads
@@ -220,7 +221,7 @@ class WanBlock(nnx.Module):
         # The prompt's 512 tokens are not sharded: every device's queries see all of them.
         self.attn2 = Attention(dim, heads, eps, impl, "gather", **kw)
         self.norm2 = _layer_norm(dim, eps, affine=True, rngs=rngs) if cfg.cross_attn_norm else None
-        self.ffn = MLP(dim, cfg.ffn_dim, dim, gelu_tanh, "embed", **kw)
+        self.ffn = MLP(dim, cfg.ffn_dim, dim, gelu_tanh, axes.EMBED, **kw)
         self.norm3 = _layer_norm(dim, eps, affine=False, rngs=rngs)
         self.scale_shift_table = _modulation_table(6, dim, rngs)
         self.dtype = dtype
@@ -271,7 +272,7 @@ class ConditionEmbedder(nnx.Module):
             dtype=jnp.float32, param_dtype=jnp.float32, rngs=rngs,
         )  # fmt: skip
         self.time_proj = _linear(
-            dim, 6 * dim, ("embed", "mlp"), dtype=dtype, param_dtype=param_dtype, rngs=rngs
+            dim, 6 * dim, (axes.EMBED, axes.MLP), dtype=dtype, param_dtype=param_dtype, rngs=rngs
         )
         self.text_embedder = MLP(
             cfg.text_dim, dim, dim, gelu_tanh, None,
@@ -313,23 +314,23 @@ class WanTransformer(nnx.Module):
             strides=cfg.patch_size,
             padding="VALID",
             kernel_init=logical_init(
-                nnx.initializers.lecun_normal(), (None, None, None, None, "embed")
+                nnx.initializers.lecun_normal(), (None, None, None, None, axes.EMBED)
             ),
-            bias_init=logical_init(nnx.initializers.zeros_init(), ("embed",)),
+            bias_init=logical_init(nnx.initializers.zeros_init(), (axes.EMBED,)),
             rngs=rngs,
             **kw,
         )
         self.condition_embedder = ConditionEmbedder(cfg, rngs=rngs, **kw)
 
         @nnx.split_rngs(splits=cfg.num_layers)
-        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: axes.LAYERS})
         def stacked_blocks(rngs: nnx.Rngs) -> WanBlock:
             return WanBlock(cfg, attention, context_parallel, rngs=rngs, **kw)
 
         self.blocks = stacked_blocks(rngs)
         self.norm_out = _layer_norm(dim, cfg.eps, affine=False, rngs=rngs)
         self.proj_out = _linear(
-            dim, cfg.out_channels * math.prod(cfg.patch_size), ("embed", None), rngs=rngs, **kw
+            dim, cfg.out_channels * math.prod(cfg.patch_size), (axes.EMBED, None), rngs=rngs, **kw
         )
         self.scale_shift_table = _modulation_table(2, dim, rngs)
 
@@ -360,7 +361,7 @@ class WanTransformer(nnx.Module):
         if kv_cache is None:
             kv_cache = self.compute_kv_cache(encoder_hidden_states)
         batch = latents.shape[0]
-        grid = self._grid(latents.shape[1:4])
+        grid = self.config.patch_grid(latents.shape[1:4])
         rope = rope_tables(grid, self.config.attention_head_dim)
 
         # The patch embedding is a Conv with stride = kernel = patch: a Linear on each patch.
@@ -384,23 +385,10 @@ class WanTransformer(nnx.Module):
 
         # Batch-sharded like the tokens; left to XLA, the weights' fsdp layout of the time
         # embedding's channels reaches here and is undone by an all-to-all.
-        temb = constrain(temb, ("batch", "act_embed"))
+        temb = constrain(temb, (axes.BATCH, axes.ACT_EMBED))
         shift, scale = jnp.split(self.scale_shift_table[...] + temb[:, None], 2, axis=1)
         x = (self.norm_out(x.astype(jnp.float32)) * (1 + scale) + shift).astype(self.dtype)
         return self._unpatchify(self.proj_out(x), grid)
-
-    def _grid(self, video: Sequence[int]) -> tuple[int, int, int]:
-        """(frames, rows, cols) of patches for a latent video of (T, H, W)."""
-        if any(n % p for n, p in zip(video, self.config.patch_size, strict=True)):
-            raise ValueError(
-                f"latent size {tuple(video)} is not a multiple of the patch size {self.config.patch_size}"
-            )
-        grid = tuple(n // p for n, p in zip(video, self.config.patch_size, strict=True))
-        if max(grid) > self.config.rope_max_seq_len:
-            raise ValueError(
-                f"patch grid {grid} exceeds rope_max_seq_len={self.config.rope_max_seq_len}"
-            )
-        return grid
 
     def _patchify(self, x: jax.Array, grid: tuple[int, int, int]) -> jax.Array:
         """(B, T, H, W, C) -> (B, S, pt*ph*pw*C), patch channels ordered (pt, ph, pw, C) as the

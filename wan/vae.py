@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from wan import axes
 from wan.configs import VAEConfig
 from wan.sharding import VIDEO, constrain, current_spec, logical_init
 
@@ -83,9 +84,9 @@ class Conv3d(nnx.Conv):
             dtype=dtype,
             param_dtype=param_dtype,
             kernel_init=logical_init(
-                nnx.initializers.lecun_normal(), (None, None, None, None, "vae_conv_out")
+                nnx.initializers.lecun_normal(), (None, None, None, None, axes.VAE_CONV_OUT)
             ),
-            bias_init=logical_init(nnx.initializers.zeros_init(), ("vae_conv_out",)),
+            bias_init=logical_init(nnx.initializers.zeros_init(), (axes.VAE_CONV_OUT,)),
             rngs=rngs,
         )
 
