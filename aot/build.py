@@ -3,12 +3,10 @@ shape, target, mesh). Abstract inputs only: no weights, no arrays, no target har
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import gzip
 import hashlib
-import importlib.metadata
 import math
 import os
 import shutil
@@ -22,8 +20,8 @@ from typing import Any
 
 import jax
 
-from aot import hlo, store
-from aot.targets import SPLASH_BLOCKS, Target, devices, peak_flops
+from aot import hlo, hlo_cost, store, vae_gathers
+from aot.targets import SPLASH_BLOCKS, VAE_VMEM_MIB, Target, devices, peak_flops
 from runtime.artifact import (
     MANIFEST,
     SCHEMA_VERSION,
@@ -36,12 +34,12 @@ from runtime.artifact import (
     file_entry,
     read_manifest,
 )
-from runtime.loader import host_layout
+from runtime.loader import host_layout, installed_versions
 from wan import attention as attention_lib
 from wan import interface, sharding
 from wan import programs as wan_programs
 from wan.atomic import atomic_folder, locked
-from wan.configs import ModelConfig
+from wan.configs import ModelConfig, VideoShape
 
 # Test hook: kill the process right after this program's files are written.
 KILL_AFTER_ENV = "AOT_TEST_KILL_AFTER"
@@ -57,14 +55,17 @@ class BuildPlan:
     """Everything one build is made from; `key` names its folder."""
 
     config: ModelConfig
-    shape: wan_programs.VideoShape
+    shape: VideoShape
     target: Target
-    mesh: sharding.MeshShape
-    vae_mesh: tuple[int, int]
-    vae_layout: sharding.VaeLayout
+    sharding_plan: sharding.ShardingPlan
     attention: str
     key: BuildKey
     default_mesh: bool  # the mesh is the one chosen without --mesh (the runtime prefers it)
+
+    @property
+    def mesh(self) -> sharding.MeshShape:
+        """The transformer mesh."""
+        return self.sharding_plan.transformer
 
 
 @dataclasses.dataclass
@@ -79,16 +80,17 @@ class BuildResult:
 def plan_build(
     model_name: str,
     config: ModelConfig,
-    shape: wan_programs.VideoShape,
+    shape: VideoShape,
     target: Target,
     num_devices: int,
     mesh: sharding.MeshShape | None = None,
     vae_spatial: int | None = None,
     attention: str | None = None,
     context_parallel: str | None = None,
+    vae_vmem_mib: int | None = None,
 ) -> BuildPlan:
-    """Validate a request and resolve its defaults (mesh, VAE mesh and axis, attention and
-    context parallelism)."""
+    """Validate a request and resolve its defaults (mesh, VAE mesh and axis, attention, context
+    parallelism, the VAE decode's scoped VMEM)."""
     factor = config.vae.spatial_factor * config.transformer.patch_size[1]
     if shape.width % factor or shape.height % factor or shape.width <= 0 or shape.height <= 0:
         raise BuildError(
@@ -113,11 +115,9 @@ def plan_build(
             f"divisible by data = {mesh.data}: change --batch or --mesh"
         )
     try:
-        vae_mesh = sharding.vae_mesh_shape(num_devices, shape.batch, vae_spatial)
+        layout = sharding.ShardingPlan.choose(mesh, shape.latent_shape(config), vae_spatial)
     except ValueError as e:
         raise BuildError(str(e)) from None
-    _, _, lat_h, lat_w, _ = shape.latent_shape(config)
-    layout = sharding.choose_vae_layout(lat_h, lat_w, vae_mesh[1])
     attention = choose_attention(attention, target, shape.tokens(config))
     context_parallel = choose_context_parallel(context_parallel, config, shape, mesh)
     key = BuildKey(
@@ -129,12 +129,13 @@ def plan_build(
         cfg=shape.cfg,
         target=target.name,
         mesh=mesh.items(),
-        vae_mesh=vae_mesh,
-        vae_axis=layout.axis,
+        vae_mesh=layout.vae_mesh,
+        vae_axis=layout.vae_layout.axis,
         attention=attention,
         context_parallel=context_parallel,
+        vae_vmem_mib=choose_vae_vmem(vae_vmem_mib, target),
     )
-    return BuildPlan(config, shape, target, mesh, vae_mesh, layout, attention, key, mesh == default)
+    return BuildPlan(config, shape, target, layout, attention, key, mesh == default)
 
 
 def choose_attention(requested: str | None, target: Target, tokens: int) -> str:
@@ -166,7 +167,7 @@ def choose_attention(requested: str | None, target: Target, tokens: int) -> str:
 def choose_context_parallel(
     requested: str | None,
     config: ModelConfig,
-    shape: wan_programs.VideoShape,
+    shape: VideoShape,
     mesh: sharding.MeshShape,
 ) -> str:
     """`ulysses` where the heads per device divide over the sequence shards, else `gather`."""
@@ -181,6 +182,31 @@ def choose_context_parallel(
             f"{shards} sequence shards (mesh {_mesh_text(mesh)}): use gather or another --mesh"
         )
     return requested
+
+
+def choose_vae_vmem(requested: int | None, target: Target) -> int | None:
+    """MiB of scoped VMEM the VAE decode is compiled for (TPU only): auto (None) is
+    VAE_VMEM_MIB, 0 the compiler's default."""
+    platform = target_platform(target)
+    if platform != "tpu":
+        if requested:
+            raise BuildError(
+                f"--vae-vmem {requested}: scoped VMEM is a TPU compiler setting, {target.name} is "
+                f"{platform}: leave it out"
+            )
+        return None
+    if requested is None:
+        return VAE_VMEM_MIB
+    if not 0 <= requested <= 128:
+        raise BuildError(f"--vae-vmem {requested}: use 1-128 MiB, or 0 for the compiler's default")
+    return requested or None
+
+
+def compiler_options(plan: BuildPlan, program_name: str) -> dict[str, Any]:
+    """The XLA options one program of `plan` compiles with (part of its identity in the store)."""
+    if program_name == "vae_decode" and plan.key.vae_vmem_mib:
+        return {"xla_tpu_scoped_vmem_limit_kib": plan.key.vae_vmem_mib * 1024}
+    return {}
 
 
 def ulysses_all_to_alls(plan: BuildPlan) -> int:
@@ -206,13 +232,13 @@ def kernel_flops(plan: BuildPlan) -> float:
     return per_layer * tc.num_layers / split
 
 
-def _query_shape(config: ModelConfig, shape: wan_programs.VideoShape) -> tuple[int, ...]:
+def _query_shape(config: ModelConfig, shape: VideoShape) -> tuple[int, ...]:
     tc = config.transformer
     return (shape.step_batch, shape.tokens(config), tc.num_attention_heads, tc.attention_head_dim)
 
 
 def _query_spec(
-    config: ModelConfig, shape: wan_programs.VideoShape, mesh: sharding.MeshShape
+    config: ModelConfig, shape: VideoShape, mesh: sharding.MeshShape
 ) -> tuple[jax.sharding.PartitionSpec, dict[str, int]]:
     """How a denoise step lays out its self-attention queries, and the mesh's sizes."""
     mesh_shape = dict(mesh.items())
@@ -223,7 +249,7 @@ def _query_spec(
 
 
 def _query_layout(
-    config: ModelConfig, shape: wan_programs.VideoShape, mesh: sharding.MeshShape
+    config: ModelConfig, shape: VideoShape, mesh: sharding.MeshShape
 ) -> tuple[int, int]:
     """(sequence shards, heads per device) of the self-attention queries of a denoise step."""
     spec, mesh_shape = _query_spec(config, shape, mesh)
@@ -239,17 +265,17 @@ def _mesh_text(mesh: sharding.MeshShape) -> str:
     return ",".join(f"{a}={n}" for a, n in mesh.items())
 
 
+@functools.cache
 def transformer_bytes(config: ModelConfig) -> int:
-    tc = config.transformer
-    per_layer = 4 * tc.inner_dim**2 * 2 + 2 * tc.inner_dim * tc.ffn_dim  # self + cross attn, ffn
-    itemsize = 2 if config.dtype == "bfloat16" else 4
-    return per_layer * tc.num_layers * itemsize
+    """Bytes of one transformer's weights (one expert's), from its abstract state."""
+    _, params, _ = wan_programs.split_abstract(wan_programs.abstract_module(config, "transformer"))
+    return sum(math.prod(p.shape) * p.dtype.itemsize for p in jax.tree.leaves(params))
 
 
 def compiler_fingerprint(target: Target) -> str:
     """What besides the key decides the executables: compiler versions, target, and the model
     code that is lowered (a change to wan/ must not reuse a stale build)."""
-    versions_text = "|".join(f"{k}={v}" for k, v in sorted(versions().items()))
+    versions_text = "|".join(f"{k}={v}" for k, v in sorted(installed_versions().items()))
     hosts = f"|hosts={target.chips_per_host}" if target.chips_per_host else ""
     return f"{versions_text}|{target.name}{hosts}|code={model_code_hash()}"
 
@@ -261,13 +287,6 @@ def model_code_hash() -> str:
     for path in sorted(package.rglob("*.py")):
         digest.update(path.relative_to(package).as_posix().encode() + path.read_bytes())
     return digest.hexdigest()[:16]
-
-
-def versions() -> dict[str, str]:
-    out = {"jax": jax.__version__, "jaxlib": importlib.metadata.version("jaxlib")}
-    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-        out["libtpu"] = importlib.metadata.version("libtpu")
-    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -311,48 +330,45 @@ def _reusable(folder: Path, plan: BuildPlan, fingerprint: str) -> Manifest | Non
     return manifest if ok else None
 
 
+@dataclasses.dataclass(frozen=True)
+class LoweredProgram:
+    """One program of a build, lowered for its mesh, and the XLA options it compiles with."""
+
+    program: wan_programs.Program
+    lowered: jax.stages.Lowered
+    mesh: jax.sharding.Mesh
+    options: dict[str, Any]
+
+    def compile(self) -> Any:
+        return self.lowered.compile(compiler_options=self.options or None)
+
+
 def lower_plan(
     plan: BuildPlan, frames_dtype: str = "uint8", only: Collection[str] | None = None
-) -> Iterator[tuple[wan_programs.Program, jax.stages.Lowered, jax.sharding.Mesh]]:
-    """Lower the programs of `plan` (or those named in `only`) one by one: (program, lowered,
-    mesh)."""
+) -> Iterator[LoweredProgram]:
+    """Lower the programs of `plan` (or those named in `only`) one by one."""
     devs = devices(plan.target)
-    meshes = {
-        "transformer": sharding.make_mesh(devs, plan.mesh.items()),
-        "vae": sharding.make_mesh(devs, tuple(zip(sharding.VAE_AXES, plan.vae_mesh, strict=True))),
-    }
-    rules = {
-        "transformer": (sharding.TRANSFORMER_RULES, frozenset()),
-        "vae": (plan.vae_layout.rules(), plan.vae_layout.uneven),
-    }
-    # The decode takes the latents where the last denoise step leaves them (one SPMD handoff,
-    # no trip through the host); batch-sharded latents bound for a spatially sharded decode
-    # are gathered whole first (small) so that the switch of mesh is not an all-to-all.
-    latents = sharding.named_sharding(
-        meshes["transformer"],
-        wan_programs.LATENTS,
-        plan.shape.latent_shape(plan.config),
-        sharding.TRANSFORMER_RULES,
-    )
-    gather = latents.spec[0] is not None and plan.vae_mesh[1] > 1
+    layout = plan.sharding_plan
+    meshes = layout.meshes(devs)
     progs = wan_programs.programs(
-        plan.config, plan.shape, plan.attention, frames_dtype, gather, plan.key.context_parallel
+        plan.config,
+        plan.shape,
+        plan.attention,
+        frames_dtype,
+        layout.gather_latents,
+        plan.key.context_parallel,
     )
-    progs = [p for p in progs if only is None or p.name in only]
-    # Every process of a multi-process job needs whole frames on its host (np.asarray of an
-    # array it cannot address fails), so there the decode replicates its output.
-    multi_process = host_layout(devs)[0] > 1
-    for program in progs:
+    processes = host_layout(devs)[0]
+    for program in (p for p in progs if only is None or p.name in only):
         mesh = meshes[program.mesh]
-        decode = program.name == "vae_decode"
         lowered = lower_program(
             program,
             mesh,
-            *rules[program.mesh],
-            placed={"latents": latents} if decode else None,
-            replicated_out=decode and multi_process,
+            *layout.rules(program.mesh),
+            placed=layout.placed(program.name, meshes),
+            replicated_out=layout.replicated_outputs(program.name, processes),
         )
-        yield program, lowered, mesh
+        yield LoweredProgram(program, lowered, mesh, compiler_options(plan, program.name))
 
 
 def compile_plan(
@@ -363,15 +379,14 @@ def compile_plan(
 ) -> Iterator[tuple[wan_programs.Program, Any, jax.sharding.Mesh, float, int]]:
     """Compile the programs of `plan` (or those named in `only`) one by one: (program,
     compiled, mesh, seconds, peak RSS)."""
-    for program, lowered, mesh in lower_plan(plan, frames_dtype, only):
-        compiled, seconds, rss = _compile(
-            lowered, f"{plan.key.folder_name()} {program.name}", progress
-        )
-        yield program, compiled, mesh, seconds, rss
+    for lowered in lower_plan(plan, frames_dtype, only):
+        name = lowered.program.name
+        compiled, seconds, rss = _compile(lowered, f"{plan.key.folder_name()} {name}", progress)
+        yield lowered.program, compiled, lowered.mesh, seconds, rss
 
 
 def _compile(
-    lowered: jax.stages.Lowered, label: str, progress: Callable[[str], None] | None
+    lowered: LoweredProgram, label: str, progress: Callable[[str], None] | None
 ) -> tuple[Any, float, int]:
     """(compiled, seconds, peak RSS), with a live progress line."""
     with _Ticker(label, progress), RssSampler() as rss:
@@ -399,10 +414,11 @@ def _compile_all(
     entries: dict[str, ProgramEntry] = {}
     statuses: dict[str, str] = {}
     lowered_programs = list(lower_plan(plan))
-    for index, (program, lowered, mesh) in enumerate(lowered_programs, 1):
+    for index, lowered in enumerate(lowered_programs, 1):
+        program = lowered.program
         label = f"[{index}/{len(lowered_programs)}] {plan.key.folder_name()} {program.name}"
-        make = functools.partial(_make_program, plan, program, lowered, mesh, label, progress)
-        pid = store.program_id(program, lowered, mesh, fingerprint)
+        make = functools.partial(_make_program, plan, lowered, label, progress)
+        pid = store.program_id(lowered, fingerprint)
         entry, stored, reused = store.fetch_or_make(out_root, pid, make, replace=force)
         store.link_files(entry, stored, folder)
         entries[program.name] = entry
@@ -414,9 +430,10 @@ def _compile_all(
     devs = devices(plan.target)  # both meshes lay the devices out in this order
     process_count, local_device_count = host_layout(devs)
     notes = []
-    if plan.vae_layout.padded:
+    layout = plan.sharding_plan
+    if layout.vae_layout.padded:
         notes.append(
-            f"VAE: neither latent dimension divides vae_spatial={plan.vae_mesh[1]}; width is "
+            f"VAE: neither latent dimension divides vae_spatial={layout.vae_mesh[1]}; width is "
             "sharded unevenly (XLA pads it)"
         )
     manifest = Manifest(
@@ -424,7 +441,7 @@ def _compile_all(
         key=plan.key,
         model_config=plan.config.to_dict(),
         model_hash=plan.config.hash(),
-        versions=versions(),
+        versions=installed_versions(),
         compiler_fingerprint=fingerprint,
         platform=devs[0].platform,
         device_kind=devs[0].device_kind,
@@ -433,7 +450,7 @@ def _compile_all(
         local_device_count=local_device_count,
         mesh_axes=dict(plan.mesh.items()),
         default_mesh=plan.default_mesh,
-        vae_mesh_axes=dict(zip(sharding.VAE_AXES, plan.vae_mesh, strict=True)),
+        vae_mesh_axes=dict(zip(sharding.VAE_AXES, layout.vae_mesh, strict=True)),
         hbm_bytes=plan.target.hbm_bytes,
         peak_flops=peak_flops(plan.target, devs[0].device_kind),
         ulysses_all_to_alls=ulysses_all_to_alls(plan),
@@ -445,17 +462,15 @@ def _compile_all(
 
 def _make_program(
     plan: BuildPlan,
-    program: wan_programs.Program,
-    lowered: jax.stages.Lowered,
-    mesh: jax.sharding.Mesh,
+    lowered: LoweredProgram,
     label: str,
     progress: Callable[[str], None] | None,
     folder: Path,
 ) -> ProgramEntry:
     """Compile `lowered` and write its files into `folder`: its manifest entry."""
     compiled, seconds, rss = _compile(lowered, label, progress)
-    entry = _write_program(folder, program, compiled, mesh, seconds, rss)
-    if program.name == "denoise_step":
+    entry = _write_program(folder, lowered, compiled, seconds, rss)
+    if lowered.program.name == "denoise_step":
         entry.kernel_flops = kernel_flops(plan)
     return entry
 
@@ -505,14 +520,10 @@ def lower_program(
 
 
 def _write_program(
-    folder: Path,
-    program: wan_programs.Program,
-    compiled: Any,
-    mesh: jax.sharding.Mesh,
-    seconds: float,
-    rss: int,
+    folder: Path, lowered: LoweredProgram, compiled: Any, seconds: float, rss: int
 ) -> ProgramEntry:
-    device_ids = [d.id for d in mesh.devices.flat]
+    program = lowered.program
+    device_ids = [d.id for d in lowered.mesh.devices.flat]
     (folder / f"{program.name}.exec").write_bytes(dump_executable(compiled, device_ids))
     text = compiled.as_text()
     with gzip.open(folder / f"{program.name}.hlo.txt.gz", "wt") as f:
@@ -535,14 +546,34 @@ def _write_program(
             jax.eval_shape(program.fn, *program.args.values()), compiled.output_shardings
         ),
         compile_seconds=round(seconds, 3),
+        compiler_options=lowered.options,
+        replicated_param_bytes=replicated_param_bytes(program.name, compiled),
         peak_rss_bytes=rss,
         memory=memory_stats(compiled),
-        flops=hlo.flops(module),
+        flops=hlo_cost.flops(module),
         xla_flops=float(cost.get("flops", 0.0)),
         collectives=hlo.collective_summary(module),
         gathered_bytes_per_latent_frame=(
-            hlo.gathers(module).per_latent_frame if program.name == "vae_decode" else None
+            vae_gathers.gathers(module).per_latent_frame if program.name == "vae_decode" else None
         ),
+    )
+
+
+def replicated_param_bytes(program_name: str, compiled: Any) -> int:
+    """Bytes per device of the weights that a multi-device program keeps whole on every device
+    (as MaxText's check for insufficiently sharded parameters reports them)."""
+    args = interface.named(program_name, compiled.args_info[0])
+    shardings = interface.named(program_name, compiled.input_shardings[0])
+    if "params" not in args:
+        return 0
+    leaves = jax.tree.leaves(args["params"])
+    placed = jax.tree.leaves(
+        shardings["params"], is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)
+    )
+    return sum(
+        math.prod(a.shape) * a.dtype.itemsize
+        for a, s in zip(leaves, placed, strict=True)
+        if len(s.device_set) > 1 and s.is_fully_replicated
     )
 
 

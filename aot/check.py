@@ -81,6 +81,7 @@ from runtime.artifact import (
     read_manifest,
     sha256_file,
 )
+from runtime.loader import build_folders
 from wan.interface import PROGRAMS
 
 SCHEMA_VERSION = 1
@@ -280,9 +281,7 @@ def find_builds(paths: Iterable[Path]) -> list[Path]:
             continue
         if not path.is_dir():
             raise CheckInputError(f"{path} does not exist or is not a folder")
-        builds = sorted(
-            p for p in path.iterdir() if not p.name.startswith(".") and (p / MANIFEST).is_file()
-        )
+        builds = build_folders(path)
         if not builds:
             raise CheckInputError(
                 f"{path} is neither a build folder (no {MANIFEST}) nor a folder of builds"

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.artifact import ArtifactError, Manifest, read_manifest
+from runtime.loader import build_folders
 
 GiB = float(1 << 30)
 
@@ -107,7 +108,7 @@ def builds_json(results: Sequence[Any]) -> list[dict[str, Any]]:
 
 def list_table(folder: Path) -> str:
     rows = []
-    for build in sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")):
+    for build in build_folders(folder):
         try:
             m = read_manifest(build)
         except ArtifactError:
@@ -134,6 +135,7 @@ def inspect_text(m: Manifest) -> str:
         f"target     {k.target}: {m.platform} {m.device_kind}, devices {m.device_ids}, {m.process_count} process(es)",
         f"mesh       {m.mesh_axes}; vae {m.vae_mesh_axes}, spatial axis {k.vae_axis}",
         f"attention  {k.attention}, context parallelism {k.context_parallel}",
+        *([f"vae vmem   {k.vae_vmem_mib} MiB scoped VMEM (--vae-vmem)"] if k.vae_vmem_mib else []),
         *(
             [
                 f"roofline   step lower bound {_lower_bound_text(m)}: {_step_flops(m) / 1e12:.3f} "
@@ -158,11 +160,12 @@ def inspect_text(m: Manifest) -> str:
         rows.append([
             name, f"{p.compile_seconds:.1f}", f"{p.peak_rss_bytes / GiB:.2f}",
             f"{mem['argument'] / GiB:.3f}", f"{mem['output'] / GiB:.3f}", f"{mem['temp'] / GiB:.3f}",
-            f"{mem['peak'] / GiB:.3f}", f"{p.flops / 1e12:.4f}", f"{p.xla_flops / 1e12:.4f}",
+            f"{mem['peak'] / GiB:.3f}", f"{p.replicated_param_bytes / GiB:.3f}",
+            f"{p.flops / 1e12:.4f}", f"{p.xla_flops / 1e12:.4f}",
             _collectives_text(p.collectives), f"{p.executable.size / 1e6:.1f}",
         ])  # fmt: skip
     header = [
         "program", "compile s", "RSS GiB", "args GiB", "out GiB", "temp GiB", "peak GiB",
-        "TFLOP/device", "XLA TFLOP", "collectives", "exec MB",
+        "replicated weights GiB", "TFLOP/device", "XLA TFLOP", "collectives", "exec MB",
     ]  # fmt: skip
     return "\n".join(head) + text_table(header, rows)

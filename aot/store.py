@@ -1,10 +1,11 @@
 """The program store: each distinct program compiled once per artifacts folder.
 
-A program's identity is the sha256 of its lowered module, the compiler fingerprint, the device
-order and its interface names. Builds whose programs have the same identity (text_encode and
-kv_cache across resolutions, vae_decode across models that share the VAE, every program of two
-models with equal transformers) get one executable: `aot build` compiles it once and links its
-files into each build folder, so that a folder stays self-contained (copy it anywhere).
+A program's identity is the sha256 of its lowered module, its compiler options, the compiler
+fingerprint, the device order and its interface names. Builds whose programs have the same
+identity (text_encode and kv_cache across resolutions, vae_decode across models that share the
+VAE, every program of two models with equal transformers) get one executable: `aot build`
+compiles it once and links its files into each build folder, so that a folder stays
+self-contained (copy it anywhere).
 
 Entries live in `<out>/.programs/<id>/`: the executable, its optimized HLO and its manifest entry
 as JSON. Each is written atomically under its own lock, so concurrent builds into one folder
@@ -20,23 +21,25 @@ import os
 import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from runtime.artifact import ArtifactError, ProgramEntry, read_manifest
 from wan.atomic import atomic_folder, locked
 
 if TYPE_CHECKING:
-    from wan.programs import Program
+    from aot.build import LoweredProgram
 
 STORE = ".programs"
 ENTRY = "entry.json"
 
 
-def program_id(program: Program, lowered: Any, mesh: Any, fingerprint: str) -> str:
-    """The identity of a lowered program (a `jax.stages.Lowered` on a mesh)."""
+def program_id(lowered: LoweredProgram, fingerprint: str) -> str:
+    """The identity of a lowered program."""
     digest = hashlib.sha256()
-    for part in (fingerprint, repr([d.id for d in mesh.devices.flat]), repr(list(program.args)),
-                 repr(list(program.out_axes)), lowered.as_text()):  # fmt: skip
+    program = lowered.program
+    for part in (fingerprint, repr([d.id for d in lowered.mesh.devices.flat]),
+                 repr(list(program.args)), repr(list(program.out_axes)),
+                 repr(sorted(lowered.options.items())), lowered.lowered.as_text()):  # fmt: skip
         digest.update(part.encode())
         digest.update(b"\0")
     return digest.hexdigest()

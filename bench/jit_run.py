@@ -38,8 +38,8 @@ def main() -> None:
 
     from aot.build import compile_in_process, plan_build
     from runtime.pipeline import Pipeline
+    from wan.configs import VideoShape
     from wan.presets import resolve_model
-    from wan.programs import VideoShape
 
     width, height = (int(v) for v in args.res.split("x"))
     config = resolve_model(args.model)

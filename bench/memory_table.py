@@ -45,10 +45,10 @@ def compile_one(model: str, target_name: str, batch: int, res: str, frames: int,
 
     target = targets.parse_target(target_name)
     targets.prepare_environment(target)
-    from aot import check, hlo
+    from aot import check, hlo, hlo_cost
     from aot.build import compile_plan, kernel_flops, memory_stats, plan_build, ulysses_all_to_alls
+    from wan.configs import VideoShape
     from wan.presets import resolve_model
-    from wan.programs import VideoShape
 
     config = resolve_model(model)
     width, height = (int(v) for v in res.split("x"))
@@ -70,13 +70,13 @@ def compile_one(model: str, target_name: str, batch: int, res: str, frames: int,
             "temp_gib": round(memory["temp"] / GiB, 3),
             "compile_seconds": round(seconds, 1),
             "peak_rss_gib": round(rss / GiB, 2),
-            "tflops": round(hlo.flops(module) / 1e12, 3),
+            "tflops": round(hlo_cost.flops(module) / 1e12, 3),
             # the custom-call kernels' FLOPs, which the HLO count cannot see (denoise_step)
             "kernel_tflops": round(
                 (kernel_flops(plan) if program.name == "denoise_step" else 0) / 1e12, 3
             ),
             "tpu_custom_calls": sum(
-                t == "tpu_custom_call" for t in hlo.cost(module).custom_calls.values()
+                t == "tpu_custom_call" for t in hlo_cost.cost(module).custom_calls.values()
             ),
             "collectives": {
                 k: v["count"] for k, v in hlo.collective_summary(module).items() if v["count"]
@@ -87,8 +87,8 @@ def compile_one(model: str, target_name: str, batch: int, res: str, frames: int,
     return {
         "build": plan.key.folder_name(),
         "mesh": dict(plan.mesh.items()),
-        "vae_mesh": list(plan.vae_mesh),
-        "vae_axis": plan.vae_layout.axis,
+        "vae_mesh": list(plan.sharding_plan.vae_mesh),
+        "vae_axis": plan.sharding_plan.vae_layout.axis,
         "attention": plan.attention,
         "context_parallel": plan.key.context_parallel,
         "ulysses_all_to_alls": ulysses_all_to_alls(plan),

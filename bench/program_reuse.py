@@ -35,8 +35,8 @@ def main() -> None:
     target = targets.parse_target(args.target)
     targets.prepare_environment(target)
     from aot import build, store
+    from wan.configs import VideoShape
     from wan.presets import resolve_model
-    from wan.programs import VideoShape
 
     devices = targets.devices(target)
     fingerprint = build.compiler_fingerprint(target)
@@ -51,9 +51,9 @@ def main() -> None:
                     plan = build.plan_build(
                         model, resolve_model(model), shape, target, len(devices)
                     )
-                    for program, lowered, mesh in build.lower_plan(plan):
-                        pid = store.program_id(program, lowered, mesh, fingerprint)
-                        name = f"{plan.key.folder_name()}/{program.name}"
+                    for lowered in build.lower_plan(plan):
+                        pid = store.program_id(lowered, fingerprint)
+                        name = f"{plan.key.folder_name()}/{lowered.program.name}"
                         ids.setdefault(model, {})[name] = pid
     seen: set[str] = set()
     per_model = {}

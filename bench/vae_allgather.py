@@ -30,7 +30,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from aot import hlo, targets  # noqa: E402
+from aot import hlo, targets, vae_gathers  # noqa: E402
 
 REFERENCE_BYTES = 1.1e9  # the reference decoder, 720p, tpu-v6e-8, per device per latent frame
 
@@ -50,21 +50,20 @@ def per_activation_constrain(vae_spatial: int) -> Callable[[Any, Any], Any]:
 
 
 def compile_decode(
-    preset: str, devices: list[Any], width: int, height: int, latent_frames: int, vae_spatial: int
+    preset: str, target: Any, width: int, height: int, latent_frames: int, vae_spatial: int
 ) -> tuple[Any, Any, tuple[int, int]]:
-    """(compiled vae_decode, its VaeLayout, vae mesh) for one video of `preset`."""
-    from aot.build import compile_program
-    from wan import programs, sharding
+    """(compiled vae_decode, its VaeLayout, vae mesh) for one video of `preset`, as `aot build
+    --vae-spatial` compiles it."""
+    from aot import build, targets
+    from wan.configs import VideoShape
     from wan.presets import PRESETS
 
-    config = PRESETS[preset]
-    shape = programs.VideoShape(width, height, 4 * (latent_frames - 1) + 1, batch=1)
-    vae_mesh = sharding.vae_mesh_shape(len(devices), shape.batch, vae_spatial)
-    _, _, lat_h, lat_w, _ = shape.latent_shape(config)
-    layout = sharding.choose_vae_layout(lat_h, lat_w, vae_mesh[1])
-    mesh = sharding.make_mesh(devices, tuple(zip(sharding.VAE_AXES, vae_mesh, strict=True)))
-    program = programs.vae_decode_program(config, shape)
-    return compile_program(program, mesh, layout.rules(), layout.uneven), layout, vae_mesh
+    shape = VideoShape(width, height, 4 * (latent_frames - 1) + 1, batch=1)
+    devices = targets.devices(target)
+    plan = build.plan_build(preset, PRESETS[preset], shape, target, len(devices), None, vae_spatial)
+    (lowered,) = build.lower_plan(plan, only={"vae_decode"})
+    layout = plan.sharding_plan
+    return lowered.compile(), layout.vae_layout, layout.vae_mesh
 
 
 def main() -> None:
@@ -81,7 +80,6 @@ def main() -> None:
     args = parser.parse_args()
     target = targets.parse_target(args.target)
     targets.prepare_environment(target)
-    devices = targets.devices(target)
     choice = "per-activation" if args.per_activation else "once"
     if args.per_activation:
         from wan import vae
@@ -91,14 +89,14 @@ def main() -> None:
         width, height = (int(v) for v in res.split("x"))
         start = time.perf_counter()
         compiled, layout, vae_mesh = compile_decode(
-            args.preset, devices, width, height, args.latent_frames, args.vae_spatial
+            args.preset, target, width, height, args.latent_frames, args.vae_spatial
         )
         seconds = time.perf_counter() - start
         text = compiled.as_text()
         if args.save_hlo:
             args.save_hlo.mkdir(parents=True, exist_ok=True)
             (args.save_hlo / f"vae_decode_{res}_{args.target}.hlo.txt").write_text(text)
-        g = hlo.gathers(hlo.parse(text))
+        g = vae_gathers.gathers(hlo.parse(text))
         print(
             f"{res} {args.target} vae mesh {vae_mesh} axis chosen {choice} ({layout.axis}) "
             f"latent_frames={args.latent_frames} compile={seconds:.0f}s: gathered first chunk "

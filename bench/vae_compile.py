@@ -48,35 +48,38 @@ def stage_seconds(log: str) -> dict[str, float]:
 
 
 def measure(preset: str, target_name: str, width: int, height: int, latent_frames: int) -> dict:
-    """Compile one vae_decode here: seconds and HLO figures."""
+    """Compile one vae_decode here, as `aot build` would for B=1 (every build default): seconds
+    and HLO figures."""
     from aot import targets
 
     target = targets.parse_target(target_name)
     targets.prepare_environment(target)
-    devices = targets.devices(target)
-    from aot.build import compile_program  # in every revision of aot.build
-    from wan import programs, sharding
+    from aot import build, hlo  # works in every revision that has lower_plan(..., only)
+
+    try:
+        from aot.vae_gathers import gathers
+    except ImportError:  # a revision before aot.vae_gathers (--against)
+        gathers = hlo.gathers
+    from wan import programs  # programs.VideoShape: its name in every revision (--against)
     from wan.presets import PRESETS
 
-    config = PRESETS[preset]
     shape = programs.VideoShape(width, height, 4 * (latent_frames - 1) + 1, batch=1)
-    vae_mesh = sharding.vae_mesh_shape(len(devices), 1, len(devices))
-    _, _, lat_h, lat_w, _ = shape.latent_shape(config)
-    layout = sharding.choose_vae_layout(lat_h, lat_w, vae_mesh[1])
-    mesh = sharding.make_mesh(devices, tuple(zip(sharding.VAE_AXES, vae_mesh, strict=True)))
-    program = programs.vae_decode_program(config, shape)
+    plan = build.plan_build(preset, PRESETS[preset], shape, target, len(targets.devices(target)))
+    (lowered,) = build.lower_plan(plan, only={"vae_decode"})
+    layout = getattr(plan, "sharding_plan", plan)  # older revisions: on the plan itself
+    if isinstance(lowered, tuple):  # revisions before LoweredProgram: (program, lowered, mesh)
+        lowered = lowered[1]
+    options = getattr(lowered, "options", {})
     start = time.perf_counter()
-    text = compile_program(program, mesh, layout.rules(), layout.uneven).as_text()
+    text = lowered.compile().as_text()
     seconds = time.perf_counter() - start
     convs = set(re.findall(r"= (\S+) convolution\((?:[^)]*)\), (window=\{[^}]*\}[^,]*)", text))
-    from aot import hlo
-
     return {
-        "compile_seconds": round(seconds, 2),  # lowering (about a second) included
-        "vae_axis": layout.axis,
-        "gathered_mb_per_latent_frame": round(
-            hlo.gathers(hlo.parse(text)).per_latent_frame / 1e6, 1
-        ),
+        "compile_seconds": round(seconds, 2),
+        "vae_mesh": list(layout.vae_mesh),
+        "vae_axis": layout.vae_layout.axis,
+        "compiler_options": options,
+        "gathered_mb_per_latent_frame": round(gathers(hlo.parse(text)).per_latent_frame / 1e6, 1),
         "hlo_instructions": sum(1 for line in text.splitlines() if " = " in line),
         "distinct_convolutions": len(convs),
     }
@@ -126,7 +129,8 @@ def main() -> None:
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
                                 str(trees[args.against])], capture_output=True)  # fmt: skip
     median = {
-        res: {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+        res: {name: {k: statistics.median(r[k] for r in rs) if isinstance(v, float | int) else v
+                     for k, v in rs[0].items()}
               for name, rs in by_tree.items()}
         for res, by_tree in runs.items()
     }  # fmt: skip

@@ -42,9 +42,8 @@ def main() -> None:
     target = targets.parse_target(args.target)
     targets.prepare_environment(target)
 
-    from aot import hlo
-    from aot.build import RssSampler, compile_program, memory_stats
-    from wan import programs, sharding
+    from aot import build, hlo
+    from wan.configs import VideoShape
     from wan.presets import resolve_model
 
     config = resolve_model(args.model)
@@ -52,15 +51,14 @@ def main() -> None:
     n = len(devices)
     width, height = (int(v) for v in args.res.split("x"))
     for batch in args.batches:
-        shape = programs.VideoShape(width, height, args.frames, batch)
-        _, _, lat_h, lat_w, _ = shape.latent_shape(config)
-        for vae_mesh in [(n, 1) if m == "N,1" else (1, n) for m in args.meshes]:
-            layout = sharding.choose_vae_layout(lat_h, lat_w, vae_mesh[1])
-            mesh = sharding.make_mesh(devices, tuple(zip(sharding.VAE_AXES, vae_mesh, strict=True)))
-            program = programs.vae_decode_program(config, shape)
-            with RssSampler() as rss:
+        shape = VideoShape(width, height, args.frames, batch)
+        for spatial in [1 if m == "N,1" else n for m in args.meshes]:
+            plan = build.plan_build(args.model, config, shape, target, n, None, spatial)
+            layout, vae_mesh = plan.sharding_plan.vae_layout, plan.sharding_plan.vae_mesh
+            (lowered,) = build.lower_plan(plan, only={"vae_decode"})
+            with build.RssSampler() as rss:
                 start = time.perf_counter()
-                compiled = compile_program(program, mesh, layout.rules(), layout.uneven)
+                compiled = lowered.compile()
                 seconds = time.perf_counter() - start
             module = hlo.parse(compiled.as_text())
             row = {
@@ -70,7 +68,7 @@ def main() -> None:
                 "batch": batch,
                 "vae_mesh": list(vae_mesh),
                 "vae_axis": layout.axis,
-                "peak_gib": round(memory_stats(compiled)["peak"] / GiB, 3),
+                "peak_gib": round(build.memory_stats(compiled)["peak"] / GiB, 3),
                 "compile_seconds": round(seconds, 1),
                 "peak_rss_gib": round(rss.peak / GiB, 2),
                 "collectives": {

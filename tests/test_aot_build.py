@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gzip
 import json
@@ -16,11 +17,19 @@ import numpy as np
 import pytest
 from conftest import BIN, TINY_SHAPE, run_cli, save_tiny_diffusers_pipeline
 
-from aot import hlo
-from aot.build import compile_program, plan_build
-from aot.targets import parse_target
+from aot import hlo, hlo_cost, store
+from aot.build import (
+    BuildError,
+    compile_program,
+    compiler_options,
+    lower_plan,
+    plan_build,
+    replicated_param_bytes,
+)
+from aot.targets import VAE_VMEM_MIB, parse_target
 from runtime.artifact import SCHEMA_VERSION, BuildKey, read_manifest, sha256_file, verify_files
 from wan import interface, programs, sharding
+from wan.configs import VideoShape
 from wan.interface import PROGRAMS
 from wan.presets import PRESETS
 
@@ -143,6 +152,8 @@ def test_killed_build_leaves_nothing_complete_and_is_redone(tmp_path):
         (["--model", "wan3"], "unknown model"),
         (["--vae-spatial", "3"], "must divide the device count"),
         (["--vae-spatial", "x"], "use auto or a positive integer"),
+        (["--vae-vmem", "8"], "scoped VMEM is a TPU compiler setting"),
+        (["--vae-vmem", "x"], "use auto, default or a number of MiB"),
     ],
 )
 def test_bad_requests_are_one_line_errors(tmp_path, args, message):
@@ -182,7 +193,7 @@ def test_scanned_flops_equal_unrolled(monkeypatch):
     """XLA counts a scan body once; the report applies trip counts: the scanned denoise step's
     FLOPs equal XLA's count for the same program with every scan unrolled (within 1%)."""
     config = PRESETS["tiny"]
-    plan = plan_build("tiny", config, programs.VideoShape(64, 96, 9, 1), parse_target("cpu-8"), 8)
+    plan = plan_build("tiny", config, VideoShape(64, 96, 9, 1), parse_target("cpu-8"), 8)
     mesh = sharding.make_mesh(jax.devices()[:8], plan.mesh.items())
     step = programs.denoise_step_program(config, plan.shape, "dot")
     scanned = compile_program(step, mesh, sharding.TRANSFORMER_RULES)
@@ -190,7 +201,7 @@ def test_scanned_flops_equal_unrolled(monkeypatch):
     step = programs.denoise_step_program(config, plan.shape, "dot")
     unrolled = compile_program(step, mesh, sharding.TRANSFORMER_RULES)
     assert "while" not in unrolled.as_text()
-    ours = hlo.flops(hlo.parse(scanned.as_text()))
+    ours = hlo_cost.flops(hlo.parse(scanned.as_text()))
     xla_unrolled = unrolled.cost_analysis()["flops"]
     xla_scanned = scanned.cost_analysis()["flops"]
     assert abs(ours - xla_unrolled) <= 0.01 * xla_unrolled, (ours, xla_unrolled)
@@ -214,9 +225,7 @@ def test_attention_auto_choice(target, requested, chosen):
 
 
 def test_attention_the_target_cannot_run_is_refused():
-    from aot.build import BuildError
-
-    shape = programs.VideoShape(64, 96, 9, 1)
+    shape = VideoShape(64, 96, 9, 1)
     cpu8 = parse_target("cpu-8")
     for impl, message in [("splash", "splash runs on tpu targets"), ("cudnn", "runs on gpu")]:
         with pytest.raises(BuildError, match=message):
@@ -236,6 +245,54 @@ def test_attention_the_target_cannot_run_is_refused():
     assert plan.key.context_parallel == "gather"
     with pytest.raises(BuildError, match="2 heads per device do not divide over 4 sequence shards"):
         plan_build("tiny", PRESETS["tiny"], shape, cpu8, 8, mesh, context_parallel="ulysses")
+
+
+def test_vae_vmem_is_part_of_the_build_and_the_program():
+    """On TPU the VAE decode compiles for VAE_VMEM_MIB of scoped VMEM unless told otherwise;
+    the setting names the build folder and is an option of that program only."""
+    shape, v6e = VideoShape(64, 96, 9, 1), parse_target("tpu-v6e-8")
+    plan = plan_build("tiny", PRESETS["tiny"], shape, v6e, 8)
+    assert plan.key.vae_vmem_mib == VAE_VMEM_MIB and plan.key.folder_name().endswith("_vmem8")
+    assert compiler_options(plan, "vae_decode") == {"xla_tpu_scoped_vmem_limit_kib": 8 * 1024}
+    assert all(compiler_options(plan, name) == {} for name in PROGRAMS if name != "vae_decode")
+    four = plan_build("tiny", PRESETS["tiny"], shape, v6e, 8, vae_vmem_mib=4)
+    assert compiler_options(four, "vae_decode") == {"xla_tpu_scoped_vmem_limit_kib": 4096}
+    default = plan_build("tiny", PRESETS["tiny"], shape, v6e, 8, vae_vmem_mib=0)
+    assert default.key.vae_vmem_mib is None and compiler_options(default, "vae_decode") == {}
+    assert "vmem" not in default.key.folder_name()
+    with pytest.raises(BuildError, match="use 1-128 MiB"):
+        plan_build("tiny", PRESETS["tiny"], shape, v6e, 8, vae_vmem_mib=512)
+    cpu = plan_build("tiny", PRESETS["tiny"], shape, parse_target("cpu-8"), 8)
+    assert cpu.key.vae_vmem_mib is None and compiler_options(cpu, "vae_decode") == {}
+
+
+def test_compiler_options_are_part_of_a_programs_identity():
+    """The store tells programs apart by their compile options too: the same lowered module
+    compiled with another scoped VMEM is another program."""
+    plan = plan_build("tiny", PRESETS["tiny"], VideoShape(64, 96, 9, 1), parse_target("cpu-8"), 8)
+    (lowered,) = lower_plan(plan, only={"vae_decode"})
+    smaller = dataclasses.replace(lowered, options={"xla_tpu_scoped_vmem_limit_kib": 4096})
+    ids = {store.program_id(p, "fingerprint") for p in (lowered, smaller)}
+    assert len(ids) == 2
+    assert store.program_id(dataclasses.replace(smaller), "fingerprint") in ids
+
+
+def test_replicated_weights_are_reported(tiny_build):
+    """cpu-8 has no HBM figure, so the default mesh leaves every weight whole on each device
+    (fsdp 1): each program's replicated bytes are all its weights. A mesh with fsdp 8 shards
+    the transformer's matrices and leaves only what does not divide (biases, norms, tables)."""
+    for name, p in read_manifest(tiny_build).programs.items():
+        weights = [a for a in p.inputs if a.path.split("/")[0] == "params"]
+        total = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in weights)
+        assert total > 0 and p.replicated_param_bytes == total, name
+    shape, cpu8 = VideoShape(64, 96, 9, 1), parse_target("cpu-8")
+    plan = plan_build("tiny", PRESETS["tiny"], shape, cpu8, 8, sharding.MeshShape(fsdp=8))
+    (lowered,) = lower_plan(plan, only={"denoise_step"})
+    compiled = lowered.compile()
+    replicated = replicated_param_bytes("denoise_step", compiled)
+    weights = interface.named("denoise_step", compiled.args_info[0])["params"]
+    total = sum(math.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(weights))
+    assert 0 < replicated < 0.5 * total, (replicated, total)
 
 
 def test_denoise_step_holds_one_copy_of_latents_and_state(tiny_build):
