@@ -57,16 +57,20 @@ def local_job(target: Target) -> Iterator[None]:
     ]
     try:
         processes.join(coordinator, target.num_processes, 0)
-        yield
     except BaseException:
         for peer in peers:
             peer.kill()
         raise
-    for peer in peers:
-        peer.stdin.close()  # the peers leave the job: shutdown is a barrier of all processes
-    jax.distributed.shutdown()
-    for peer in peers:
-        peer.wait()
+    try:
+        yield
+    finally:
+        # Also after an error in the block: a peer killed instead would fail the shutdown
+        # barrier at exit, which aborts this process (a C++ check failure) after the message.
+        for peer in peers:
+            peer.stdin.close()  # the peers leave the job: shutdown is a barrier of all processes
+        jax.distributed.shutdown()
+        for peer in peers:
+            peer.wait()
 
 
 def _peer(coordinator: str, num_processes: int, process_id: int, local_devices: int) -> None:
