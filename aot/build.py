@@ -292,30 +292,56 @@ def model_code_hash() -> str:
 # ----------------------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass
+class CallLedger:
+    """The programs one `aot build` call has compiled (by store id), here or in its workers
+    (--jobs): with --force each is still compiled once per call, and the first build that has
+    it reports it `compiled`, the others `reused`."""
+
+    force: bool = False
+    compiled: set[str] = dataclasses.field(default_factory=set)
+    reported: set[str] = dataclasses.field(default_factory=set)
+
+    def replace(self, pid: str) -> bool:
+        """Whether the store's entry `pid` is to be compiled again (--force, once per call)."""
+        return self.force and pid not in self.compiled
+
+    def status(self, pid: str, compiled_now: bool) -> str:
+        if compiled_now:
+            self.compiled.add(pid)
+        fresh = pid in self.compiled and pid not in self.reported
+        self.reported.add(pid)
+        return "compiled" if fresh else "reused"
+
+
 def build(
     plan: BuildPlan,
     out_root: Path,
     force: bool = False,
     progress: Callable[[str], None] | None = None,
+    ledger: CallLedger | None = None,
 ) -> BuildResult:
     """Make (or reuse) the build folder of `plan`. Atomic: the folder appears complete or not
-    at all; a lock keeps two builds of one key apart."""
+    at all; a lock keeps two builds of one key apart. Builds of one call share a `ledger`."""
+    ledger = ledger if ledger is not None else CallLedger(force)
     out_root.mkdir(parents=True, exist_ok=True)
     folder = out_root / plan.key.folder_name()
     fingerprint = compiler_fingerprint(plan.target)
     with locked(out_root / ".locks" / f"{folder.name}.lock"):
-        if not force and (existing := _reusable(folder, plan, fingerprint)) is not None:
+        if not force and (existing := existing_build(out_root, plan, fingerprint)) is not None:
             return BuildResult(plan, folder, existing, skipped=True, programs={})
         for stale in out_root.glob(f".tmp-{folder.name}-*"):
             shutil.rmtree(stale, ignore_errors=True)  # left by a killed build of this key
         with atomic_folder(folder, out_root / f".tmp-{folder.name}-{os.getpid()}") as tmp:
-            manifest, statuses = _compile_all(plan, tmp, out_root, fingerprint, force, progress)
+            manifest, statuses = _compile_all(plan, tmp, out_root, fingerprint, ledger, progress)
             manifest.write(tmp)
     return BuildResult(plan, folder, manifest, skipped=False, programs=statuses)
 
 
-def _reusable(folder: Path, plan: BuildPlan, fingerprint: str) -> Manifest | None:
-    """The existing build of this key, if it was made from the same model config and compiler."""
+def existing_build(out_root: Path, plan: BuildPlan, fingerprint: str) -> Manifest | None:
+    """The build of this key in `out_root`, if it was made from the same model config and
+    compiler."""
+    folder = out_root / plan.key.folder_name()
     if not (folder / MANIFEST).is_file():
         return None
     try:
@@ -406,25 +432,28 @@ def _compile_all(
     folder: Path,
     out_root: Path,
     fingerprint: str,
-    force: bool,
+    ledger: CallLedger,
     progress: Callable[[str], None] | None,
 ) -> tuple[Manifest, dict[str, str]]:
     """The manifest of `plan` with its programs' files in `folder`, each compiled unless the
-    store of `out_root` has it (--force compiles all); and each program's status."""
+    store of `out_root` has it (--force: unless this call compiled it); and each program's
+    status."""
     entries: dict[str, ProgramEntry] = {}
     statuses: dict[str, str] = {}
     lowered_programs = list(lower_plan(plan))
     for index, lowered in enumerate(lowered_programs, 1):
         program = lowered.program
         label = f"[{index}/{len(lowered_programs)}] {plan.key.folder_name()} {program.name}"
-        make = functools.partial(_make_program, plan, lowered, label, progress)
         pid = store.program_id(lowered, fingerprint)
-        entry, stored, reused = store.fetch_or_make(out_root, pid, make, replace=force)
+        entry, stored, reused = store_program(
+            plan, lowered, out_root, pid, ledger.replace(pid), label, progress
+        )
         store.link_files(entry, stored, folder)
         entries[program.name] = entry
-        statuses[program.name] = "reused" if reused else "compiled"
+        statuses[program.name] = ledger.status(pid, compiled_now=not reused)
         if reused and progress is not None:
-            progress(f"{label} reused (same program as an earlier build)")
+            by_worker = statuses[program.name] == "compiled"
+            progress(f"{label} {'compiled by a worker' if by_worker else 'reused'}")
         if os.environ.get(KILL_AFTER_ENV) == program.name:
             os.kill(os.getpid(), signal.SIGKILL)
     devs = devices(plan.target)  # both meshes lay the devices out in this order
@@ -458,6 +487,21 @@ def _compile_all(
         programs=entries,
     )
     return manifest, statuses
+
+
+def store_program(
+    plan: BuildPlan,
+    lowered: LoweredProgram,
+    out_root: Path,
+    pid: str,
+    replace: bool,
+    label: str,
+    progress: Callable[[str], None] | None,
+) -> tuple[ProgramEntry, Path, bool]:
+    """The store's entry `pid` of `out_root` for `lowered`, compiled unless there (or with
+    `replace`): (manifest entry, its store folder, whether it was there)."""
+    make = functools.partial(_make_program, plan, lowered, label, progress)
+    return store.fetch_or_make(out_root, pid, make, replace=replace)
 
 
 def _make_program(

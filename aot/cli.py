@@ -91,8 +91,9 @@ _MATRIX = [
         default="auto",
         show_default=True,
         help=(
-            "MiB of scoped VMEM the VAE decode is compiled for (TPU): auto (8: compiles several "
-            "times faster than the compiler's default), N, or default (the compiler's own)."
+            "MiB of scoped VMEM the VAE decode is compiled for (TPU): auto "
+            f"({targets.VAE_VMEM_MIB}: compiles several times faster than the compiler's default), "
+            "N, or default (the compiler's own)."
         ),
     ),
     click.option(
@@ -121,18 +122,32 @@ def _matrix_options(command: Callable) -> Callable:
 )
 @POLICY_OPTION
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def build_cmd(out, force, strict, policy_path, as_json, **matrix) -> None:
+@click.option(
+    "--jobs",
+    type=int,
+    help=(
+        "Programs compiled at once, each in its own process (default: what the cores and free "
+        "memory allow, a compile taking ~2 cores and up to ~6 GiB)."
+    ),
+)
+def build_cmd(out, force, strict, policy_path, as_json, jobs, **matrix) -> None:
     """Compile the program matrix (--res x --frames x --batch) for one target."""
     from aot import build as builder
     from aot import check, report
+    from aot.jobs import JobsError, check_jobs, compile_distinct, default_jobs
 
     plans = _plans(**matrix)
     try:
         policy = check.load_policy(policy_path)
-    except check.CheckInputError as e:
+        jobs = default_jobs() if jobs is None else jobs
+        check_jobs(jobs, plans[0].target)
+        ledger = builder.CallLedger(force)
+        if jobs > 1:
+            compile_distinct(plans, out, jobs, ledger, show_progress=not as_json)
+    except (check.CheckInputError, JobsError, builder.BuildError) as e:
         raise CliError(str(e)) from None
     progress = None if as_json else (lambda line: click.echo(line, err=True))
-    results = [builder.build(plan, out, force=force, progress=progress) for plan in plans]
+    results = [builder.build(plan, out, force, progress, ledger) for plan in plans]
     built = sum(not r.skipped for r in results)
     if as_json:
         click.echo(json.dumps(report.builds_json(results), indent=1))

@@ -81,6 +81,7 @@ def builds_table(results: Sequence[Any]) -> str:
             _lower_bound_text(m),
             _collectives_text(_all_collectives(m)),
             f"{sum(m.programs[n].compile_seconds for n, st in r.programs.items() if st == 'compiled'):.1f}",
+            f"{max((m.programs[n].peak_rss_bytes for n, st in r.programs.items() if st == 'compiled'), default=0) / GiB:.2f}",
         ])  # fmt: skip
     header = [
         "build",
@@ -90,6 +91,7 @@ def builds_table(results: Sequence[Any]) -> str:
         "step lower bound",
         "collectives",
         "compile s",
+        "peak RSS GiB",
     ]
     return text_table(header, rows)
 

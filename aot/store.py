@@ -63,6 +63,11 @@ def fetch_or_make(
         return entry, folder, False
 
 
+def has(out_root: Path, pid: str) -> bool:
+    """Whether the store of `out_root` holds a complete entry `pid`."""
+    return _read_entry(out_root / STORE / pid) is not None
+
+
 def _read_entry(folder: Path) -> ProgramEntry | None:
     try:
         return ProgramEntry.from_json(json.loads((folder / ENTRY).read_text()))

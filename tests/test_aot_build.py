@@ -11,6 +11,7 @@ import os
 import shlex
 import shutil
 import subprocess
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -75,6 +76,36 @@ def test_matrix_builds_then_skips(tmp_path):
     for build in json.loads(other.stdout):
         assert set(read_manifest(build["folder"]).programs) == set(PROGRAMS)
     assert "removed 0 unreferenced" in run_cli("aot", "gc", str(tmp_path)).stdout
+
+
+def test_jobs_compile_each_program_once_in_workers(tmp_path):
+    """--jobs 2: the matrix's 6 distinct programs compiled by two worker processes, each
+    reported compiled by one build; then --force recompiles each once per call, not once per
+    build that has it."""
+    matrix = ["--model", "tiny", "--res", "192x320", "--res", "320x192", "--frames", "9",
+              "--batch", "1", "--target", "cpu-8", "--out", str(tmp_path), "--json"]  # fmt: skip
+    once = {
+        "text_encode": ["compiled", "reused"],
+        "kv_cache": ["compiled", "reused"],
+        "denoise_step": ["compiled", "compiled"],
+        "vae_decode": ["compiled", "compiled"],
+    }
+    parallel = run_cli("aot", "build", *matrix, "--jobs", "2")
+    assert _statuses(parallel.stdout) == once
+    assert len(list((tmp_path / ".programs").glob("[!.]*"))) == 6
+    assert _statuses(run_cli("aot", "build", *matrix, "--force").stdout) == once
+    for build in json.loads(parallel.stdout):
+        folder = Path(build["folder"])
+        verify_files(folder, read_manifest(folder))
+
+
+def test_default_jobs_follow_cores_and_memory(monkeypatch):
+    from aot import jobs
+
+    for cores, free_gib, expected in [(2, 24, 1), (16, 128, 8), (16, 20, 3), (64, 4, 1), (1, 1, 1)]:
+        monkeypatch.setattr(jobs.os, "sched_getaffinity", lambda _, n=cores: set(range(n)))
+        monkeypatch.setattr(jobs, "_available_memory", lambda g=free_gib: g << 30)
+        assert jobs.default_jobs() == expected, (cores, free_gib)
 
 
 def test_gc_removes_programs_no_build_references(tmp_path):
@@ -154,6 +185,9 @@ def test_killed_build_leaves_nothing_complete_and_is_redone(tmp_path):
         (["--vae-spatial", "x"], "use auto or a positive integer"),
         (["--vae-vmem", "8"], "scoped VMEM is a TPU compiler setting"),
         (["--vae-vmem", "x"], "use auto, default or a number of MiB"),
+        (["--jobs", "0"], "--jobs 0: use a positive number"),
+        (["--jobs", "2", "--target", "cpu-2x4"], "compiles in one multi-process job"),
+        (["--res", "200x320", "--target", "cpu-2x4"], "multiples of 16"),  # error in a job
     ],
 )
 def test_bad_requests_are_one_line_errors(tmp_path, args, message):
@@ -252,11 +286,16 @@ def test_vae_vmem_is_part_of_the_build_and_the_program():
     the setting names the build folder and is an option of that program only."""
     shape, v6e = VideoShape(64, 96, 9, 1), parse_target("tpu-v6e-8")
     plan = plan_build("tiny", PRESETS["tiny"], shape, v6e, 8)
-    assert plan.key.vae_vmem_mib == VAE_VMEM_MIB and plan.key.folder_name().endswith("_vmem8")
-    assert compiler_options(plan, "vae_decode") == {"xla_tpu_scoped_vmem_limit_kib": 8 * 1024}
+    assert plan.key.vae_vmem_mib == VAE_VMEM_MIB and plan.key.folder_name().endswith(
+        f"_vmem{VAE_VMEM_MIB}"
+    )
+    assert compiler_options(plan, "vae_decode") == {
+        "xla_tpu_scoped_vmem_limit_kib": VAE_VMEM_MIB * 1024
+    }
     assert all(compiler_options(plan, name) == {} for name in PROGRAMS if name != "vae_decode")
-    four = plan_build("tiny", PRESETS["tiny"], shape, v6e, 8, vae_vmem_mib=4)
-    assert compiler_options(four, "vae_decode") == {"xla_tpu_scoped_vmem_limit_kib": 4096}
+    eight = plan_build("tiny", PRESETS["tiny"], shape, v6e, 8, vae_vmem_mib=8)
+    assert compiler_options(eight, "vae_decode") == {"xla_tpu_scoped_vmem_limit_kib": 8192}
+    assert eight.key.folder_name().endswith("_vmem8")
     default = plan_build("tiny", PRESETS["tiny"], shape, v6e, 8, vae_vmem_mib=0)
     assert default.key.vae_vmem_mib is None and compiler_options(default, "vae_decode") == {}
     assert "vmem" not in default.key.folder_name()

@@ -1,0 +1,112 @@
+"""`aot build --jobs N`: the distinct programs of a matrix compiled by N worker processes.
+
+The parent lowers every program of the matrix (a fraction of a second each), keeps one task
+per store id the store lacks, and hands the tasks to spawned workers, each of which lowers its
+program again and compiles it into the program store (`aot.store`, locked and atomic as for
+concurrent builds). The builds then run as without --jobs and find every program in the store;
+the call's `CallLedger` reports each worker-compiled program `compiled` in the first build that
+has it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from aot import build, store, targets
+
+# One XLA compile keeps about two cores busy (libtpu's backend passes run in parallel: 187% CPU
+# on a 2-core host over the 14B 720p build) and takes up to ~5 GiB (the largest peak RSS in
+# docs/benchmarks.md, the 14B VAE decode).
+CORES_PER_COMPILE = 2
+BYTES_PER_COMPILE = 6 << 30
+
+
+class JobsError(ValueError):
+    """--jobs cannot be used as asked."""
+
+
+def default_jobs() -> int:
+    """What this host's cores and free memory allow at once (at least 1)."""
+    cores = len(os.sched_getaffinity(0))
+    return max(1, min(cores // CORES_PER_COMPILE, _available_memory() // BYTES_PER_COMPILE))
+
+
+def _available_memory() -> int:
+    with open("/proc/meminfo") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields["MemAvailable"].split()[0]) * 1024
+
+
+def check_jobs(jobs: int, target: targets.Target) -> None:
+    if jobs < 1:
+        raise JobsError(f"--jobs {jobs}: use a positive number, or leave it out for the default")
+    if jobs > 1 and target.platform == "cpu" and target.num_processes > 1:
+        raise JobsError(
+            f"--jobs {jobs}: {target.name} compiles in one multi-process job; leave --jobs out"
+        )
+
+
+def compile_distinct(
+    plans: Sequence[build.BuildPlan],
+    out_root: Path,
+    jobs: int,
+    ledger: build.CallLedger,
+    show_progress: bool = True,
+) -> None:
+    """Compile each distinct program of `plans` that the store of `out_root` lacks (all with
+    --force) in `jobs` processes, recording them in `ledger`. Builds already complete are
+    left out. Workers print their progress lines on stderr when `show_progress`."""
+    tasks: dict[str, tuple[build.BuildPlan, str]] = {}
+    for plan in plans:
+        fingerprint = build.compiler_fingerprint(plan.target)
+        if not ledger.force and build.existing_build(out_root, plan, fingerprint):
+            continue
+        for lowered in build.lower_plan(plan):
+            pid = store.program_id(lowered, fingerprint)
+            if ledger.force or not store.has(out_root, pid):
+                tasks.setdefault(pid, (plan, lowered.program.name))
+    if not tasks:
+        return
+    out_root.mkdir(parents=True, exist_ok=True)
+    context = multiprocessing.get_context("spawn")  # a fresh jax per worker
+    with concurrent.futures.ProcessPoolExecutor(min(jobs, len(tasks)), mp_context=context) as pool:
+        futures = [
+            pool.submit(
+                _compile_one,
+                plan,
+                name,
+                out_root,
+                ledger.replace(pid),
+                f"[{i}/{len(tasks)}]",
+                show_progress,
+            )  # fmt: skip
+            for i, (pid, (plan, name)) in enumerate(tasks.items(), 1)
+        ]
+        try:
+            for future in concurrent.futures.as_completed(futures):
+                pid, compiled = future.result()
+                if compiled:
+                    ledger.compiled.add(pid)
+        except concurrent.futures.process.BrokenProcessPool:
+            raise build.BuildError(
+                "a compile worker died (out of memory?): run again with fewer --jobs"
+            ) from None
+
+
+def _compile_one(
+    plan: build.BuildPlan, name: str, out_root: Path, replace: bool, count: str, show: bool
+) -> tuple[str, bool]:
+    """In a worker: lower and compile program `name` of `plan` into the store: (its store id,
+    whether it was compiled here)."""
+    targets.prepare_environment(plan.target)
+    (lowered,) = build.lower_plan(plan, only={name})
+    pid = store.program_id(lowered, build.compiler_fingerprint(plan.target))
+    label = f"{count} {plan.key.folder_name()} {name}"
+    progress = (lambda line: print(line, file=sys.stderr, flush=True)) if show else None
+    _, _, reused = build.store_program(plan, lowered, out_root, pid, replace, label, progress)
+    return pid, not reused
