@@ -46,9 +46,10 @@ SPLASH_BLOCKS = {
 # Scoped VMEM (MiB) that the VAE decode's kernels are emitted for on TPU. libtpu tiles each conv
 # fusion as large as the scoped VMEM allows (32 MiB by default on v6e) and its emit time follows
 # the tile's code size, with retries after a tile overflows: most of the decode's compile time.
-# Smaller tiles compile several times faster (bench/vae_compile.py); the transformer's programs,
-# where run time is spent, keep the compiler's default.
-VAE_VMEM_MIB = 8
+# Smaller tiles compile several times faster and take no more temporary memory (the 14B decode
+# at 720x1280, batch 8, in a full build: 34 s at 4 MiB, 313 s at the default; docs/benchmarks.md);
+# the transformer's programs, where run time is spent, keep the compiler's default.
+VAE_VMEM_MIB = 4
 # Chips per host (x, y, z) of the VMs each generation is sold in: v5e and v6e up to 8 chips
 # (2x4) per host, v4, v5p and tpu7x 4 (2x2x1). libtpu's own default is 4 for every generation.
 HOST_BOUNDS = {

@@ -9,8 +9,11 @@ passes, backend passes, code generation). With --against REV the same measuremen
 a git worktree of REV, alternating with this tree, so machine noise hits both alike.
 
     python bench/vae_compile.py --res 720x1280 --against f916593 --repeats 1
+    python bench/vae_compile.py --res 720x1280 --vae-vmem 4 --vae-vmem 8 --vae-vmem default
 
-A real-size compile takes 5-15 minutes and ~6 GB of memory on a 2-core host.
+--vae-vmem measures this tree once per `aot build --vae-vmem` value (the scoped VMEM libtpu
+tiles the decode's convolutions to), --batch another batch (the vae mesh the build picks). A
+real-size compile takes 1-15 minutes (by scoped VMEM) and 2-6 GB of memory on a 2-core host.
 """
 
 from __future__ import annotations
@@ -47,9 +50,17 @@ def stage_seconds(log: str) -> dict[str, float]:
     return out
 
 
-def measure(preset: str, target_name: str, width: int, height: int, latent_frames: int) -> dict:
-    """Compile one vae_decode here, as `aot build` would for B=1 (every build default): seconds
-    and HLO figures."""
+def measure(
+    preset: str,
+    target_name: str,
+    width: int,
+    height: int,
+    latent_frames: int,
+    batch: int,
+    vae_vmem: str | None,
+) -> dict:
+    """Compile one vae_decode here, as `aot build` would (every build default, --vae-vmem
+    `vae_vmem` when given): seconds and HLO figures."""
     from aot import targets
 
     target = targets.parse_target(target_name)
@@ -63,19 +74,26 @@ def measure(preset: str, target_name: str, width: int, height: int, latent_frame
     from wan import programs  # programs.VideoShape: its name in every revision (--against)
     from wan.presets import PRESETS
 
-    shape = programs.VideoShape(width, height, 4 * (latent_frames - 1) + 1, batch=1)
-    plan = build.plan_build(preset, PRESETS[preset], shape, target, len(targets.devices(target)))
+    shape = programs.VideoShape(width, height, 4 * (latent_frames - 1) + 1, batch=batch)
+    vmem = (
+        {} if vae_vmem is None else {"vae_vmem_mib": 0 if vae_vmem == "default" else int(vae_vmem)}
+    )
+    plan = build.plan_build(
+        preset, PRESETS[preset], shape, target, len(targets.devices(target)), **vmem
+    )
     (lowered,) = build.lower_plan(plan, only={"vae_decode"})
     layout = getattr(plan, "sharding_plan", plan)  # older revisions: on the plan itself
     if isinstance(lowered, tuple):  # revisions before LoweredProgram: (program, lowered, mesh)
         lowered = lowered[1]
     options = getattr(lowered, "options", {})
     start = time.perf_counter()
-    text = lowered.compile().as_text()
+    compiled = lowered.compile()
     seconds = time.perf_counter() - start
+    text = compiled.as_text()
     convs = set(re.findall(r"= (\S+) convolution\((?:[^)]*)\), (window=\{[^}]*\}[^,]*)", text))
     return {
         "compile_seconds": round(seconds, 2),
+        "temp_gib": round(compiled.memory_analysis().temp_size_in_bytes / 2**30, 2),
         "vae_mesh": list(layout.vae_mesh),
         "vae_axis": layout.vae_layout.axis,
         "compiler_options": options,
@@ -91,6 +109,12 @@ def main() -> None:
     parser.add_argument("--target", default="tpu-v6e-8")
     parser.add_argument("--res", action="append", help="WxH, repeatable (default 720x1280)")
     parser.add_argument("--latent-frames", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument(
+        "--vae-vmem",
+        action="append",
+        help="this tree with `aot build --vae-vmem V` (repeatable; default: the build default)",
+    )
     parser.add_argument("--against", help="a git revision to measure side by side")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "vae_compile.json")
@@ -98,23 +122,29 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         width, height = (int(v) for v in args.worker.split("x"))
-        print(json.dumps(measure(args.preset, args.target, width, height, args.latent_frames)))
+        vmem = args.vae_vmem[0] if args.vae_vmem else None
+        print(json.dumps(measure(args.preset, args.target, width, height, args.latent_frames,
+                                 args.batch, vmem)))  # fmt: skip
         return
     with tempfile.TemporaryDirectory() as tmp:
-        trees = {"this tree": ROOT}
+        # (name, tree, --vae-vmem): this tree once per --vae-vmem value
+        trees = [(f"this tree, --vae-vmem {v}", ROOT, v) for v in args.vae_vmem or []]
+        trees = trees or [("this tree", ROOT, None)]
         if args.against:
             other = Path(tmp) / "against"
             subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(other),
                             args.against], check=True, capture_output=True)  # fmt: skip
-            trees[args.against] = other
+            trees.append((args.against, other, None))
         try:
             runs: dict[str, dict[str, list[dict]]] = {}
             for res in args.res or ["720x1280"]:
                 for _ in range(args.repeats):
-                    for name, tree in trees.items():
+                    for name, tree, vmem in trees:
                         cmd = [sys.executable, str(tree / "bench" / "vae_compile.py"),
                                "--worker", res, "--preset", args.preset, "--target", args.target,
-                               "--latent-frames", str(args.latent_frames)]  # fmt: skip
+                               "--latent-frames", str(args.latent_frames),
+                               *(["--batch", str(args.batch)] if args.batch != 1 else []),
+                               *(["--vae-vmem", vmem] if vmem else [])]  # fmt: skip
                         if tree != ROOT:  # the old tree may predate this script
                             cmd[1] = str(Path(__file__).resolve())
                         env = {**os.environ, "PYTHONPATH": str(tree), **STAGE_LOGS}
@@ -127,7 +157,7 @@ def main() -> None:
         finally:
             if args.against:
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
-                                str(trees[args.against])], capture_output=True)  # fmt: skip
+                                str(trees[-1][1])], capture_output=True)  # fmt: skip
     median = {
         res: {name: {k: statistics.median(r[k] for r in rs) if isinstance(v, float | int) else v
                      for k, v in rs[0].items()}
@@ -139,11 +169,12 @@ def main() -> None:
         "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores",
         "date": time.strftime("%Y-%m-%d"),
         "preset": args.preset, "target": args.target, "latent_frames": args.latent_frames,
+        "batch": args.batch,
         "runs": runs, "median": median,
     }  # fmt: skip
-    if args.against:
+    if args.against and len(trees) == 2:
         result["compile_ratio_this_over_against"] = {
-            res: m["this tree"]["compile_seconds"] / m[args.against]["compile_seconds"]
+            res: m[trees[0][0]]["compile_seconds"] / m[args.against]["compile_seconds"]
             for res, m in median.items()
         }
     args.out.parent.mkdir(parents=True, exist_ok=True)
