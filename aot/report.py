@@ -163,11 +163,12 @@ def inspect_text(m: Manifest) -> str:
             name, f"{p.compile_seconds:.1f}", f"{p.peak_rss_bytes / GiB:.2f}",
             f"{mem['argument'] / GiB:.3f}", f"{mem['output'] / GiB:.3f}", f"{mem['temp'] / GiB:.3f}",
             f"{mem['peak'] / GiB:.3f}", f"{p.replicated_param_bytes / GiB:.3f}",
-            f"{p.flops / 1e12:.4f}", f"{p.xla_flops / 1e12:.4f}",
+            f"{p.flops / 1e12:.4f}", f"{p.kernel_flops / 1e12:.4f}", f"{p.xla_flops / 1e12:.4f}",
             _collectives_text(p.collectives), f"{p.executable.size / 1e6:.1f}",
         ])  # fmt: skip
     header = [
         "program", "compile s", "RSS GiB", "args GiB", "out GiB", "temp GiB", "peak GiB",
-        "replicated weights GiB", "TFLOP/device", "XLA TFLOP", "collectives", "exec MB",
+        "replicated weights GiB", "HLO TFLOP/device", "kernel TFLOP/device", "XLA TFLOP",
+        "collectives", "exec MB",
     ]  # fmt: skip
     return "\n".join(head) + text_table(header, rows)
