@@ -9,6 +9,7 @@ import gzip
 import hashlib
 import math
 import os
+import re
 import shutil
 import signal
 import sys
@@ -414,12 +415,38 @@ def compile_plan(
 def _compile(
     lowered: LoweredProgram, label: str, progress: Callable[[str], None] | None
 ) -> tuple[Any, float, int]:
-    """(compiled, seconds, peak RSS), with a live progress line."""
+    """(compiled, seconds, peak RSS), with a live progress line; XLA's refusal is a
+    BuildError."""
     with _Ticker(label, progress), RssSampler() as rss:
         start = time.perf_counter()
-        compiled = lowered.compile()
+        try:
+            compiled = lowered.compile()
+        except jax.errors.JaxRuntimeError as e:
+            raise BuildError(compile_failure(lowered.program.name, str(e))) from None
         seconds = time.perf_counter() - start
     return compiled, seconds, rss.peak
+
+
+# What to change when a program does not fit the target's on-chip memory (VMEM).
+_VMEM_HINTS = {
+    "vae_decode": "a smaller --vae-vmem",
+    "denoise_step": "smaller --attention splash blocks (e.g. splash:1024:1024:512)",
+    "kv_cache": "smaller --attention splash blocks (e.g. splash:1024:1024:512)",
+}
+
+
+def compile_failure(program: str, message: str) -> str:
+    """One line for XLA's refusal to compile `program`: its status, the sentence that says
+    what overflowed, and what to change."""
+    first = next((line.strip() for line in message.splitlines() if line.strip()), "no message")
+    overflow = re.search(
+        r"(Scoped allocation with size \S+ and limit \S+|Used \S+ of \S+ vmem)", message
+    )
+    if overflow is None:
+        return f"{program} does not compile for this target ({first})"
+    status = first.split(":")[0]
+    hint = f"; try {_VMEM_HINTS[program]}" if program in _VMEM_HINTS else ""
+    return f"{program} does not compile for this target ({status}: {overflow.group(1)}){hint}"
 
 
 def compile_in_process(plan: BuildPlan, frames_dtype: str = "uint8") -> dict[str, Any]:
@@ -705,9 +732,10 @@ class _Ticker:
         while not self._stop.wait(period):
             self.sink(f"{self.label} compiling {time.perf_counter() - self.start:.0f}s")
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type | None, *_: object) -> None:
         if self.sink is None:
             return
         self._stop.set()
         self._thread.join()
-        self.sink(f"{self.label} done in {time.perf_counter() - self.start:.1f}s")
+        outcome = "failed after" if exc_type else "done in"
+        self.sink(f"{self.label} {outcome} {time.perf_counter() - self.start:.1f}s")

@@ -144,10 +144,10 @@ def build_cmd(out, force, strict, policy_path, as_json, jobs, **matrix) -> None:
         ledger = builder.CallLedger(force)
         if jobs > 1:
             compile_distinct(plans, out, jobs, ledger, show_progress=not as_json)
+        progress = None if as_json else (lambda line: click.echo(line, err=True))
+        results = [builder.build(plan, out, force, progress, ledger) for plan in plans]
     except (check.CheckInputError, JobsError, builder.BuildError) as e:
         raise CliError(str(e)) from None
-    progress = None if as_json else (lambda line: click.echo(line, err=True))
-    results = [builder.build(plan, out, force, progress, ledger) for plan in plans]
     built = sum(not r.skipped for r in results)
     if as_json:
         click.echo(json.dumps(report.builds_json(results), indent=1))

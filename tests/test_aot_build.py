@@ -207,6 +207,35 @@ def test_bad_requests_are_one_line_errors(tmp_path, args, message):
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
+def test_a_program_the_target_cannot_fit_is_a_one_line_error(tmp_path):
+    """Splash blocks over v5e's 16 MiB of scoped VMEM: XLA's refusal is one line that names
+    the program, what overflowed and what to change; no build folder appears."""
+    result = run_cli("aot", "build", "--model", "tiny", "--res", "768x768", "--frames", "49",
+                     "--batch", "1", "--target", "tpu-v5e-8", "--attention",
+                     "splash:3072:2048:1024", "--out", str(tmp_path), "--json",
+                     check=False)  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "denoise_step does not compile for this target" in result.stderr
+    assert "Scoped allocation with size" in result.stderr and "--attention" in result.stderr
+    assert not [p for p in tmp_path.iterdir() if not p.name.startswith(".")]
+
+
+def test_compile_failures_read_as_one_line():
+    from aot.build import compile_failure
+
+    v4 = (
+        "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space "
+        "vmem. Used 36.69M of 16.00M vmem. Exceeded vmem capacity by 20.69M.\n\nProgram vmem..."
+    )
+    assert compile_failure("vae_decode", v4) == (
+        "vae_decode does not compile for this target (RESOURCE_EXHAUSTED: Used 36.69M of 16.00M "
+        "vmem); try a smaller --vae-vmem"
+    )
+    other = compile_failure("text_encode", "INTERNAL: something else\nmore")
+    assert other == "text_encode does not compile for this target (INTERNAL: something else)"
+
+
 def test_unreadable_model_folder(tmp_path):
     (tmp_path / "model").mkdir()
     result = run_cli("aot", "build", "--model", str(tmp_path / "model"), *TINY_SHAPE,
