@@ -121,6 +121,42 @@ def test_splash_block_sizes_checked():
             resolve(bad)
 
 
+def _generation_targets() -> dict[str, str]:
+    from aot import targets
+
+    return {targets.parse_target(a).generation: a for a in targets.TPU_ALIASES}
+
+
+@pytest.mark.parametrize("generation", sorted(_generation_targets()))
+def test_splash_blocks_fit_each_generations_vmem(generation, monkeypatch):
+    """The splash kernel at its generation's largest blocks (sequences long enough that no
+    block is shrunk, WAN's head dim 128) compiles for a deviceless chip of that generation:
+    the kernel's scratch fits its scoped VMEM."""
+    from aot import targets
+
+    target = targets.parse_target(_generation_targets()[generation])
+    for key, value in dict(
+        TPU_SKIP_MDS_QUERY="1",
+        TPU_ACCELERATOR_TYPE=f"{generation}-8",
+        TPU_WORKER_HOSTNAMES="localhost",
+        ALLOW_MULTIPLE_LIBTPU_LOAD="1",  # pytest -n 2: another worker may have libtpu loaded
+        TPU_MIN_LOG_LEVEL="3",
+        TPU_STDERR_LOG_LEVEL="3",
+    ).items():
+        monkeypatch.setenv(key, value)
+    try:
+        device = targets.devices(target)[0]
+    except targets.TargetError as e:
+        pytest.skip(f"deviceless {target.name} unavailable: {e}")
+    blocks = SplashBlocks(*targets.SPLASH_BLOCKS[generation])
+    on_chip = jax.sharding.SingleDeviceSharding(device)
+    q = jax.ShapeDtypeStruct((1, 2 * blocks.q, 1, 128), jnp.bfloat16, sharding=on_chip)
+    kv = jax.ShapeDtypeStruct((1, 2 * blocks.kv, 1, 128), jnp.bfloat16, sharding=on_chip)
+    kernel = jax.jit(lambda q, k, v: splash_attention(q, k, v, blocks=blocks, interpret=False))
+    with jax.default_matmul_precision("default"):  # as built: conftest asks for "highest"
+        kernel.lower(q, kv, kv).compile()
+
+
 MESH = sharding.MeshShape(data=2, context=4)
 
 
