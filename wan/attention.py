@@ -151,7 +151,9 @@ def splash_attention(
     if bkv % bkv_compute:
         bkv_compute = bkv
     q_pad, kv_pad = _round_up(q_len, bq), _round_up(kv_len, bkv)
-    mask = splash_mask.MultiHeadMask([splash_mask.FullMask((q_pad, kv_pad))] * heads)
+    # Videos fold into the kernel's heads: a vmap over the batch would batch the kernel's VMEM
+    # scratch too (x2 with CFG), over the scoped VMEM its blocks were sized for.
+    mask = splash_mask.MultiHeadMask([splash_mask.FullMask((q_pad, kv_pad))] * (b * heads))
     kernel = splash_kernel.make_splash_mha(
         mask,
         block_sizes=splash_kernel.BlockSizes(
@@ -165,14 +167,15 @@ def splash_attention(
         q=jnp.zeros((q_pad,), jnp.int32), kv=(jnp.arange(kv_pad) >= kv_len).astype(jnp.int32)
     )
 
-    def heads_major(x: jax.Array, length: int) -> jax.Array:  # (B, S, H, D) -> (B, H, S', D)
-        return jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+    def heads_major(x: jax.Array, length: int) -> jax.Array:  # (B, S, H, D) -> (B*H, S', D)
+        padded = jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0), (0, 0)))
+        return padded.transpose(0, 2, 1, 3).reshape(b * heads, length, d)
 
     scaled = (q.astype(jnp.float32) * d**-0.5).astype(q.dtype)
-    out = jax.vmap(kernel, in_axes=(0, 0, 0, None))(
+    out = kernel(
         heads_major(scaled, q_pad), heads_major(k, kv_pad), heads_major(v, kv_pad), segments
     )
-    return out.transpose(0, 2, 1, 3)[:, :q_len].astype(q.dtype)
+    return out.reshape(b, heads, q_pad, d).transpose(0, 2, 1, 3)[:, :q_len].astype(q.dtype)
 
 
 def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
