@@ -185,6 +185,17 @@ def choose_context_parallel(
     return requested
 
 
+def parse_vae_vmem(text: str) -> int | None:
+    """`--vae-vmem` as choose_vae_vmem takes it: auto -> None, default -> 0, N -> N."""
+    if text == "auto":
+        return None
+    if text == "default":
+        return 0
+    if not text.isdigit():
+        raise BuildError(f"--vae-vmem {text}: use auto, default or a number of MiB")
+    return int(text)
+
+
 def choose_vae_vmem(requested: int | None, target: Target) -> int | None:
     """MiB of scoped VMEM the VAE decode is compiled for (TPU only): auto (None) is
     VAE_VMEM_MIB, 0 the compiler's default."""
@@ -318,18 +329,18 @@ class CallLedger:
 def build(
     plan: BuildPlan,
     out_root: Path,
-    force: bool = False,
-    progress: Callable[[str], None] | None = None,
     ledger: CallLedger | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> BuildResult:
     """Make (or reuse) the build folder of `plan`. Atomic: the folder appears complete or not
-    at all; a lock keeps two builds of one key apart. Builds of one call share a `ledger`."""
-    ledger = ledger if ledger is not None else CallLedger(force)
+    at all; a lock keeps two builds of one key apart. Builds of one call share a `ledger`
+    (which also says --force)."""
+    ledger = ledger if ledger is not None else CallLedger()
     out_root.mkdir(parents=True, exist_ok=True)
     folder = out_root / plan.key.folder_name()
     fingerprint = compiler_fingerprint(plan.target)
     with locked(out_root / ".locks" / f"{folder.name}.lock"):
-        if not force and (existing := existing_build(out_root, plan, fingerprint)) is not None:
+        if not ledger.force and (existing := existing_build(out_root, plan, fingerprint)):
             return BuildResult(plan, folder, existing, skipped=True, programs={})
         for stale in out_root.glob(f".tmp-{folder.name}-*"):
             shutil.rmtree(stale, ignore_errors=True)  # left by a killed build of this key
@@ -431,7 +442,6 @@ def _compile(
 _VMEM_HINTS = {
     "vae_decode": "a smaller --vae-vmem",
     "denoise_step": "smaller --attention splash blocks (e.g. splash:1024:1024:512)",
-    "kv_cache": "smaller --attention splash blocks (e.g. splash:1024:1024:512)",
 }
 
 

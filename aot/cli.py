@@ -145,7 +145,7 @@ def build_cmd(out, force, strict, policy_path, as_json, jobs, **matrix) -> None:
         if jobs > 1:
             compile_distinct(plans, out, jobs, ledger, show_progress=not as_json)
         progress = None if as_json else (lambda line: click.echo(line, err=True))
-        results = [builder.build(plan, out, force, progress, ledger) for plan in plans]
+        results = [builder.build(plan, out, ledger, progress) for plan in plans]
     except (check.CheckInputError, JobsError, builder.BuildError) as e:
         raise CliError(str(e)) from None
     built = sum(not r.skipped for r in results)
@@ -198,9 +198,7 @@ def _plans(
         if vae_spatial != "auto" and not vae_spatial.isdigit():
             raise ValueError(f"--vae-spatial {vae_spatial}: use auto or a positive integer")
         spatial = None if vae_spatial == "auto" else int(vae_spatial)
-        if vae_vmem not in ("auto", "default") and not vae_vmem.isdigit():
-            raise ValueError(f"--vae-vmem {vae_vmem}: use auto, default or a number of MiB")
-        vmem = int(vae_vmem) if vae_vmem.isdigit() else {"auto": None, "default": 0}[vae_vmem]
+        vmem = builder.parse_vae_vmem(vae_vmem)
         name = Path(model).name if Path(model).is_dir() else model
         return [
             builder.plan_build(

@@ -19,9 +19,10 @@ from pathlib import Path
 
 from aot import build, store, targets
 
-# One XLA compile keeps about two cores busy (libtpu's backend passes run in parallel: 187% CPU
-# on a 2-core host over the 14B 720p build) and takes up to ~5 GiB (the largest peak RSS in
-# docs/benchmarks.md, the 14B VAE decode).
+# One XLA compile keeps about two cores busy (libtpu's backend passes run in parallel: 182-191%
+# CPU on a 2-core host over the 14B 720p builds) and takes up to ~5 GiB (the 14B 720p build's
+# peak RSS at --vae-vmem default was 3.8 GB and 5.2 GB with the older decoder; 1.5 GB at 4 MiB;
+# docs/benchmarks.md).
 CORES_PER_COMPILE = 2
 BYTES_PER_COMPILE = 6 << 30
 
@@ -92,10 +93,13 @@ def compile_distinct(
                 pid, compiled = future.result()
                 if compiled:
                     ledger.compiled.add(pid)
-        except concurrent.futures.process.BrokenProcessPool:
-            raise build.BuildError(
-                "a compile worker died (out of memory?): run again with fewer --jobs"
-            ) from None
+        except BaseException as e:
+            pool.shutdown(cancel_futures=True)  # one failure ends the call: compile no more
+            if isinstance(e, concurrent.futures.process.BrokenProcessPool):
+                raise build.BuildError(
+                    "a compile worker died (out of memory?): run again with fewer --jobs"
+                ) from None
+            raise
 
 
 def _compile_one(

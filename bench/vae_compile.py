@@ -75,9 +75,8 @@ def measure(
     from wan.presets import PRESETS
 
     shape = programs.VideoShape(width, height, 4 * (latent_frames - 1) + 1, batch=batch)
-    vmem = (
-        {} if vae_vmem is None else {"vae_vmem_mib": 0 if vae_vmem == "default" else int(vae_vmem)}
-    )
+    # --vae-vmem is only given to this tree (older ones may predate it)
+    vmem = {} if vae_vmem is None else {"vae_vmem_mib": build.parse_vae_vmem(vae_vmem)}
     plan = build.plan_build(
         preset, PRESETS[preset], shape, target, len(targets.devices(target)), **vmem
     )
