@@ -41,13 +41,14 @@ from wan import interface, sharding
 from wan import programs as wan_programs
 from wan.atomic import atomic_folder, locked
 from wan.configs import ModelConfig, VideoShape
+from wan.errors import InputError
 
 # Test hook: kill the process right after this program's files are written.
 KILL_AFTER_ENV = "AOT_TEST_KILL_AFTER"
 BLOCKWISE_MIN_TOKENS = 8192  # above this, naive attention's temporaries dominate memory
 
 
-class BuildError(ValueError):
+class BuildError(InputError):
     """A build request that cannot be satisfied; the message says what to change."""
 
 

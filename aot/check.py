@@ -82,6 +82,7 @@ from runtime.artifact import (
     sha256_file,
 )
 from runtime.loader import build_folders
+from wan.errors import InputError
 from wan.interface import PROGRAMS
 
 SCHEMA_VERSION = 1
@@ -90,7 +91,7 @@ GiB = float(1 << 30)
 TABLE_INSTRUCTIONS = 5  # per violation in the text table; --json lists them all
 
 
-class CheckInputError(ValueError):
+class CheckInputError(InputError):
     """Bad input to the check (policy or build folders); the message is one line."""
 
 

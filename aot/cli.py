@@ -16,7 +16,7 @@ from pathlib import Path
 import click
 
 from aot import targets
-from runtime.cli_args import CliError, parse_resolution
+from runtime.cli_args import CliError, OneLineErrors, parse_resolution
 
 POLICY_OPTION = click.option(
     "--policy",
@@ -26,7 +26,7 @@ POLICY_OPTION = click.option(
 )
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 def cli() -> None:
     """Ahead-of-time compile the WAN text-to-video programs for any target."""
 

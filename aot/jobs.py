@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from aot import build, store, targets
+from wan.errors import InputError
 
 # One XLA compile keeps about two cores busy (libtpu's backend passes run in parallel: 182-191%
 # CPU on a 2-core host over the 14B 720p builds) and takes up to ~5 GiB (the 14B 720p build's
@@ -27,7 +28,7 @@ CORES_PER_COMPILE = 2
 BYTES_PER_COMPILE = 6 << 30
 
 
-class JobsError(ValueError):
+class JobsError(InputError):
     """--jobs cannot be used as asked."""
 
 

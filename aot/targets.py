@@ -18,6 +18,7 @@ import re
 from typing import Any
 
 from runtime import processes
+from wan.errors import InputError
 
 GiB = 1 << 30
 
@@ -72,7 +73,7 @@ TPU_ALIASES = {
 _TOPOLOGY = re.compile(r"^(v4|v5e|v5p|v6e|tpu7x):(\d+(?:x\d+){1,2})(?:/(\d+(?:x\d+){1,2}))?$")
 
 
-class TargetError(ValueError):
+class TargetError(InputError):
     """Unknown or unusable target: the message says which targets exist or what to install."""
 
 

@@ -19,12 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from wan.configs import VideoShape
+from wan.errors import InputError
 
 SCHEMA_VERSION = 2  # 2: program inputs and outputs by name (wan.interface)
 MANIFEST = "manifest.json"
 
 
-class ArtifactError(RuntimeError):
+class ArtifactError(InputError):
     """An artifact cannot be used here; the message says why and what to do."""
 
 

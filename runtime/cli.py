@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from runtime import clock, processes
 from runtime.artifact import ArtifactError, Manifest
-from runtime.cli_args import CliError, parse_resolution
+from runtime.cli_args import CliError, OneLineErrors, parse_resolution
 from runtime.loader import Present, Request, match_build
 from runtime.outputs import OutputError, check_writable
 from runtime.video import video_paths
@@ -29,7 +29,7 @@ from wan.configs import ModelConfig, VideoShape
 from wan.presets import model_spec
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 def cli() -> None:
     """Run WAN text-to-video from `aot build` artifacts."""
 

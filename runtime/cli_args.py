@@ -3,14 +3,36 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import click
+
+from wan.errors import InputError
 
 
 class CliError(click.ClickException):
     """One line on stderr, exit status 2."""
 
     exit_code = 2
+
+
+class OneLineErrors(click.Group):
+    """A command group whose commands end on unusable input (`InputError`) or a failed system
+    call (`OSError`: a full disk, a permission) with one line and exit 2, never a traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except InputError as e:
+            raise CliError(str(e)) from None
+        except OSError as e:
+            raise CliError(os_error_text(e)) from None
+
+
+def os_error_text(e: OSError) -> str:
+    """'<file>: <reason>' for a failed system call."""
+    where = f"{e.filename}: " if e.filename else ""
+    return f"{where}{e.strerror or e}"
 
 
 def parse_resolution(text: str) -> tuple[int, int]:

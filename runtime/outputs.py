@@ -6,8 +6,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from wan.errors import InputError
 
-class OutputError(ValueError):
+
+class OutputError(InputError):
     """A path the run would write cannot be written; the message says why."""
 
 

@@ -10,6 +10,8 @@ import socket
 import time
 from pathlib import Path
 
+from wan.errors import InputError
+
 JOIN_TIMEOUT_S = 120  # a process that never arrives fails the job instead of hanging it
 
 
@@ -33,7 +35,7 @@ def host_platform() -> str:
     return "gpu" if Path("/dev/nvidia0").exists() else "cpu"
 
 
-class JobError(RuntimeError):
+class JobError(InputError):
     """This process could not join its jax.distributed job; the message says what to check."""
 
 

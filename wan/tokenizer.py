@@ -25,13 +25,15 @@ from typing import Any
 import numpy as np
 import tokenizers
 
+from wan.errors import InputError
+
 try:
     import ftfy
 except ImportError:  # optional, as in diffusers
     ftfy = None
 
 
-class TokenizerError(ValueError):
+class TokenizerError(InputError):
     """A tokenizer folder is missing or cannot be loaded."""
 
 

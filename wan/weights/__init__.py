@@ -21,6 +21,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from wan.errors import InputError
+
 Path_ = tuple[str, ...]
 
 _SAFETENSORS_DTYPES = {
@@ -62,7 +64,7 @@ class Target:
 Rule = Callable[[str], Target | None]  # None: the tensor has no parameter here (a buffer)
 
 
-class WeightError(ValueError):
+class WeightError(InputError):
     """A weight file does not fit the model: names the parameter and the expected shape."""
 
 
