@@ -159,6 +159,7 @@ def test_splash_blocks_fit_each_generations_vmem(generation, monkeypatch):
     the kernel's scratch fits its scoped VMEM."""
     from aot import targets
 
+    pytest.importorskip("libtpu", reason="needs the tpu extra")
     target = targets.parse_target(_generation_targets()[generation])
     for key, value in dict(
         TPU_SKIP_MDS_QUERY="1",
@@ -169,10 +170,7 @@ def test_splash_blocks_fit_each_generations_vmem(generation, monkeypatch):
         TPU_STDERR_LOG_LEVEL="3",
     ).items():
         monkeypatch.setenv(key, value)
-    try:
-        device = targets.devices(target)[0]
-    except targets.TargetError as e:
-        pytest.skip(f"deviceless {target.name} unavailable: {e}")
+    device = targets.devices(target)[0]
     blocks = SplashBlocks(*targets.SPLASH_BLOCKS[generation])
     on_chip = jax.sharding.SingleDeviceSharding(device)
     q = jax.ShapeDtypeStruct((2, 2 * blocks.q, 2, 128), jnp.bfloat16, sharding=on_chip)

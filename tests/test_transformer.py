@@ -167,7 +167,8 @@ def test_bfloat16_model(pair):
     got = _forward(bf16_graphdef, params, latents, timestep, text)
     want = _forward(graphdef, state, latents, timestep, text)
     assert got.dtype == jnp.bfloat16
-    np.testing.assert_allclose(got.astype(np.float32), want, atol=0.1 * np.abs(want).max())
+    # bf16 rounding gives 0.61% and 0.74% of the output range on the two configs; 2% still fails a 5% error.
+    np.testing.assert_allclose(got.astype(np.float32), want, atol=0.02 * np.abs(want).max())
 
 
 def test_scalar_timestep_broadcasts(pair):
