@@ -11,8 +11,10 @@ has it.
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import multiprocessing
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -76,7 +78,9 @@ def compile_distinct(
         return
     out_root.mkdir(parents=True, exist_ok=True)
     context = multiprocessing.get_context("spawn")  # a fresh jax per worker
-    with concurrent.futures.ProcessPoolExecutor(min(jobs, len(tasks)), mp_context=context) as pool:
+    with concurrent.futures.ProcessPoolExecutor(
+        min(jobs, len(tasks)), mp_context=context, initializer=_die_with, initargs=(os.getpid(),)
+    ) as pool:
         futures = [
             pool.submit(
                 _compile_one,
@@ -101,6 +105,16 @@ def compile_distinct(
                     "a compile worker died (out of memory?): run again with fewer --jobs"
                 ) from None
             raise
+
+
+def _die_with(parent: int) -> None:
+    """In a worker, first: be killed when the parent dies (Linux's parent-death signal), so a
+    killed `aot build` leaves no compile running; exit now if it died before this ran."""
+    PR_SET_PDEATHSIG = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def _compile_one(

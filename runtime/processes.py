@@ -4,6 +4,7 @@ build, and membership in the jax.distributed job of a multi-process build (one p
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
@@ -62,46 +63,20 @@ def join(
 
 def _rendezvous(coordinator: str, num_processes: int, process_id: int, timeout: int) -> None:
     """Process 0 listens on the coordinator's port until every other process has reported its
-    (id, count); then all go on to jax.distributed, which process 0 serves on that port."""
-    host, _, port = coordinator.rpartition(":")
-    if not host or not port.isdigit():
-        raise JobError(f"coordinator {coordinator!r} is not HOST:PORT")
-    hello = f"{process_id} {num_processes}\n".encode()
+    (id, count); then all go on to jax.distributed, which process 0 serves on that port.
+    Everything waits `timeout` seconds at most, whatever a peer sends or withholds."""
+    host, port = _address(coordinator)
     deadline = time.monotonic() + timeout
     if process_id == 0:
-        with socket.create_server(("", int(port))) as server:
-            peers: dict[int, socket.socket] = {}
-            while len(peers) < num_processes - 1:
-                server.settimeout(max(deadline - time.monotonic(), 0.01))
-                try:
-                    conn, _ = server.accept()
-                except TimeoutError:
-                    missing = sorted(set(range(1, num_processes)) - set(peers))
-                    raise JobError(
-                        f"processes {missing} of the {num_processes}-process job did not reach "
-                        f"{coordinator} within {timeout} s: start them with the same "
-                        "--coordinator and --num-processes"
-                    ) from None
-                pid, count = (int(v) for v in conn.makefile().readline().split())
-                if count != num_processes or pid in peers or not 0 < pid < num_processes:
-                    conn.sendall(b"refused\n")
-                    raise JobError(
-                        f"a process joined as {pid} of {count}; this job has {num_processes} "
-                        "processes, each with its own --process-id in [1, P) beside process 0"
-                    )
-                peers[pid] = conn
-            for conn in peers.values():
-                conn.sendall(b"go\n")
-            for conn in peers.values():  # peers hang up first: the port is left free for jax
-                conn.recv(1)
-                conn.close()
+        _admit_peers(coordinator, port, num_processes, deadline, timeout)
         return
+    hello = f"{process_id} {num_processes}\n".encode()
     while True:
         try:
-            with socket.create_connection((host, int(port)), timeout=5) as conn:
+            with socket.create_connection((host, port), timeout=5) as conn:
                 conn.sendall(hello)
                 conn.settimeout(max(deadline - time.monotonic(), 0.01))
-                answer = conn.makefile().readline().strip()
+                answer = conn.makefile("rb").readline(MAX_LINE).strip()
             break
         except OSError:  # process 0 is not listening yet
             if time.monotonic() > deadline:
@@ -110,8 +85,92 @@ def _rendezvous(coordinator: str, num_processes: int, process_id: int, timeout: 
                     f"{timeout} s: start it with --process-id 0 on that host"
                 ) from None
             time.sleep(0.2)
-    if answer != "go":
+    if answer != b"go":
         raise JobError(
             f"process 0 at {coordinator} did not admit process {process_id} of {num_processes}: "
             "another process is missing or misconfigured (see process 0's error)"
         )
+
+
+MAX_LINE = 64  # a hello is "<id> <count>\n"; a longer line is not one
+HELLO_TIMEOUT_S = 10  # a peer sends its hello at once; one that stays silent is dropped
+_HELLO = re.compile(rb"(\d{1,9}) (\d{1,9})\n?")
+
+
+def _address(coordinator: str) -> tuple[str, int]:
+    """(host, port) of HOST:PORT, the host resolved: a bad address is a JobError now rather
+    than a wait for a peer that cannot come."""
+    host, _, port = coordinator.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise JobError(f"coordinator {coordinator!r} is not HOST:PORT with a port in [1, 65535]")
+    try:
+        socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as e:  # socket.gaierror; an over-long label is a UnicodeError
+        raise JobError(
+            f"coordinator host {host!r} cannot be resolved ({e}): check --coordinator"
+        ) from None
+    return host, int(port)
+
+
+def _admit_peers(coordinator: str, port: int, count: int, deadline: float, timeout: int) -> None:
+    """As process 0: wait for the hellos of processes 1..count-1 until `deadline`, then send
+    each "go" and let them hang up first (the port is left free for jax)."""
+    try:
+        server = socket.create_server(("", port))
+    except OSError as e:
+        raise JobError(
+            f"process 0 cannot listen on port {port} ({e.strerror or e}): choose a free port "
+            "in --coordinator"
+        ) from None
+    peers: dict[int, socket.socket] = {}
+    with server:
+        try:
+            while len(peers) < count - 1:
+                server.settimeout(max(deadline - time.monotonic(), 0.01))
+                try:
+                    conn, _ = server.accept()
+                except TimeoutError:
+                    missing = sorted(set(range(1, count)) - set(peers))
+                    raise JobError(
+                        f"processes {missing} of the {count}-process job did not reach "
+                        f"{coordinator} within {timeout} s: start them with the same "
+                        "--coordinator and --num-processes"
+                    ) from None
+                pid = _hello(conn, coordinator, count, set(peers), deadline)
+                if pid is not None:
+                    peers[pid] = conn
+            for conn in peers.values():
+                conn.sendall(b"go\n")
+            for conn in peers.values():
+                conn.settimeout(HELLO_TIMEOUT_S)
+                with contextlib.suppress(OSError):  # one that does not hang up is not waited for
+                    conn.recv(1)
+        finally:
+            for conn in peers.values():
+                conn.close()
+
+
+def _hello(
+    conn: socket.socket, coordinator: str, count: int, joined: set[int], deadline: float
+) -> int | None:
+    """The process id a new connection reports (None, the connection closed, for one that
+    stays silent or hangs up); a line that is not a hello of this job is a JobError."""
+    conn.settimeout(max(min(deadline - time.monotonic(), HELLO_TIMEOUT_S), 0.01))
+    try:
+        line = conn.makefile("rb").readline(MAX_LINE)
+    except OSError:  # silent until the timeout: not a process of this job
+        line = b""
+    if not line:
+        conn.close()
+        return None
+    match = _HELLO.fullmatch(line)
+    pid, got = (int(match[1]), int(match[2])) if match else (None, None)
+    if got != count or pid in joined or not 0 < pid < count:
+        with contextlib.suppress(OSError), conn:  # the peer may be gone already
+            conn.sendall(b"refused\n")
+        said = f"as {pid} of {got}" if match else f"with {line[:MAX_LINE]!r}"
+        raise JobError(
+            f"a process joined {coordinator} {said}; this job has {count} processes, each "
+            "with its own --process-id in [1, P) beside process 0"
+        )
+    return pid

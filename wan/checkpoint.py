@@ -102,7 +102,7 @@ def load_component(
         if (path / PARAMS).is_file():
             host = _read_params(path / PARAMS, flat_abstract)
             return _place_all(host, flat_abstract, deltas, abstract)
-        stored = _orbax_shapes(path)
+        stored = _orbax_shapes(path, component)
         _check_shapes(stored, flat_abstract)
         with ocp.StandardCheckpointer() as ckptr:
             restored = ckptr.restore(path.absolute(), abstract)
@@ -142,6 +142,8 @@ def _read_params(
     `flat_abstract`."""
     stored = {tuple(name.split("/")): array for name, array in weights.read_safetensors(file)}
     _check_shapes({p: a.shape for p, a in stored.items()}, flat_abstract)
+    for p, want in flat_abstract.items():
+        weights.check_dtype(f"{file}: {'/'.join(p)}", stored[p].dtype, want.dtype)
     return {p: stored[p] for p in flat_abstract}
 
 
@@ -200,10 +202,19 @@ def _merge_placed(array: jax.Array, delta: ParamDelta) -> jax.Array:
     return jax.make_array_from_single_device_arrays(array.shape, array.sharding, pieces)
 
 
-def _orbax_shapes(path: Path) -> dict[weights.Path_, tuple[int, ...]]:
-    with ocp.StandardCheckpointer() as ckptr:
-        meta = ckptr.metadata(path.absolute()).item_metadata
-    return {p: m.shape for p, m in weights.flatten(getattr(meta, "tree", meta)).items()}
+def _orbax_shapes(path: Path, component: str) -> dict[weights.Path_, tuple[int, ...]]:
+    """The shapes of an orbax checkpoint (format 1) in `path`: a folder with neither it nor
+    params.safetensors is a WeightError."""
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            meta = ckptr.metadata(path.absolute()).item_metadata
+        tree = weights.flatten(getattr(meta, "tree", meta))
+    except Exception:  # orbax raises FileNotFoundError, ValueError, KeyError, ...; None: empty
+        raise weights.WeightError(
+            f"{path / PARAMS} is missing: the checkpoint's {component} weights are gone; "
+            "write the checkpoint again"
+        ) from None
+    return {p: m.shape for p, m in tree.items()}
 
 
 def _check_shapes(

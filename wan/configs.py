@@ -5,13 +5,16 @@ Flax-free on purpose: the runtime reads configs and presets without importing mo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Self
+
+from wan.errors import InputError
 
 # Wan 2.1 VAE latent statistics (diffusers' AutoencoderKLWan defaults).
 WAN21_LATENTS_MEAN = (
@@ -25,13 +28,99 @@ WAN21_LATENTS_STD = (
 
 
 CHECKPOINT_MARKER = "wan_checkpoint.json"  # a project checkpoint's metadata (wan.checkpoint)
+DTYPES = ("float32", "bfloat16", "float16")  # what a model's weights and activations may use
+MAX_CONFIG_BYTES = 16 << 20  # a config.json is a few KiB; a bigger one is not a config
 
 
-def _from_dict(cls, raw: dict[str, Any]):
-    """Build `cls` from a config.json dict: known fields only, lists become tuples."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items() if k in names}
+class WeightError(InputError):
+    """A weights folder does not fit the model: names the file and the key or parameter.
+    (Defined here, with no heavy import, so that reading a config stays light.)"""
+
+
+# Integer fields' (lowest, highest) values: the highest are far above every released model
+# (the 14B: 5120 wide, 40 layers, a 256384-token vocabulary) and keep a lying config from
+# describing a model no memory can hold.
+_WIDTH = (1, 1 << 16)
+_INT_RANGES = {
+    "patch_size": (1, 64),
+    "num_attention_heads": (1, 1024),
+    "attention_head_dim": (1, 4096),
+    "num_layers": (1, 1024),
+    "vocab_size": (1, 1 << 22),
+    "rope_max_seq_len": (1, 1 << 16),
+    "max_length": (1, 1 << 16),
+    "dim_mult": (1, 64),
+    "num_res_blocks": (1, 64),
+    "in_channels": (1, 1024),
+    "out_channels": (1, 1024),
+    "z_dim": (1, 1024),
+    "relative_attention_num_buckets": (1, 1 << 16),
+    "relative_attention_max_distance": (1, 1 << 20),
+    "num_train_timesteps": (1, 1 << 20),
+    "solver_order": (1, 3),
+}
+# Float fields that must be positive (all must be finite).
+_POSITIVE = {"eps", "layer_norm_epsilon", "latents_std", "flow_shift"}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+def _problem(name: str, kind: str, value: Any) -> str | None:
+    """Why `value` does not fit field `name` of annotation `kind` (None when it fits)."""
+    if kind.endswith(" | None"):
+        return None if value is None else _problem(name, kind.removesuffix(" | None"), value)
+    if kind.startswith("tuple["):
+        item, _, rest = kind[len("tuple[") : -1].partition(", ")
+        length = None if rest == "..." else kind.count(",") + 1
+        fits = isinstance(value, list | tuple) and length in (None, len(value))
+        if fits and not any(_problem(name, item, v) for v in value):
+            return None
+        return f"a list of {f'{length} ' if length else ''}items, each {_problem(name, item, None)}"
+    if kind == "int":
+        low, high = _INT_RANGES.get(name, _WIDTH)
+        return None if _is_int(value) and low <= value <= high else f"an integer in [{low}, {high}]"
+    if kind == "float":
+        if not _is_number(value):
+            return "a finite number"
+        return "a positive number" if name in _POSITIVE and value <= 0 else None
+    if kind == "bool":
+        return None if isinstance(value, bool) else "true or false"
+    if kind == "str":
+        return None if isinstance(value, str) else "a string"
+    raise AssertionError(f"no check for {kind}")  # a field added without one
+
+
+def _from_dict(cls, raw: Any):
+    """Build `cls` from a config.json dict: known fields only (each checked against its type
+    and range), lists become tuples."""
+    if not isinstance(raw, dict):
+        raise WeightError(f"the config is {excerpt(raw)}, expected a JSON object")
+    fields = {f.name: f.type for f in dataclasses.fields(cls)}
+    for name, value in raw.items():
+        if name in fields and (problem := _problem(name, fields[name], value)):
+            raise WeightError(f"{name} is {excerpt(value)}, expected {problem}")
+    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items() if k in fields}
     return cls(**kwargs)
+
+
+def excerpt(value: Any) -> str:
+    """`value` of a config or header as JSON, cut short: a message stays one line."""
+    try:
+        text = json.dumps(value, default=repr)
+    except RecursionError:  # nested as deep as the parser allowed
+        text = f"a deeply nested {type(value).__name__}"
+    return text if len(text) <= 60 else f"{text[:57]}..."
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise WeightError(message)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +186,22 @@ class VAEConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> Self:
-        return _from_dict(cls, raw)
+        config = _from_dict(cls, raw)
+        _require(
+            1 <= len(config.dim_mult) <= 8,
+            f"dim_mult has {len(config.dim_mult)} levels, expected 1 to 8",
+        )
+        _require(
+            len(config.temperal_downsample) == len(config.dim_mult) - 1,
+            f"temperal_downsample has {len(config.temperal_downsample)} entries, expected one "
+            f"per downsampling level ({len(config.dim_mult) - 1})",
+        )
+        for name in ("latents_mean", "latents_std"):
+            count = len(getattr(config, name))
+            _require(
+                count == config.z_dim, f"{name} has {count} values, expected z_dim's {config.z_dim}"
+            )
+        return config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,13 +235,32 @@ class SchedulerConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> Self:
+        """Our own form (`ModelConfig.to_dict`'s), checked."""
+        config = _from_dict(cls, raw)
+        _require(
+            config.kind in ("unipc", "euler"),
+            f"kind is {excerpt(config.kind)}, expected unipc or euler",
+        )
+        return config
+
+    @classmethod
+    def from_diffusers(cls, raw: dict[str, Any]) -> Self:
+        """A diffusers scheduler_config.json."""
+        if not isinstance(raw, dict):
+            raise WeightError(f"the config is {excerpt(raw)}, expected a JSON object")
         kind = "euler" if raw.get("_class_name") == "FlowMatchEulerDiscreteScheduler" else "unipc"
         shift = raw.get("flow_shift", raw.get("shift", 5.0))
-        return cls(
-            kind=kind,
-            num_train_timesteps=raw.get("num_train_timesteps", 1000),
-            flow_shift=float(shift if shift is not None else 1.0),
-            solver_order=raw.get("solver_order", 2),
+        _require(
+            _is_number(shift) or shift is None,
+            f"flow_shift is {excerpt(shift)}, expected a positive number",
+        )
+        return cls.from_dict(
+            {
+                "kind": kind,
+                "num_train_timesteps": raw.get("num_train_timesteps", 1000),
+                "flow_shift": float(shift if shift is not None else 1.0),
+                "solver_order": raw.get("solver_order", 2),
+            }
         )
 
 
@@ -168,15 +291,24 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> Self:
-        """Inverse of `to_dict`."""
+        """Inverse of `to_dict`; a value of the wrong type or range is a WeightError naming
+        its key."""
+        if not isinstance(raw, dict):
+            raise WeightError(f"the model is {excerpt(raw)}, expected a JSON object")
+        parts = {"transformer": TransformerConfig, "vae": VAEConfig}
+        parts |= {"text_encoder": TextEncoderConfig, "scheduler": SchedulerConfig}
+        for key in ("name", *parts):
+            _require(key in raw, f"{key} is missing")
+        _require(isinstance(raw["name"], str), f"name is {excerpt(raw['name'])}, expected a string")
+        config = {}
+        for key, part in parts.items():
+            with _key_prefix(key):
+                config[key] = part.from_dict(raw[key])
         return cls(
             name=raw["name"],
-            transformer=TransformerConfig.from_dict(raw["transformer"]),
-            vae=VAEConfig.from_dict(raw["vae"]),
-            text_encoder=TextEncoderConfig.from_dict(raw["text_encoder"]),
-            scheduler=SchedulerConfig(**raw["scheduler"]),
-            boundary_ratio=raw.get("boundary_ratio"),
-            dtype=raw.get("dtype", "bfloat16"),
+            **config,
+            boundary_ratio=_boundary_ratio(raw.get("boundary_ratio")),
+            dtype=_dtype(raw.get("dtype", "bfloat16")),
         )
 
     @classmethod
@@ -184,7 +316,10 @@ class ModelConfig:
         """The config of a project checkpoint or of a diffusers-format folder (JSON only)."""
         marker = Path(folder) / CHECKPOINT_MARKER
         if marker.is_file():
-            return cls.from_dict(json.loads(marker.read_text())["model"])
+            meta = read_json(marker)
+            with _in_file(marker):
+                _require(isinstance(meta, dict) and "model" in meta, "has no model")
+                return cls.from_dict(meta["model"])
         return cls.from_diffusers(folder)
 
     @classmethod
@@ -195,28 +330,78 @@ class ModelConfig:
 
         root = Path(folder)
 
-        def read(sub: str) -> dict[str, Any]:
+        def read(sub: str, part: type) -> Any:
             path = root / sub / "config.json"
             if not path.is_file():
-                raise FileNotFoundError(f"{path} is missing: not a diffusers-format WAN folder")
-            return json.loads(path.read_text())
+                raise WeightError(f"{path} is missing: not a diffusers-format WAN folder")
+            with _in_file(path):
+                return part.from_dict(read_json(path))
 
-        pipeline = (
-            json.loads((root / "model_index.json").read_text())
-            if (root / "model_index.json").is_file()
-            else {}
-        )
+        index = root / "model_index.json"
+        pipeline = read_json(index) if index.is_file() else {}
         sched_path = root / "scheduler" / "scheduler_config.json"
-        sched = json.loads(sched_path.read_text()) if sched_path.is_file() else {}
+        with _in_file(sched_path):
+            scheduler = SchedulerConfig.from_diffusers(
+                read_json(sched_path) if sched_path.is_file() else {}
+            )
+        with _in_file(index):
+            _require(isinstance(pipeline, dict), f"is {excerpt(pipeline)}, expected a JSON object")
+            boundary_ratio = _boundary_ratio(pipeline.get("boundary_ratio"))
         return cls(
             name=root.name,
-            transformer=TransformerConfig.from_dict(read("transformer")),
-            vae=VAEConfig.from_dict(read("vae")),
-            text_encoder=TextEncoderConfig.from_dict(read("text_encoder")),
-            scheduler=SchedulerConfig.from_dict(sched),
-            boundary_ratio=pipeline.get("boundary_ratio"),
+            transformer=read("transformer", TransformerConfig),
+            vae=read("vae", VAEConfig),
+            text_encoder=read("text_encoder", TextEncoderConfig),
+            scheduler=scheduler,
+            boundary_ratio=boundary_ratio,
             dtype=dtype or stored_dtype(root / "transformer"),
         )
+
+
+def read_json(path: Path) -> Any:
+    """A config file's JSON (bounded in size); anything else is a WeightError naming it."""
+    try:
+        with path.open("rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+        if len(data) > MAX_CONFIG_BYTES:
+            raise WeightError(f"{path} is over {MAX_CONFIG_BYTES >> 20} MiB: not a config file")
+        return json.loads(data.decode())
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError too
+        reason = "nested too deeply" if isinstance(e, RecursionError) else "not UTF-8 JSON"
+        raise WeightError(f"{path} is {reason}: restore the model's original file") from None
+
+
+@contextlib.contextmanager
+def _in_file(path: Path) -> Iterator[None]:
+    """A WeightError raised inside names `path` and says what to do."""
+    try:
+        yield
+    except WeightError as e:
+        if str(e).startswith(str(path)):
+            raise
+        raise WeightError(f"{path}: {e}: restore the model's original file") from None
+
+
+@contextlib.contextmanager
+def _key_prefix(key: str) -> Iterator[None]:
+    """A WeightError raised inside says it is about the part `key`."""
+    try:
+        yield
+    except WeightError as e:
+        raise WeightError(f"{key}: {e}") from None
+
+
+def _boundary_ratio(value: Any) -> float | None:
+    _require(
+        value is None or (_is_number(value) and 0 < value < 1),
+        f"boundary_ratio is {excerpt(value)}, expected a number between 0 and 1 (or none)",
+    )
+    return value
+
+
+def _dtype(value: Any) -> str:
+    _require(value in DTYPES, f"dtype is {excerpt(value)}, expected one of {', '.join(DTYPES)}")
+    return value
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,13 +19,21 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from wan.weights import Path_, WeightError, linear, read_safetensors, safetensors_metadata
+from wan.weights import (
+    Path_,
+    WeightError,
+    dtype_kind,
+    linear,
+    read_safetensors,
+    safetensors_metadata,
+)
 from wan.weights import transformer as transformer_rules
 
 FORMATS = (
@@ -162,14 +170,22 @@ class AppliedLora:
 
 
 def parse_spec(text: str) -> tuple[Path, float]:
-    """`FILE[:SCALE]` -> (path, scale); scale 1.0 when absent."""
+    """`FILE[:SCALE]` -> (path, scale); scale 1.0 when absent. What follows the last colon is
+    the scale unless it reads as a file name (a ':' inside a path); a scale that is not a
+    finite number is a LoraError."""
     path, sep, scale = text.rpartition(":")
-    if sep:
-        try:
-            return Path(path), float(scale)
-        except ValueError:
-            pass
-    return Path(text), 1.0
+    if not sep or "/" in scale or scale.endswith(".safetensors"):
+        return Path(text), 1.0
+    try:
+        value = float(scale)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise LoraError(
+            f"LoRA {text}: the scale {scale!r} is not a finite number: use FILE:SCALE with a "
+            "finite SCALE such as 0.8"
+        )
+    return Path(path), value
 
 
 def detect_format(names: Sequence[str]) -> str:
@@ -221,11 +237,34 @@ def read_lora(path: str | Path) -> LoraFile:
         if split is None:
             raise LoraError(f"LoRA {path}: key {key} names no transformer weight ({_known()})")
         module, part = split
+        _check_values(path, key, part, tensor)
         entry = modules.setdefault(module, Module({}, {}))
         if part in entry.keys:
             raise LoraError(f"LoRA {path}: {key} and {entry.keys[part]} are the same tensor")
         entry.keys[part], entry.tensors[part] = key, tensor
     return LoraFile(path, fmt, modules, _metadata_alpha(path, metadata))
+
+
+def _check_values(path: Path, key: str, part: str, tensor: np.ndarray) -> None:
+    """A LoRA tensor holds finite floats (an alpha may be an integer): a NaN or Inf would
+    blacken every frame, an integer label on float data would misread it."""
+    kind = dtype_kind(tensor.dtype)
+    if kind not in (("float", "integer") if part == "alpha" else ("float",)):
+        raise LoraError(
+            f"LoRA {path}: {key} is stored as {tensor.dtype.name}; a LoRA's tensors are floats"
+        )
+    if kind == "float" and not np.isfinite(tensor).all():
+        raise LoraError(
+            f"LoRA {path}: {key} holds NaN or infinite values: the file is damaged, use another one"
+        )
+
+
+def _positive_alpha(where: str, value: object) -> float:
+    """An alpha as a float; one that is not a finite positive number is a LoraError."""
+    number = value if isinstance(value, int | float) and not isinstance(value, bool) else None
+    if number is None or not math.isfinite(number) or number <= 0:
+        raise LoraError(f"{where} is {value!r}, not a finite positive number: fix the file")
+    return float(number)
 
 
 def _known() -> str:
@@ -240,13 +279,13 @@ def _metadata_alpha(path: Path, metadata: Mapping[str, str]) -> float | None:
         return None
     try:
         config = {k.removeprefix("transformer."): v for k, v in json.loads(raw).items()}
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         raise LoraError(f"LoRA {path}: lora_adapter_metadata is not a JSON object") from None
     for unsupported in ("use_rslora", "use_dora", "alpha_pattern"):
         if config.get(unsupported):
             raise LoraError(f"LoRA {path}: {unsupported} is not supported")
     alpha = config.get("lora_alpha")
-    return None if alpha is None else float(alpha)
+    return None if alpha is None else _positive_alpha(f"LoRA {path}: lora_alpha", alpha)
 
 
 def file_sha256(path: Path) -> str:
@@ -350,17 +389,21 @@ def _low_rank(
         have, miss = ("down", "up") if "down" in parts else ("up", "down")
         raise LoraError(f"{where}: {keys.get(have) or keys['alpha']} has no lora_{miss} partner")
     down, up = parts["down"], parts["up"]
-    got = (down.shape[-1], up.shape[0])
-    if down.ndim != 2 or up.ndim != 2 or up.shape[1] != down.shape[0] or got != want:
+    got = (down.shape[-1], up.shape[0]) if down.ndim == up.ndim == 2 else None
+    if got != want or up.shape[1] != down.shape[0]:
         raise LoraError(
             f"{where}: {keys['down']} (down {down.shape}, up {up.shape}) does not fit "
             f"{'.'.join(param)}: the update is {got} (in, out), the parameter {want}"
         )
     rank = down.shape[0]
+    if rank == 0:
+        raise LoraError(f"{where}: {keys['down']} has rank 0: the file is damaged")
     if "alpha" not in parts:
         alpha = lora.default_alpha or rank
     elif parts["alpha"].size == 1:
-        alpha = float(parts["alpha"].reshape(()))
+        alpha = _positive_alpha(
+            f"{where}: {keys['alpha']}", parts["alpha"].astype(np.float64).item()
+        )
     else:
         raise LoraError(f"{where}: {keys['alpha']} is not a single number")
     return LowRank(down.T, up.T, scale * alpha / rank)

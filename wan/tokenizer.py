@@ -45,27 +45,62 @@ class TextTokenizer:
     pad_token: str
 
 
+FAST, SENTENCEPIECE, CONFIG = "tokenizer.json", "spiece.model", "tokenizer_config.json"
+
+
 def load_tokenizer(folder: str | Path) -> TextTokenizer:
-    """The tokenizer saved in `folder` (a diffusers `tokenizer/` folder), loaded offline."""
+    """The tokenizer saved in `folder` (a diffusers `tokenizer/` folder), loaded offline.
+
+    Accepted: a `tokenizer.json` (read with `tokenizers`), or a sentencepiece `spiece.model`
+    (older T5/UMT5 folders, read through transformers), each with an optional
+    `tokenizer_config.json` naming the special tokens. Anything else, or special tokens the
+    vocabulary lacks, is a TokenizerError: a tokenizer built from defaults would map every
+    word to one id."""
     folder = Path(folder)
     if not folder.is_dir():
         raise TokenizerError(f"tokenizer folder {folder} does not exist")
+    if not (folder / FAST).is_file() and not (folder / SENTENCEPIECE).is_file():
+        raise TokenizerError(
+            f"cannot load a tokenizer from {folder}: it has no {FAST} (nor a sentencepiece "
+            f"{SENTENCEPIECE}); copy the model's tokenizer folder there"
+        )
+    config = _read_config(folder / CONFIG)
     try:
-        if (folder / "tokenizer.json").is_file():
-            config = folder / "tokenizer_config.json"
-            pad = json.loads(config.read_text()).get("pad_token") if config.is_file() else None
-            backend = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
-            return TextTokenizer(backend, _token_text(pad) or "<pad>")
-        from transformers import AutoTokenizer
+        if (folder / FAST).is_file():
+            backend = tokenizers.Tokenizer.from_file(str(folder / FAST))
+            pad = _token_text(config.get("pad_token", "<pad>"))
+            eos = _token_text(config.get("eos_token", "</s>"))
+        else:
+            from transformers import AutoTokenizer
 
-        hf = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-        return TextTokenizer(hf.backend_tokenizer, hf.pad_token)
+            hf = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+            backend, pad, eos = hf.backend_tokenizer, hf.pad_token, hf.eos_token
     except Exception as error:  # tokenizers/transformers raise OSError, ValueError, Exception, ...
-        reason = " ".join(str(error).split()) or type(error).__name__
+        reason = " ".join(str(error).split())[:300] or type(error).__name__
         raise TokenizerError(f"cannot load a tokenizer from {folder}: {reason}") from error
+    for role, token in (("pad_token", pad), ("eos_token", eos)):
+        if not isinstance(token, str) or backend.token_to_id(token) is None:
+            raise TokenizerError(
+                f"{folder}: the {role} {token!r} is not in the tokenizer's vocabulary: set it "
+                f"in {CONFIG} or copy the model's tokenizer folder there"
+            )
+    return TextTokenizer(backend, pad)
 
 
-def _token_text(token: Any) -> str | None:
+def _read_config(path: Path) -> dict[str, Any]:
+    """tokenizer_config.json ({} when absent); not a JSON object is a TokenizerError."""
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_bytes().decode())
+    except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError too
+        config = None
+    if not isinstance(config, dict):
+        raise TokenizerError(f"{path} is not a JSON object: restore the model's original file")
+    return config
+
+
+def _token_text(token: Any) -> Any:
     """A special token as tokenizer_config.json writes it: text, or an AddedToken dict."""
     return token.get("content") if isinstance(token, dict) else token
 
@@ -84,6 +119,9 @@ def tokenize(
     """Token ids and attention mask, both int32 (len(prompts), max_length): end-of-sequence
     appended, truncated to and padded up to `max_length` (transformers' padding="max_length",
     truncation=True)."""
+    for i, prompt in enumerate(prompts):
+        if not isinstance(prompt, str) or not _is_utf8(prompt):
+            raise TokenizerError(f"prompt {i} is not valid UTF-8 text: pass the prompt as text")
     backend = tokenizer.backend
     pad_id = backend.token_to_id(tokenizer.pad_token)
     backend.enable_truncation(max_length)
@@ -93,6 +131,16 @@ def tokenize(
         np.asarray([e.ids for e in encoded], dtype=np.int32),
         np.asarray([e.attention_mask for e in encoded], dtype=np.int32),
     )
+
+
+def _is_utf8(text: str) -> bool:
+    """False for a str holding lone surrogates (bytes that were not UTF-8, decoded with
+    surrogateescape): they cannot be encoded, and tokenizers would fail on them."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 SPECIALS = ["<pad>", "</s>", "<unk>"]

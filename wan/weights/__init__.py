@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -21,7 +22,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from wan.errors import InputError
+from wan.configs import WeightError, excerpt
 
 Path_ = tuple[str, ...]
 
@@ -30,6 +31,7 @@ _SAFETENSORS_DTYPES = {
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
     "BOOL": np.bool_,
 }  # fmt: skip
+MAX_HEADER_BYTES = 100 << 20  # a 14B checkpoint's header is about 100 KiB
 
 
 def identity(w: np.ndarray) -> np.ndarray:
@@ -62,10 +64,6 @@ class Target:
 
 
 Rule = Callable[[str], Target | None]  # None: the tensor has no parameter here (a buffer)
-
-
-class WeightError(InputError):
-    """A weight file does not fit the model: names the parameter and the expected shape."""
 
 
 def flatten(tree: Mapping[str, Any], prefix: Path_ = ()) -> dict[Path_, Any]:
@@ -104,13 +102,14 @@ def unflatten_like(
 def read_safetensors(path: str | Path) -> Iterator[tuple[str, np.ndarray]]:
     """Yield (name, array) from one .safetensors file as read-only memory-mapped views."""
     path = Path(path)
-    header, data_start = _header(path)
-    if data_start == path.stat().st_size:
-        return  # no tensor data (a memory map cannot be empty)
+    header, data_start = safetensors_header(path)
+    tensors = {name: info for name, info in header.items() if name != "__metadata__"}
+    if data_start == path.stat().st_size:  # every tensor is empty (a memory map cannot be)
+        for name, info in tensors.items():
+            yield name, np.empty(info["shape"], _SAFETENSORS_DTYPES[info["dtype"]])
+        return
     data = np.memmap(path, dtype=np.uint8, mode="r", offset=data_start)
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
+    for name, info in tensors.items():
         start, end = info["data_offsets"]
         dtype = np.dtype(_SAFETENSORS_DTYPES[info["dtype"]])
         yield name, data[start:end].view(dtype).reshape(info["shape"])
@@ -118,55 +117,118 @@ def read_safetensors(path: str | Path) -> Iterator[tuple[str, np.ndarray]]:
 
 def safetensors_metadata(path: str | Path) -> dict[str, str]:
     """The free-form `__metadata__` strings of a .safetensors file ({} when there are none)."""
-    return _header(Path(path))[0].get("__metadata__") or {}
+    return safetensors_header(Path(path))[0].get("__metadata__") or {}
 
 
-def _header(path: Path) -> tuple[dict[str, Any], int]:
-    """(header, offset of the data) of a .safetensors file, checked against the file's size:
-    a file that is not safetensors, or is truncated, fails here rather than as a reshape error
-    (or a read past the end of a memory map) later."""
+def safetensors_header(path: str | Path) -> tuple[dict[str, Any], int]:
+    """(header, offset of the data) of a .safetensors file, every entry checked: the one
+    reader of safetensors headers (checkpoints, diffusers weights, LoRA files). A file that is
+    not safetensors, is truncated, or whose header lies (types, offsets past the end, tensors
+    overlapping, sizes that disagree with shapes) fails here with a WeightError naming the file
+    and the entry, before any of its data is mapped."""
+    path = Path(path)
     size = path.stat().st_size
     with path.open("rb") as f:
         header_len = int.from_bytes(f.read(8), "little") if size >= 8 else 0
-        try:
-            if not 2 <= header_len <= size - 8:
-                raise ValueError
-            header = json.loads(f.read(header_len))
-            if not isinstance(header, dict):
-                raise ValueError
-        except (ValueError, UnicodeDecodeError):
-            raise WeightError(
-                f"{path} is not a safetensors file (or is cut short in its header)"
-            ) from None
+        if not 2 <= header_len <= min(size - 8, MAX_HEADER_BYTES):
+            raise WeightError(f"{path} is not a safetensors file (or is cut short in its header)")
+        header = _header_json(path, f.read(header_len))
+    metadata = header.get("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise WeightError(f"{path}: __metadata__ is not a map of strings to strings")
     data_size = size - 8 - header_len
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            start, end = (int(x) for x in info["data_offsets"])
-            count = int(np.prod([int(d) for d in info["shape"]]))
-            dtype = info["dtype"]
-        except (KeyError, TypeError, ValueError):
-            raise WeightError(f"{path} is not a safetensors file (entry {name})") from None
-        if dtype not in _SAFETENSORS_DTYPES:
-            raise WeightError(f"{path}: tensor {name} has unsupported dtype {dtype}")
-        nbytes = count * np.dtype(_SAFETENSORS_DTYPES[dtype]).itemsize
-        if end > data_size:
+    spans = sorted(
+        (_tensor_span(path, name, info, header_len, data_size), name)
+        for name, info in header.items()
+        if name != "__metadata__"
+    )
+    end_of_previous, previous = 0, None
+    for (start, end), name in spans:
+        if start != end_of_previous:
+            where = f"after {previous}" if previous else "at the start of the data"
             raise WeightError(
-                f"{path} is truncated: tensor {name} ends at byte {8 + header_len + end}, "
-                f"the file has {size}"
+                f"{path}: tensor {name} starts at data byte {start}, {end_of_previous} expected "
+                f"{where} (tensors overlap or leave a gap): not a valid safetensors file"
             )
-        if end - start != nbytes:
-            raise WeightError(
-                f"{path}: tensor {name} has {end - start} bytes, its shape needs {nbytes}"
-            )
+        end_of_previous, previous = end, name
     return header, 8 + header_len
+
+
+def _header_json(path: Path, raw: bytes) -> dict[str, Any]:
+    try:
+        header = json.loads(raw.decode())
+    except (ValueError, RecursionError):  # UnicodeDecodeError, JSONDecodeError, deep nesting
+        header = None
+    if not isinstance(header, dict):
+        raise WeightError(f"{path} is not a safetensors file (its header is not a JSON object)")
+    return header
+
+
+def _tensor_span(
+    path: Path, name: str, info: Any, header_len: int, data_size: int
+) -> tuple[int, int]:
+    """(start, end) in the data of one header entry, checked: a known dtype, a shape of
+    non-negative integers, integer offsets within the file that hold exactly the shape."""
+    if not isinstance(info, dict):
+        raise WeightError(f"{path}: entry {name} is not a JSON object: not a safetensors file")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in _SAFETENSORS_DTYPES:
+        raise WeightError(f"{path}: tensor {name} has unsupported dtype {excerpt(dtype)}")
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise WeightError(f"{path}: tensor {name} has shape {excerpt(shape)}, not a list of counts")
+    if (
+        not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets))
+        or offsets[0] > offsets[1]
+    ):
+        raise WeightError(
+            f"{path}: tensor {name} has data_offsets {excerpt(offsets)}, not [begin, end] byte "
+            "counts with begin <= end"
+        )
+    start, end = offsets
+    if end > data_size:
+        raise WeightError(
+            f"{path} is truncated: tensor {name} ends at byte {8 + header_len + end}, "
+            f"the file has {8 + header_len + data_size}"
+        )
+    nbytes = math.prod(shape) * np.dtype(_SAFETENSORS_DTYPES[dtype]).itemsize
+    if end - start != nbytes:
+        raise WeightError(
+            f"{path}: tensor {name} has {end - start} bytes, its shape needs {nbytes}"
+        )
+    return start, end
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def dtype_kind(dtype: Any) -> str:
+    """'float', 'integer' or 'bool' (else the dtype's name): a parameter may be read from a
+    file of another dtype of its kind (f32 into bf16), never of another kind."""
+    dtype = np.dtype(dtype)
+    if dtype == ml_dtypes.bfloat16 or np.issubdtype(dtype, np.floating):
+        return "float"
+    if dtype == np.bool_:
+        return "bool"
+    return "integer" if np.issubdtype(dtype, np.integer) else dtype.name
+
+
+def check_dtype(name: str, stored: Any, wanted: Any) -> None:
+    """A WeightError naming tensor `name` when its stored dtype is of another kind than the
+    parameter's (a float tensor labelled I32 would otherwise be read as integers)."""
+    if dtype_kind(stored) != dtype_kind(wanted):
+        raise WeightError(
+            f"{name} is stored as {np.dtype(stored).name}, the model's parameter is "
+            f"{np.dtype(wanted).name}: convert the weights to a {dtype_kind(wanted)} dtype"
+        )
 
 
 def stored_dtype(folder: str | Path) -> str:
     """The floating dtype of the weights in a component folder ('float32', 'bfloat16', ...)."""
     for file in safetensors_files(folder):
-        for name, info in _header(file)[0].items():
+        for name, info in safetensors_header(file)[0].items():
             if name != "__metadata__" and info["dtype"] in ("F32", "BF16", "F16"):
                 return np.dtype(_SAFETENSORS_DTYPES[info["dtype"]]).name
     raise WeightError(f"no floating-point weights in {folder}")
@@ -203,8 +265,12 @@ def import_tensors(
                     f"{name} maps to {'.'.join(target.path)}, which the model does not have"
                 )
             shape, dtype = expected[target.path]
-            value = target.transform(tensor)  # a view: transposes and reshapes copy nothing
+            check_dtype(name, tensor.dtype, dtype)
             want = tuple(shape[1:]) if target.layer is not None else tuple(shape)
+            try:
+                value = target.transform(tensor)  # a view: transposes and reshapes copy nothing
+            except ValueError:  # a transpose of the wrong number of dimensions
+                value = tensor
             if value.shape != want:
                 raise WeightError(
                     f"{name}: shape {value.shape} does not fit {'.'.join(target.path)}, "
