@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -23,7 +25,7 @@ from runtime import clock, processes
 from runtime.artifact import ArtifactError, Manifest
 from runtime.cli_args import CliError, OneLineErrors, parse_resolution
 from runtime.loader import Present, Request, match_build
-from runtime.outputs import OutputError, check_writable
+from runtime.outputs import OutputError, check_outputs, npy_path, staged, write_npy
 from runtime.video import video_paths
 from wan.configs import ModelConfig, VideoShape
 from wan.presets import model_spec
@@ -32,6 +34,26 @@ from wan.presets import model_spec
 @click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 def cli() -> None:
     """Run WAN text-to-video from `aot build` artifacts."""
+
+
+def _utf8_text(ctx: click.Context, param: click.Parameter, text: str) -> str:
+    """A prompt that is UTF-8: undecodable bytes in argv arrive as lone surrogates."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        byte = ord(text[e.start]) & 0xFF  # surrogate escapes carry the byte
+        raise CliError(
+            f"{param.opts[0]} is not valid UTF-8 (byte 0x{byte:02x} at character {e.start + 1}): "
+            "give UTF-8 text"
+        ) from None
+    return text
+
+
+def _finite(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    """click's float types take 'nan' and 'inf'; a scale or shift must be a finite number."""
+    if value is not None and not math.isfinite(value):
+        raise CliError(f"{param.opts[0]} {value}: give a finite number")
+    return value
 
 
 @cli.command("run")
@@ -44,8 +66,8 @@ def cli() -> None:
     required=True,
     help="diffusers-format folder or project checkpoint.",
 )
-@click.option("--prompt", required=True)
-@click.option("--negative-prompt", default="", show_default=True)
+@click.option("--prompt", required=True, callback=_utf8_text)
+@click.option("--negative-prompt", default="", show_default=True, callback=_utf8_text)
 @click.option("--res", "resolution", required=True, help="WxH, e.g. 720x1280 (portrait).")
 @click.option("--frames", required=True, type=int)
 @click.option("--batch", default=1, show_default=True, type=int)
@@ -55,12 +77,14 @@ def cli() -> None:
     default=5.0,
     show_default=True,
     type=float,
+    callback=_finite,
     help="CFG scale (> 1 uses a CFG build).",
 )
 @click.option(
     "--guidance-2",
     default=None,
     type=float,
+    callback=_finite,
     help="Two-expert models: scale for the low-noise expert.",
 )
 @click.option("--seed", default=0, show_default=True, type=int)
@@ -72,6 +96,7 @@ def cli() -> None:
 @click.option(
     "--shift",
     type=click.FloatRange(min=0, min_open=True),
+    callback=_finite,
     help="Flow-matching timestep shift (default: the model's scheduler's).",
 )
 @click.option(
@@ -96,7 +121,7 @@ def cli() -> None:
 @click.option(
     "--save-frames",
     type=click.Path(path_type=Path),
-    help="Write the uint8 frames (B, F, H, W, 3) as .npy.",
+    help="Write the uint8 frames (B, F, H, W, 3) as .npy (.npy is appended unless given).",
 )
 @click.option(
     "--report", "report_path", type=click.Path(path_type=Path), help="Write a JSON report."
@@ -105,7 +130,8 @@ def cli() -> None:
     "--out",
     type=click.Path(path_type=Path),
     required=True,
-    help="Output .mp4 (stem_i.mp4 for a batch).",
+    help="Output .mp4 (stem_i.mp4 for a batch). Existing outputs are replaced, once all the new "
+    "ones are complete; missing folders are made.",
 )
 @click.option(
     "--build",
@@ -136,8 +162,7 @@ def run_cmd(
     process loads the same build and runs it SPMD; process 0 writes the files."""
     width, height = parse_resolution(resolution)
     _check_arguments(weights, coordinator, num_processes, process_id)
-    _check_outputs([(p, "--out") for p in video_paths(out, batch)]
-                   + [(save_frames, "--save-frames"), (report_path, "--report")])  # fmt: skip
+    _check_outputs(_outputs(out, batch, save_frames, report_path))
     # Imported once the paths are known good: wan.lora brings ml_dtypes (a second or more).
     from wan import lora
 
@@ -163,14 +188,14 @@ def run_cmd(
             raise CliError(str(e)) from None
 
     folder, manifest = _start(match, coordinator, num_processes, process_id, join_timeout)
-    from runtime.pipeline import Pipeline
+    from runtime.pipeline import Pipeline, latent_shape, read_init_noise
     from wan.tokenizer import TokenizerError
     from wan.weights import WeightError
 
     imports = time.time() - clock.process_start_time()
     try:
+        noise = read_init_noise(init_noise, latent_shape(manifest)) if init_noise else None
         pipe = Pipeline.from_build(folder, manifest, weights, config, loras, loras_2)
-        noise = np.load(init_noise) if init_noise else None
         with _step_bar(steps) as on_step:
             videos, report = pipe.generate(prompt, negative_prompt, steps, guidance, guidance_2,
                                            seed, noise, on_step, sampler=sampler, shift=shift)  # fmt: skip
@@ -209,12 +234,23 @@ def _check_arguments(
         )
 
 
-def _check_outputs(outputs: list[tuple[Path | None, str]]) -> None:
-    """Every path the run will write can be written, before anything loads."""
+def _outputs(
+    out: Path, batch: int, save_frames: Path | None, report_path: Path | None
+) -> list[tuple[Path, str]]:
+    """Every file the run writes, with its option: the videos, the frames' .npy, the report."""
+    outputs = [(p, "--out") for p in video_paths(out, batch)]
+    if save_frames is not None:
+        outputs.append((npy_path(save_frames), "--save-frames"))
+    if report_path is not None:
+        outputs.append((report_path, "--report"))
+    return outputs
+
+
+def _check_outputs(outputs: list[tuple[Path, str]]) -> None:
+    """Every path the run will write can be written, and each is its own file, before anything
+    loads."""
     try:
-        for path, option in outputs:
-            if path is not None:
-                check_writable(path, option)
+        check_outputs(outputs)
     except (OutputError, OSError) as e:
         raise CliError(str(e)) from None
 
@@ -254,16 +290,21 @@ def _write(
     save_frames: Path | None,
     report_path: Path | None,
 ) -> None:
-    """The videos, the frames and the report, with the write and the whole run timed."""
+    """The videos, the frames and the report, with the write and the whole run timed: all staged
+    and then renamed into place together, or none of them on a failure (runtime.outputs)."""
     from runtime.video import write_mp4
 
-    try:
-        written = time.time()
-        paths = [
-            write_mp4(v, p) for v, p in zip(videos, video_paths(out, len(videos)), strict=True)
-        ]
+    written = time.time()
+    outputs = [p for p, _ in _outputs(out, len(videos), save_frames, report_path)]
+    with staged(outputs) as temporaries:
+        staging = dict(zip(outputs, temporaries, strict=True))
+        video_files = video_paths(out, len(videos))
+        for video, path in zip(videos, video_files, strict=True):
+            with _writing(path):
+                write_mp4(video, staging[path])
         if save_frames:
-            np.save(save_frames, videos)
+            with _writing(npy_path(save_frames)):
+                write_npy(staging[npy_path(save_frames)], videos)
         report = dataclasses.replace(
             report,
             seconds_from_process_start_to_video=round(time.time() - clock.process_start_time(), 4),
@@ -274,14 +315,23 @@ def _write(
             },
         )
         if report_path:
-            report_path.write_text(json.dumps(dataclasses.asdict(report), indent=1))
-    except OSError as e:
-        raise CliError(f"cannot write the output: {e}") from None
+            with _writing(report_path):
+                staging[report_path].write_text(json.dumps(dataclasses.asdict(report), indent=1))
     loras_note = f", {len(report.loras)} LoRA(s)" if report.loras else ""
     click.echo(
-        f"wrote {', '.join(map(str, paths))} ({report.steps} steps, {report.steps_per_second:.2f} it/s, "
-        f"{report.compile_count} compilations{loras_note}, build {report.build})"
+        f"wrote {', '.join(map(str, video_files))} ({report.steps} steps, "
+        f"{report.steps_per_second:.2f} it/s, {report.compile_count} compilations{loras_note}, "
+        f"build {report.build})"
     )
+
+
+@contextlib.contextmanager
+def _writing(path: Path) -> Iterator[None]:
+    """A failed write of `path` (a full disk, ffmpeg's error) as one line naming it."""
+    try:
+        yield
+    except OSError as e:
+        raise CliError(f"cannot write {path}: {e.strerror or e}") from None
 
 
 def _loras(args: tuple[str, ...], option: str) -> list[tuple[Path, float]]:
@@ -296,4 +346,6 @@ def _loras(args: tuple[str, ...], option: str) -> list[tuple[Path, float]]:
 
 
 def main() -> None:
+    # SIGTERM ends a run as Ctrl-C does (KeyboardInterrupt), so staged outputs are removed.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     cli(prog_name="runtime")

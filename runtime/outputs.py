@@ -1,10 +1,20 @@
-"""Paths a run will write, checked before anything loads: a generation must not be computed
-only to be lost to a path that could never be written."""
+"""Paths a run will write: checked before anything loads (a generation must not be computed only
+to be lost to a path that could never be written), then written all or nothing.
+
+Every output is staged in a temporary file next to it, fsynced and renamed into place once all of
+them are complete, so an existing file is replaced only by a whole new one, and a failure or an
+interruption (SIGINT, SIGTERM) leaves neither a partial output nor a temporary file behind."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
+import stat
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+
+import numpy as np
 
 from wan.errors import InputError
 
@@ -13,15 +23,125 @@ class OutputError(InputError):
     """A path the run would write cannot be written; the message says why."""
 
 
+def npy_path(path: Path) -> Path:
+    """Where `np.save(path)` writes: `path`, with `.npy` appended unless it ends so."""
+    return path if path.suffix == ".npy" else path.with_name(f"{path.name}.npy")
+
+
+def check_outputs(outputs: Sequence[tuple[Path, str]]) -> None:
+    """Each (path, option) can be written, and no two name the same file."""
+    for path, option in outputs:
+        check_writable(path, option)
+    seen: dict[object, tuple[Path, str]] = {}
+    for path, option in outputs:
+        for identity in _identities(path):
+            if identity in seen:
+                other, other_option = seen[identity]
+                raise OutputError(
+                    f"{option} {path} and {other_option} {other} are the same file: "
+                    "give each output its own path"
+                )
+            seen[identity] = (path, option)
+
+
 def check_writable(path: Path, option: str) -> None:
-    """`path` can be created (or replaced) as a file: it is not a folder and its nearest
-    existing ancestor is a folder this process may write into (missing folders are made)."""
-    if path.is_dir():
+    """`path` (through any symlink) is a regular file or a new path, and the nearest existing
+    folder above it accepts a new file (tried, not inferred from permission bits: root may write
+    anywhere but into a read-only mount or /proc). Missing folders are made when written."""
+    target = _resolved(path, option)
+    if target.is_dir():
         raise OutputError(f"{option} {path} is a folder: give a file path")
-    parent = path.absolute().parent
+    if target.exists() and not stat.S_ISREG(target.stat().st_mode):
+        raise OutputError(
+            f"{option} {path} is not a regular file (a device, FIFO or socket): give a file path"
+        )
+    parent = target.parent
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir():
         raise OutputError(f"{option} {path}: {parent} is a file, not a folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise OutputError(f"{option} {path}: {parent} is not writable")
+    try:
+        probe = _create_temporary(parent, ".write-probe")
+    except OSError as e:
+        raise OutputError(f"{option} {path}: {parent} is not writable ({e.strerror})") from None
+    probe.unlink()
+
+
+@contextlib.contextmanager
+def staged(paths: Sequence[Path]) -> Iterator[list[Path]]:
+    """Temporary files to write, one per path, in each path's folder (missing folders made).
+    When the block ends they are fsynced and renamed over the paths; when it raises (a full
+    disk, KeyboardInterrupt) they are removed, with the folders made for them."""
+    targets = [p.resolve() for p in paths]
+    made: list[Path] = []
+    temporaries: list[Path] = []
+    try:
+        for target in targets:
+            for folder in _missing_folders(target.parent):
+                folder.mkdir()
+                made.append(folder)
+            temporaries.append(_create_temporary(target.parent, f".{target.name}"))
+        yield temporaries
+        for temporary in temporaries:
+            _fsync(temporary)
+        for temporary, target in zip(temporaries, targets, strict=True):
+            os.replace(temporary, target)
+        for folder in {t.parent for t in targets}:
+            _fsync(folder)
+    except BaseException:
+        for temporary in temporaries:
+            temporary.unlink(missing_ok=True)
+        for folder in reversed(made):
+            with contextlib.suppress(OSError):  # not empty: something else was put there
+                folder.rmdir()
+        raise
+
+
+def write_npy(path: Path, array: np.ndarray) -> None:
+    """`array` as a .npy file at `path`. Not np.save: on a full disk its `tofile` says only
+    "N requested and M written"; a plain write raises the OS's error (ENOSPC)."""
+    array = np.ascontiguousarray(array)
+    with path.open("wb") as f:
+        np.lib.format.write_array_header_1_0(f, np.lib.format.header_data_from_array_1_0(array))
+        f.write(array.data)
+
+
+def _resolved(path: Path, option: str) -> Path:
+    try:
+        return path.resolve()
+    except (RuntimeError, OSError) as e:  # a symlink loop
+        raise OutputError(f"{option} {path}: {e}") from None
+
+
+def _identities(path: Path) -> set[object]:
+    """What makes two paths one file: the same resolved path, or the same inode (a hard link)."""
+    target = path.resolve()
+    identities: set[object] = {target}
+    with contextlib.suppress(OSError):
+        st = target.stat()
+        identities.add((st.st_dev, st.st_ino))
+    return identities
+
+
+def _create_temporary(folder: Path, prefix: str) -> Path:
+    """A new empty file in `folder`, with the permissions the umask gives a new file."""
+    path = folder / f"{prefix}.{secrets.token_hex(6)}.partial"
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    return path
+
+
+def _missing_folders(folder: Path) -> list[Path]:
+    """`folder` and those of its parents that do not exist, outermost first."""
+    missing = []
+    while not folder.exists():
+        missing.append(folder)
+        folder = folder.parent
+    return missing[::-1]
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
