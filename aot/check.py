@@ -34,7 +34,7 @@ JSON output (`aot check --json`), schema version 1:
       "builds": [{
         "build": str,                 # build folder name
         "path": str,
-        "target": str,
+        "target": str | null,         # null: the build does not read (an "unreadable" violation)
         "hbm_bytes": int | null,      # per device, when known for the target
         "memory_budget_bytes": int | null,   # null: memory rule skipped
         "ok": bool,
@@ -45,9 +45,9 @@ JSON output (`aot check --json`), schema version 1:
         }}
       }],
       "violations": [{
-        "build": str, "path": str, "program": str,
-        "rule": "forbid" | "max_count" | "max_bytes" | "memory",
-        "kind": str | null,           # the collective kind; null for "memory"
+        "build": str, "path": str, "program": str,   # "-" for "unreadable"
+        "rule": "forbid" | "max_count" | "max_bytes" | "memory" | "unreadable",
+        "kind": str | null,           # the collective kind; null for "memory" and "unreadable"
         "limit": int,                 # forbid: 0
         "actual": int,                # forbid/max_count: executions; max_bytes/memory: bytes
         "message": str,
@@ -64,7 +64,6 @@ JSON output (`aot check --json`), schema version 1:
 from __future__ import annotations
 
 import dataclasses
-import gzip
 import os
 import tomllib
 from collections.abc import Iterable, Sequence
@@ -77,9 +76,10 @@ from aot.report import text_table
 from runtime.artifact import (
     MANIFEST,
     ArtifactError,
+    FileEntry,
     Manifest,
+    read_hlo_text,
     read_manifest,
-    sha256_file,
 )
 from runtime.loader import build_folders
 from wan.errors import InputError
@@ -240,8 +240,8 @@ def _limits(rules: dict[str, Any], key: str, where: str) -> dict[str, int | str]
 @dataclasses.dataclass(frozen=True)
 class Violation:
     build: Path
-    program: str
-    rule: str  # forbid, max_count, max_bytes, memory
+    program: str  # "-" for unreadable
+    rule: str  # forbid, max_count, max_bytes, memory, unreadable
     kind: str | None
     limit: int
     actual: int
@@ -267,18 +267,24 @@ class ProgramCheck:
 @dataclasses.dataclass(frozen=True)
 class BuildCheck:
     folder: Path
-    manifest: Manifest
+    manifest: Manifest | None  # None: the build does not read (one "unreadable" violation)
     memory_budget: int | None
     programs: dict[str, ProgramCheck]
     violations: tuple[Violation, ...]
 
+    @classmethod
+    def unreadable(cls, folder: Path, why: str) -> BuildCheck:
+        violation = Violation(folder, "-", "unreadable", None, 0, 0, why, ())
+        return cls(folder, None, None, {}, (violation,))
 
-def find_builds(paths: Iterable[Path]) -> list[Path]:
-    """Build folders among `paths`: each is a build (has a manifest) or a folder of builds."""
-    found: dict[Path, None] = {}
+
+def find_builds(paths: Iterable[Path]) -> dict[Path, bool]:
+    """Build folders among `paths`: each is a build (has a manifest) or a folder of builds.
+    Each with whether it was named itself (True) or found in a folder of builds."""
+    found: dict[Path, bool] = {}
     for path in map(Path, paths):
-        if (path / MANIFEST).is_file():
-            found[path] = None
+        if os.path.lexists(path / MANIFEST):
+            found[path] = True
             continue
         if not path.is_dir():
             raise CheckInputError(f"{path} does not exist or is not a folder")
@@ -287,13 +293,23 @@ def find_builds(paths: Iterable[Path]) -> list[Path]:
             raise CheckInputError(
                 f"{path} is neither a build folder (no {MANIFEST}) nor a folder of builds"
             )
-        found.update(dict.fromkeys(builds))
-    return list(found)
+        found.update((b, found.get(b, False)) for b in builds)
+    return found
 
 
 def check_paths(paths: Iterable[Path], policy: Policy) -> list[BuildCheck]:
-    """Check every build found in `paths` (see find_builds)."""
-    return [check_build(folder, policy) for folder in find_builds(paths)]
+    """Check every build found in `paths` (see find_builds). A build named itself must read
+    (else CheckInputError); one found in a folder of builds that does not read is a result
+    with an "unreadable" violation saying why, and the others are still checked."""
+    results = []
+    for folder, named in find_builds(paths).items():
+        try:
+            results.append(check_build(folder, policy))
+        except CheckInputError as e:
+            if named:
+                raise
+            results.append(BuildCheck.unreadable(folder, str(e)))
+    return results
 
 
 def check_build(folder: Path, policy: Policy) -> BuildCheck:
@@ -304,7 +320,7 @@ def check_build(folder: Path, policy: Policy) -> BuildCheck:
     budget = policy.memory_rule(manifest.key.target).budget(manifest.hbm_bytes)
     programs, violations = {}, []
     for name, entry in manifest.programs.items():
-        collectives = tuple(hlo.collectives(_read_hlo(folder, entry.hlo.path, entry.hlo.sha256)))
+        collectives = tuple(hlo.collectives(_read_hlo(folder, entry.hlo)))
         program = ProgramCheck(entry.memory["peak"], collectives)
         programs[name] = program
         violations += program_violations(folder, name, program, policy, BuildFacts.of(manifest))
@@ -344,22 +360,21 @@ def program_violations(
     return violations
 
 
-def _read_hlo(folder: Path, name: str, sha256: str) -> hlo.Module:
-    path = folder / name
+def _read_hlo(folder: Path, entry: FileEntry) -> hlo.Module:
+    """The HLO module of a program: its file verified (inside the folder, size, sha256) before
+    it is decompressed, with a bound (runtime.artifact.read_hlo_text)."""
+    path = folder / entry.path
     try:
-        matches = sha256_file(path) == sha256
-        with gzip.open(path, "rt") as f:
-            text = f.read()
-    except (OSError, EOFError, UnicodeDecodeError) as e:
-        raise CheckInputError(
-            f"{path} is unreadable ({e}): rebuild with `aot build --force`"
-        ) from None
-    if not matches:
-        raise CheckInputError(f"{path} fails its sha256 check: rebuild with `aot build --force`")
+        text = read_hlo_text(folder, entry)
+    except ArtifactError as e:
+        raise CheckInputError(str(e)) from None
     try:
         return hlo.parse(text)
-    except (ValueError, KeyError, IndexError) as e:
-        raise CheckInputError(f"{path}: cannot parse the HLO ({e})") from None
+    # Text that passed its sha256 came from a builder; these are what a parser of a text it did
+    # not expect raises.
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError, RecursionError) as e:
+        reason = (str(e).splitlines() or [type(e).__name__])[0][:200]
+        raise CheckInputError(f"{path}: cannot parse the HLO ({reason})") from None
 
 
 def _budget_text(budget: int, hbm_bytes: int | None) -> str:
@@ -426,6 +441,9 @@ def text(results: Sequence[BuildCheck], policy: Policy) -> str:
     """A table of the builds checked, then one of the violations (if any) and a verdict."""
     rows = []
     for r in results:
+        if r.manifest is None:
+            rows.append([r.folder.name, "-", "-", "-", "-", "unreadable"])
+            continue
         peak_name = max(r.programs, key=lambda n: r.programs[n].peak_bytes)
         peak = r.programs[peak_name].peak_bytes
         budget = "skipped" if r.memory_budget is None else f"{r.memory_budget / GiB:.2f} GiB"
@@ -487,8 +505,8 @@ def to_json(results: Sequence[BuildCheck], policy: Policy) -> dict[str, Any]:
             {
                 "build": r.folder.name,
                 "path": str(r.folder),
-                "target": r.manifest.key.target,
-                "hbm_bytes": r.manifest.hbm_bytes,
+                "target": r.manifest and r.manifest.key.target,
+                "hbm_bytes": r.manifest and r.manifest.hbm_bytes,
                 "memory_budget_bytes": r.memory_budget,
                 "ok": not r.violations,
                 "programs": {

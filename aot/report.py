@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from runtime.artifact import ArtifactError, Manifest, read_manifest
-from runtime.loader import build_folders
+from runtime.artifact import Manifest
+from runtime.loader import read_builds
 
 GiB = float(1 << 30)
 
@@ -109,11 +109,11 @@ def builds_json(results: Sequence[Any]) -> list[dict[str, Any]]:
 
 
 def list_table(folder: Path) -> str:
+    """A row per build in `folder`; a build whose manifest does not read says why."""
     rows = []
-    for build in build_folders(folder):
-        try:
-            m = read_manifest(build)
-        except ArtifactError:
+    for build, m in read_builds(folder):
+        if not isinstance(m, Manifest):
+            rows.append([build.name, f"unreadable: {m}", *[""] * 7])
             continue
         k = m.key
         rows.append([

@@ -1,32 +1,225 @@
 """The artifact format shared by `aot build` (writer) and the runtime (reader).
 
 One folder per build: `manifest.json` plus, per program, the serialized executable
-(`<program>.exec`) and its optimized HLO (`<program>.hlo.txt.gz`). Executables are code, so
-loading is ordered for safety: sha256 of every file, then platform/devices/versions, then the
-device order, and only then deserialisation through an unpickler that accepts only jax, jaxlib
-and numpy classes (and jax's own reconstructor functions).
+(`<program>.exec`) and its optimized HLO (`<program>.hlo.txt.gz`). A build folder is outside
+data until checked: the manifest is read with a size bound and parsed field by field (types,
+ranges, program names, device layout); every file it names is a plain name inside the folder,
+not a symlink, and of its recorded size and sha256 before it is used; HLO text is
+decompressed with a bound. Executables are code, so loading is ordered for safety: sha256 of
+every file, then platform/devices/versions, then the device order, and only then
+deserialisation through unpicklers that resolve nothing but the exact globals jax's own
+executable payload names (`ALLOWED_GLOBALS`). Every refusal is one `ArtifactError` line.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
+import importlib
 import io
 import json
+import math
+import os
 import pickle
-from collections.abc import Sequence
+import re
+import stat
+import zlib
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from wan.configs import VideoShape
 from wan.errors import InputError
+from wan.interface import PROGRAMS
 
 SCHEMA_VERSION = 2  # 2: program inputs and outputs by name (wan.interface)
 MANIFEST = "manifest.json"
 
+# Bounds on what a manifest may claim, far above any real build, so that a hostile value is
+# refused before it reaches a read, an allocation or XLA.
+MAX_MANIFEST_BYTES = 16 << 20  # real manifests: tens of KB (every array of four programs)
+MAX_FILE_BYTES = 4 << 30  # one executable or HLO file (real 14B executables: tens of MB)
+MAX_PROCESSES = 4096  # hosts of a job (the largest TPU slices have a few thousand)
+MAX_LOCAL_DEVICES = 1024  # devices of one process (TPU hosts have 4 or 8; jax takes ~10 s to
+# start 4096 host CPU devices)
+MAX_DIM = (1 << 31) - 1  # one dimension of an array, a video or a mesh
+MAX_BYTES = (1 << 63) - 1  # byte counts (memory, traffic)
+MAX_STRING = 4096  # characters of one string field
+MAX_CONFIG_DEPTH = 16  # nesting of the recorded model config
+# Decompressed HLO text: HLO text compresses 6-16x in real builds (tiny to 14B), a gzip bomb
+# ~1000x, so at most 64x the compressed file, and never over 1 GiB.
+HLO_EXPANSION = 64
+MAX_HLO_TEXT_BYTES = 1 << 30
+
 
 class ArtifactError(InputError):
     """An artifact cannot be used here; the message says why and what to do."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Strict JSON fields: each check takes (value, where) and returns the value (converted where the
+# dataclass wants a tuple); a wrong value raises ArtifactError naming the field by its path.
+
+Check = Callable[[Any, str], Any]
+_REBUILD = "rebuild with `aot build --force`"
+_PLAIN_KEY = re.compile(r"[\w.:*-]{1,64}")
+_PLAIN_FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}")  # no separators, not hidden
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _at(where: str, key: Any) -> str:
+    """The path of `key` in the object at `where`, printable on one line."""
+    name = key if isinstance(key, str) and _PLAIN_KEY.fullmatch(key) else repr(key)[:40]
+    return f"{where}.{name}" if where else name
+
+
+def _malformed(where: str, what: str) -> ArtifactError:
+    return ArtifactError(f"{where} {what}")
+
+
+def _string(value: Any, where: str) -> str:
+    if not isinstance(value, str) or len(value) > MAX_STRING or _CONTROL.search(value):
+        raise _malformed(where, f"must be a one-line string of at most {MAX_STRING} characters")
+    return value
+
+
+def _boolean(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise _malformed(where, "must be true or false")
+    return value
+
+
+def _integer(low: int, high: int) -> Check:
+    def check(value: Any, where: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise _malformed(where, f"must be an integer in [{low}, {high}]")
+        return value
+
+    return check
+
+
+_BYTES = _integer(0, MAX_BYTES)
+_POSITIVE = _integer(1, MAX_DIM)
+
+
+def _number(value: Any, where: str) -> float | int:
+    """A finite non-negative number (seconds, FLOPs, FLOP/s)."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_BYTES:
+        return value
+    if isinstance(value, float) and math.isfinite(value) and value >= 0:
+        return value
+    raise _malformed(where, "must be a finite non-negative number")
+
+
+def _optional(check: Check) -> Check:
+    return lambda value, where: None if value is None else check(value, where)
+
+
+def _one_of(*choices: str) -> Check:
+    def check(value: Any, where: str) -> str:
+        if value not in choices or not isinstance(value, str):
+            raise _malformed(where, f"must be one of {', '.join(choices)}")
+        return value
+
+    return check
+
+
+def _matching(pattern: re.Pattern[str], what: str) -> Check:
+    def check(value: Any, where: str) -> str:
+        if not isinstance(value, str) or not pattern.fullmatch(value):
+            raise _malformed(where, f"must be {what}")
+        return value
+
+    return check
+
+
+_FILE_NAME = _matching(_PLAIN_FILE_NAME, "a plain file name inside the build folder")
+
+
+def _list(value: Any, where: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise _malformed(where, "must be a list")
+    return value
+
+
+def _list_of(check: Check) -> Check:
+    return lambda value, where: [
+        check(v, f"{where}[{i}]") for i, v in enumerate(_list(value, where))
+    ]
+
+
+def _tuple_of(check: Check, length: int | None = None) -> Check:
+    def tuple_check(value: Any, where: str) -> tuple[Any, ...]:
+        items = tuple(_list_of(check)(value, where))
+        if length is not None and len(items) != length:
+            raise _malformed(where, f"must have {length} items")
+        return items
+
+    return tuple_check
+
+
+def _object(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise _malformed(where or "the manifest", "must be a JSON object")
+    return value
+
+
+def _dict_of(check: Check, required: Sequence[str] = ()) -> Check:
+    def dict_check(value: Any, where: str) -> dict[str, Any]:
+        out = {k: check(v, _at(where, k)) for k, v in _object(value, where).items()}
+        if missing := [k for k in required if k not in out]:
+            raise _malformed(_at(where, missing[0]), "is missing")
+        return out
+
+    return dict_check
+
+
+def _config(value: Any, where: str) -> dict[str, Any]:
+    """A JSON object recorded for people (the model config), nested at most MAX_CONFIG_DEPTH."""
+    level = [_object(value, where)]
+    for _ in range(MAX_CONFIG_DEPTH):
+        level = [
+            v
+            for item in level
+            for v in (item.values() if isinstance(item, dict) else item)
+            if isinstance(v, dict | list)
+        ]
+    if level:
+        raise _malformed(where, f"is nested deeper than {MAX_CONFIG_DEPTH} levels")
+    return value
+
+
+def _option(value: Any, where: str) -> str | int | float | bool:
+    """An XLA compiler option's value."""
+    if isinstance(value, str):
+        return _string(value, where)
+    if isinstance(value, bool | int) or (isinstance(value, float) and math.isfinite(value)):
+        return value
+    raise _malformed(where, "must be a string, number or boolean")
+
+
+def _fields(raw: Any, where: str, checks: dict[str, Check], defaults: dict[str, Any]) -> dict:
+    """The fields of the JSON object `raw` at `where`, each checked; an absent field takes its
+    default, or is an error when it has none; a field not in `checks` is an error."""
+    _object(raw, where)
+    if unknown := sorted(set(raw) - set(checks)):
+        raise _malformed(_at(where, unknown[0]), "is not a field of this schema")
+    if missing := [k for k in checks if k not in raw and k not in defaults]:
+        raise _malformed(_at(where, missing[0]), "is missing")
+    return {k: checks[k](raw[k], _at(where, k)) if k in raw else defaults[k] for k in checks}
+
+
+def _defaults(cls: type) -> dict[str, Any]:
+    """The defaults of a dataclass's fields (fresh ones from each default_factory)."""
+    out = {}
+    for field in dataclasses.fields(cls):
+        if field.default is not dataclasses.MISSING:
+            out[field.name] = field.default
+        elif field.default_factory is not dataclasses.MISSING:
+            out[field.name] = field.default_factory()
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,17 +263,43 @@ class BuildKey:
         return raw
 
     @classmethod
-    def from_json(cls, raw: dict[str, Any]) -> BuildKey:
-        return cls(
-            **{**raw, "mesh": tuple(raw["mesh"].items()), "vae_mesh": tuple(raw["vae_mesh"])}
-        )
+    def from_json(cls, raw: Any, where: str = "key") -> BuildKey:
+        """The key from its JSON form; ArtifactError naming the first wrong field."""
+        fields = _fields(raw, where, _BUILD_KEY_FIELDS, _defaults(cls))
+        return cls(**{**fields, "mesh": tuple(fields["mesh"].items())})
+
+
+_BUILD_KEY_FIELDS: dict[str, Check] = {
+    "model": _string,
+    "width": _POSITIVE,
+    "height": _POSITIVE,
+    "frames": _POSITIVE,
+    "batch": _POSITIVE,
+    "cfg": _boolean,
+    "target": _string,
+    "mesh": _dict_of(_POSITIVE),
+    "vae_mesh": _tuple_of(_POSITIVE, length=2),
+    "vae_axis": _one_of("width", "height"),
+    "attention": _string,
+    "context_parallel": _one_of("gather", "ulysses"),
+    "vae_vmem_mib": _optional(_POSITIVE),
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class FileEntry:
-    path: str  # relative to the build folder
+    path: str  # a plain file name in the build folder
     sha256: str
     size: int
+
+    @classmethod
+    def from_json(cls, raw: Any, where: str) -> FileEntry:
+        checks = {
+            "path": _FILE_NAME,
+            "sha256": _matching(_SHA256, "64 lowercase hex digits"),
+            "size": _integer(0, MAX_FILE_BYTES),
+        }
+        return cls(**_fields(raw, where, checks, {}))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +310,16 @@ class ArraySpec:
     shape: tuple[int, ...]
     dtype: str
     sharding: str  # PartitionSpec as text
+
+    @classmethod
+    def from_json(cls, raw: Any, where: str) -> ArraySpec:
+        checks = {
+            "path": _string,
+            "shape": _tuple_of(_integer(0, MAX_DIM)),
+            "dtype": _string,
+            "sharding": _string,
+        }
+        return cls(**_fields(raw, where, checks, {}))
 
 
 @dataclasses.dataclass
@@ -116,16 +345,43 @@ class ProgramEntry:
     replicated_param_bytes: int = 0
 
     @classmethod
-    def from_json(cls, raw: dict[str, Any]) -> ProgramEntry:
-        return cls(
-            **{
-                **raw,
-                "executable": FileEntry(**raw["executable"]),
-                "hlo": FileEntry(**raw["hlo"]),
-                "inputs": [_array_spec(a) for a in raw["inputs"]],
-                "outputs": [_array_spec(a) for a in raw["outputs"]],
-            }
-        )
+    def from_json(cls, raw: Any, where: str = "program") -> ProgramEntry:
+        """The entry from its JSON form; ArtifactError naming the first wrong field."""
+        return cls(**_fields(raw, where, _PROGRAM_FIELDS, _defaults(cls)))
+
+
+_PROGRAM_FIELDS: dict[str, Check] = {
+    "name": _one_of(*PROGRAMS),
+    "executable": FileEntry.from_json,
+    "hlo": FileEntry.from_json,
+    "input_names": _list_of(_string),
+    "output_names": _list_of(_string),
+    "inputs": _list_of(ArraySpec.from_json),
+    "outputs": _list_of(ArraySpec.from_json),
+    "compile_seconds": _number,
+    "peak_rss_bytes": _BYTES,
+    # what the reports read: aot inspect, aot check
+    "memory": _dict_of(_BYTES, required=("argument", "output", "temp", "peak")),
+    "flops": _number,
+    "xla_flops": _number,
+    "collectives": _dict_of(_dict_of(_BYTES, required=("count", "bytes"))),
+    "gathered_bytes_per_latent_frame": _optional(_BYTES),
+    "kernel_flops": _number,
+    "compiler_options": _dict_of(_option),
+    "replicated_param_bytes": _BYTES,
+}
+
+
+def _programs(value: Any, where: str) -> dict[str, ProgramEntry]:
+    """Exactly the four programs (wan.interface.PROGRAMS), each entry named as its key."""
+    raw = _object(value, where)
+    if sorted(raw) != sorted(PROGRAMS):
+        raise _malformed(where, f"must name exactly the programs {', '.join(PROGRAMS)}")
+    programs = {name: ProgramEntry.from_json(raw[name], _at(where, name)) for name in PROGRAMS}
+    for name, entry in programs.items():
+        if entry.name != name:
+            raise _malformed(_at(_at(where, name), "name"), f"must be {name}")
+    return programs
 
 
 @dataclasses.dataclass
@@ -172,43 +428,125 @@ class Manifest:
         }
 
     @classmethod
-    def from_json(cls, raw: dict[str, Any]) -> Manifest:
-        if raw.get("schema_version") != SCHEMA_VERSION:
+    def from_json(cls, raw: Any) -> Manifest:
+        """The manifest from its JSON form, every field checked (types, ranges, the four
+        programs, a device layout that adds up); ArtifactError naming the first wrong field."""
+        version = _object(raw, "").get("schema_version")
+        if isinstance(version, bool) or not isinstance(version, int) or version != SCHEMA_VERSION:
             raise ArtifactError(
-                f"manifest schema {raw.get('schema_version')} is not {SCHEMA_VERSION}: rebuild with `aot build`"
+                f"manifest schema {repr(version)[:20]} is not {SCHEMA_VERSION} (made by another "
+                "version of aot)"
             )
+        fields = _fields(raw, "", _MANIFEST_FIELDS, _MANIFEST_DEFAULTS)
         # Manifests older than the field: every process held an equal share of the devices.
-        raw.setdefault("local_device_count", len(raw["device_ids"]) // raw["process_count"])
-        raw.setdefault("default_mesh", False)
-        raw.setdefault("peak_flops", None)
-        raw.setdefault("ulysses_all_to_alls", 0)
-        programs = {name: ProgramEntry.from_json(p) for name, p in raw["programs"].items()}
-        return cls(**{**raw, "key": BuildKey.from_json(raw["key"]), "programs": programs})
+        if fields["local_device_count"] is None:
+            share = len(fields["device_ids"]) // fields["process_count"]
+            fields["local_device_count"] = _LOCAL_DEVICES(share, "local_device_count")
+        _check_device_layout(fields)
+        return cls(**fields)
 
     def write(self, folder: Path) -> None:
         (folder / MANIFEST).write_text(json.dumps(self.to_json(), indent=1))
 
 
-def _array_spec(raw: dict[str, Any]) -> ArraySpec:
-    return ArraySpec(**{**raw, "shape": tuple(raw["shape"])})
+_DEVICE_ID = _integer(0, MAX_DIM)
+_LOCAL_DEVICES = _integer(1, MAX_LOCAL_DEVICES)
+_MANIFEST_FIELDS: dict[str, Check] = {
+    "schema_version": _integer(SCHEMA_VERSION, SCHEMA_VERSION),
+    "key": BuildKey.from_json,
+    "model_config": _config,
+    "model_hash": _string,
+    "versions": _dict_of(_string),
+    "compiler_fingerprint": _string,
+    "platform": _string,
+    "device_kind": _string,
+    "device_ids": _list_of(_DEVICE_ID),
+    "process_count": _integer(1, MAX_PROCESSES),
+    "local_device_count": _optional(_LOCAL_DEVICES),
+    "mesh_axes": _dict_of(_POSITIVE),
+    "default_mesh": _boolean,
+    "vae_mesh_axes": _dict_of(_POSITIVE),
+    "hbm_bytes": _optional(_BYTES),
+    "peak_flops": _optional(_number),
+    "ulysses_all_to_alls": _BYTES,
+    "notes": _list_of(_string),
+    "programs": _programs,
+}
+# Fields added after schema 2 began (None: worked out from the others).
+_MANIFEST_DEFAULTS = {
+    "local_device_count": None,
+    "default_mesh": False,
+    "peak_flops": None,
+    "ulysses_all_to_alls": 0,
+}
+
+
+def _check_device_layout(fields: dict[str, Any]) -> None:
+    """Device ids that are distinct and as many as the processes' devices."""
+    ids = fields["device_ids"]
+    devices = fields["process_count"] * fields["local_device_count"]
+    if len(set(ids)) != len(ids):
+        raise _malformed("device_ids", "must be distinct")
+    if len(ids) != devices:
+        raise _malformed(
+            "device_ids",
+            f"has {len(ids)} ids, process_count x local_device_count is {devices}",
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Files of a build: plain names inside the folder, never through a symlink, of a bounded size,
+# checked before use.
+
+
+def _open_file(path: Path) -> BinaryIO:
+    """`path` opened for reading if it is a regular file and not a symlink (O_NOFOLLOW; a FIFO
+    is refused without blocking on it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise ArtifactError(f"{path} is missing: {_REBUILD}") from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ArtifactError(
+                f"{path} is a symbolic link: a build's files must be its own; {_REBUILD}"
+            ) from None
+        raise ArtifactError(f"{path} is unreadable ({e.strerror}): {_REBUILD}") from None
+    f = os.fdopen(fd, "rb")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        f.close()
+        raise ArtifactError(f"{path} is not a regular file: {_REBUILD}")
+    return f
+
+
+def _read_json(path: Path, limit: int) -> Any:
+    """The JSON value in the file `path` of at most `limit` bytes (NaN and Infinity refused)."""
+    with _open_file(path) as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ArtifactError(f"{path} is over {limit >> 20} MiB: not a manifest; {_REBUILD}")
+    try:
+        return json.loads(data.decode("utf-8"), parse_constant=_no_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise ArtifactError(f"{path} is not valid JSON ({reason}): {_REBUILD}") from None
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a number JSON allows")
 
 
 def read_manifest(folder: str | Path) -> Manifest:
+    """The manifest of the build in `folder`, read with a size bound and checked field by
+    field; ArtifactError (one line, naming the file) for anything else."""
     path = Path(folder) / MANIFEST
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise ArtifactError(f"{folder} is not a build: no {MANIFEST} (run `aot build`)")
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ArtifactError(
-            f"{path} is unreadable ({e}): rebuild with `aot build --force`"
-        ) from None
+    raw = _read_json(path, MAX_MANIFEST_BYTES)
     try:
         return Manifest.from_json(raw)
-    except (KeyError, TypeError) as e:
-        raise ArtifactError(
-            f"{path} is malformed ({e}): rebuild with `aot build --force`"
-        ) from None
+    except ArtifactError as e:
+        raise ArtifactError(f"{path}: {e}; {_REBUILD}") from None
 
 
 def sha256_file(path: Path) -> str:
@@ -224,56 +562,143 @@ def file_entry(folder: Path, name: str) -> FileEntry:
     return FileEntry(path=name, sha256=sha256_file(path), size=path.stat().st_size)
 
 
+def _read_checked(folder: Path, entry: FileEntry, keep: bool) -> bytes:
+    """The file `entry` names in `folder`, read once and checked: a plain name inside the
+    folder, a regular file (not a symlink) of the entry's size (before any byte is read), and
+    the bytes read hash to the entry's sha256. The bytes when `keep`, else b""."""
+    name = _FILE_NAME(entry.path, f"{folder}: file {repr(entry.path)[:80]}")
+    path = folder / name
+    digest, kept, read = hashlib.sha256(), [], 0
+    with _open_file(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size != entry.size:
+            raise ArtifactError(
+                f"{path} is {size} bytes, manifest says {entry.size} (truncated?): {_REBUILD}"
+            )
+        while chunk := f.read(min(1 << 20, entry.size + 1 - read)):
+            read += len(chunk)
+            digest.update(chunk)
+            if keep:
+                kept.append(chunk)
+    if read != entry.size or digest.hexdigest() != entry.sha256:
+        raise ArtifactError(f"{path} fails its sha256 check: {_REBUILD}")
+    return b"".join(kept)
+
+
+def verify_file(folder: Path, entry: FileEntry) -> Path:
+    """The path of the file `entry` names in `folder`, once it is known to be a plain name
+    inside the folder, a regular file (not a symlink), of the entry's size, then of its
+    sha256; else ArtifactError."""
+    _read_checked(folder, entry, keep=False)
+    return folder / entry.path
+
+
+def read_verified(folder: Path, entry: FileEntry) -> bytes:
+    """The bytes of the file `entry` names in `folder`, checked as by verify_file (the bytes
+    returned are the bytes hashed)."""
+    return _read_checked(folder, entry, keep=True)
+
+
 def verify_files(folder: Path, manifest: Manifest) -> None:
-    """Every file the manifest lists exists with its recorded size and sha256."""
+    """Every file the manifest lists is in the folder with its recorded size and sha256."""
     for program in manifest.programs.values():
         for entry in (program.executable, program.hlo):
-            path = folder / entry.path
-            if not path.is_file():
-                raise ArtifactError(f"{path} is missing: rebuild with `aot build --force`")
-            if path.stat().st_size != entry.size:
-                raise ArtifactError(
-                    f"{path} is {path.stat().st_size} bytes, manifest says {entry.size} (truncated?): "
-                    "rebuild with `aot build --force`"
-                )
-            if sha256_file(path) != entry.sha256:
-                raise ArtifactError(
-                    f"{path} fails its sha256 check: rebuild with `aot build --force`"
-                )
+            verify_file(folder, entry)
+
+
+def read_hlo_text(folder: Path, entry: FileEntry) -> str:
+    """A program's optimized HLO text: the compressed file verified first (as by verify_file),
+    then decompressed to at most HLO_EXPANSION x its size (and MAX_HLO_TEXT_BYTES)."""
+    path = folder / entry.path
+    if entry.size > MAX_HLO_TEXT_BYTES:
+        raise ArtifactError(f"{path} is over {MAX_HLO_TEXT_BYTES >> 30} GiB: {_REBUILD}")
+    compressed = read_verified(folder, entry)
+    limit = min(HLO_EXPANSION * len(compressed) + (1 << 20), MAX_HLO_TEXT_BYTES)
+    try:
+        return _gunzip(compressed, limit, path).decode("utf-8")
+    except (zlib.error, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{path} is unreadable ({e}): {_REBUILD}") from None
+
+
+def _gunzip(compressed: bytes, limit: int, path: Path) -> bytearray:
+    """One gzip member (as `aot build` writes), inflated a MiB at a time and refused as soon
+    as it passes `limit` bytes: a gzip bomb never expands in memory."""
+    inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+    out, pending = bytearray(), compressed
+    while not inflater.eof:
+        chunk = inflater.decompress(pending, 1 << 20)
+        if not chunk and not inflater.eof:
+            raise ArtifactError(f"{path} is truncated: {_REBUILD}")
+        out += chunk
+        if len(out) > limit:
+            raise ArtifactError(
+                f"{path} expands past {limit >> 20} MiB ({HLO_EXPANSION}x its size): not an "
+                f"HLO this toolkit wrote; {_REBUILD}"
+            )
+        pending = inflater.unconsumed_tail
+    if inflater.unused_data:
+        raise ArtifactError(f"{path} has data after its gzip stream: {_REBUILD}")
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
 # Executables: (payload, in_tree, out_tree, device_ids) pickled; the device ids ride inside the
 # checksummed file so that a tampered or mismatched manifest order is caught before XLA sees it.
+# `payload` is jax's own pickle of the unloaded executable (jax.experimental.serialize_executable)
+# whose persistent ids carry the XLA executable's bytes, the devices (by id) and the client.
 
-_ALLOWED_PACKAGES = ("jax", "jaxlib", "numpy", "ml_dtypes")
-_ALLOWED_BUILTINS = frozenset({"tuple", "list", "dict", "set", "frozenset", "slice", "complex"})
-_ALLOWED_OBJECTS = frozenset({"_reconstruct", "scalar", "default_registry", "tracing_registry"})
+# The only globals each pickle may name. A name is matched here before anything is imported or
+# looked up, then resolved as a plain attribute of its imported module: no dotted names, no
+# builtins (the containers are pickle opcodes). Derived by recording every find_class call
+# while loading real builds made with jax 0.10.2: tiny cpu-1, cpu-4 (batch 2, no CFG), cpu-8
+# (dot; blockwise with Ulysses), cpu-2x4, a bf16 two-expert model (adds ml_dtypes.bfloat16) and
+# deviceless tpu-v6e-8 builds (dot; splash) all ask for this same set. After a jax upgrade,
+# tests/test_hostile_artifacts.py::test_allowed_globals_cover_a_real_build records the globals of
+# a fresh build and names any one missing here.
+ALLOWED_GLOBALS: dict[str, frozenset[tuple[str, str]]] = {
+    "executable": frozenset({
+        ("jax._src.tree_util", "default_registry"),
+        ("jax._src.tree_util", "tracing_registry"),
+        ("jaxlib._jax.pytree", "PyTreeDef"),
+    }),
+    "payload": frozenset({
+        ("jax", "P"),
+        ("jax._src.core", "ManualAxisType"),
+        ("jax._src.core", "MemorySpace"),
+        ("jax._src.core", "ShapedArray"),
+        ("jax._src.interpreters.pxla", "AllArgsInfo"),
+        ("jax._src.interpreters.pxla", "UnloadedMeshExecutable"),
+        ("jax._src.layout", "Layout"),
+        ("jax._src.linear_util", "DebugInfo"),
+        ("jax._src.mesh", "AbstractDevice"),
+        ("jax._src.mesh", "AbstractMesh"),
+        ("jax._src.mesh", "AxisType"),
+        ("jax._src.mesh", "Mesh"),
+        ("jax._src.named_sharding", "_unpickle_named_sharding"),
+        ("jax._src.stages", "ArgInfo"),
+        ("jaxlib._jax", "DeviceList"),
+        ("ml_dtypes", "bfloat16"),
+        ("numpy", "dtype"),
+        ("numpy", "ndarray"),
+        ("numpy._core.multiarray", "_reconstruct"),
+    }),
+}  # fmt: skip
 
 
-def _allowed(module: str, name: str, obj: Any) -> bool:
-    if module == "builtins":
-        return name in _ALLOWED_BUILTINS
-    if module.split(".")[0] not in _ALLOWED_PACKAGES:
-        return False
-    # Classes, the reconstructor functions jax/numpy register for their own pickling, and the
-    # pytree registry that PyTreeDefs name.
-    return isinstance(obj, type) or name.startswith("_unpickle") or name in _ALLOWED_OBJECTS
+def _allowed_global(module: Any, name: Any, pickle_kind: str) -> Any:
+    """The global (module, name) if it is in ALLOWED_GLOBALS[pickle_kind]; checked before any
+    import or attribute lookup."""
+    if (module, name) not in ALLOWED_GLOBALS[pickle_kind]:
+        raise ArtifactError(
+            f"the {pickle_kind} pickle names {repr(module)[:80]}, {repr(name)[:80]}: not an allowed "
+            f"jax/jaxlib/numpy class or function of an executable; refusing to load it; {_REBUILD}"
+        )
+    return getattr(importlib.import_module(module), name)
 
 
-class _RestrictedMixin:
+class _ExecutableUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        obj = super().find_class(module, name)  # type: ignore[misc]
-        if not _allowed(module, name, obj):
-            raise ArtifactError(
-                f"executable refers to {module}.{name}, which is not an allowed jax/jaxlib/numpy "
-                "class: refusing to load it (rebuild with `aot build --force`)"
-            )
-        return obj
-
-
-class _RestrictedUnpickler(_RestrictedMixin, pickle.Unpickler):
-    pass
+        return _allowed_global(module, name, "executable")
 
 
 def dump_executable(compiled: Any, device_ids: Sequence[int]) -> bytes:
@@ -283,26 +708,94 @@ def dump_executable(compiled: Any, device_ids: Sequence[int]) -> bytes:
     return pickle.dumps((payload, in_tree, out_tree, list(device_ids)), protocol=5)
 
 
+def _unpickled(load: Callable[[], Any], what: str) -> Any:
+    """What `load` unpickles; any failure of a damaged pickle is an ArtifactError."""
+    try:
+        return load()
+    except ArtifactError:
+        raise
+    except Exception as e:  # pickle and jax raise anything on hostile bytes
+        reason = (str(e).splitlines() or [type(e).__name__])[0][:200]
+        raise ArtifactError(f"cannot deserialize the {what} ({reason}): {_REBUILD}") from None
+
+
+def _executable_parts(blob: bytes) -> tuple[bytes, Any, Any, list[int]]:
+    """(payload, in_tree, out_tree, device_ids) of an executable file, each of its type."""
+    from jax.tree_util import PyTreeDef
+
+    parts = _unpickled(lambda: _ExecutableUnpickler(io.BytesIO(blob)).load(), "executable")
+    if not (
+        isinstance(parts, tuple)
+        and len(parts) == 4
+        and isinstance(parts[0], bytes)
+        and isinstance(parts[1], PyTreeDef)
+        and isinstance(parts[2], PyTreeDef)
+        and isinstance(parts[3], list)
+        and all(type(i) is int for i in parts[3])
+    ):
+        raise ArtifactError(
+            "executable is not (payload, in_tree, out_tree, device_ids): refusing to load it; "
+            + _REBUILD
+        )
+    return parts
+
+
 def executable_device_ids(blob: bytes) -> list[int]:
-    return _RestrictedUnpickler(io.BytesIO(blob)).load()[3]
+    return _executable_parts(blob)[3]
+
+
+def _payload_parts(payload: bytes, devices: Sequence[Any]) -> tuple[Any, list[Any], bool]:
+    """(unloaded executable, flat argument infos, no_kwargs) of jax's payload, unpickled onto
+    `devices` with only the payload's allowed globals and jax's three persistent ids."""
+    from jax._src.interpreters.pxla import UnloadedMeshExecutable
+    from jax._src.stages import ArgInfo
+    from jax.experimental import serialize_executable
+
+    class PayloadUnpickler(serialize_executable._JaxPjrtUnpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            return _allowed_global(module, name, "payload")
+
+        def persistent_load(self, pid: Any) -> Any:
+            match pid:
+                case ("exec", bytes()) | ("client",):
+                    return super().persistent_load(pid)
+                case ("device", int() as i) if i in self.devices_by_id and type(i) is int:
+                    return super().persistent_load(pid)
+            raise ArtifactError(f"executable's payload names {repr(pid)[:80]}: {_REBUILD}")
+
+    parts = _unpickled(
+        lambda: PayloadUnpickler(io.BytesIO(payload), devices[0].client, devices).load(),
+        "executable's payload",
+    )
+    if not (
+        isinstance(parts, tuple)
+        and len(parts) == 3
+        and type(parts[0]) is UnloadedMeshExecutable
+        and isinstance(parts[1], list)
+        and all(type(a) is ArgInfo for a in parts[1])
+        and isinstance(parts[2], bool)
+    ):
+        raise ArtifactError(
+            "executable's payload is not jax's (executable, argument infos, no_kwargs): "
+            f"refusing to load it; {_REBUILD}"
+        )
+    return parts
 
 
 def load_executable(blob: bytes, devices: Sequence[Any]) -> Any:
-    """Deserialize onto `devices` (in the recorded mesh order) with the restricted unpickler."""
+    """Deserialize onto `devices` (in the recorded mesh order) with the allow-listed
+    unpicklers; ArtifactError for anything but a sound executable for these devices."""
     import jax
-    from jax.experimental import serialize_executable
 
-    payload, in_tree, out_tree, device_ids = _RestrictedUnpickler(io.BytesIO(blob)).load()
-    if [d.id for d in devices] != list(device_ids):
+    payload, in_tree, out_tree, device_ids = _executable_parts(blob)
+    if [d.id for d in devices] != device_ids:
         raise ArtifactError(
             f"devices {[d.id for d in devices]} are not in the executable's order {device_ids}"
         )
+    unloaded, args_info_flat, no_kwargs = _payload_parts(payload, devices)
 
-    class Unpickler(_RestrictedMixin, serialize_executable._JaxPjrtUnpickler):
-        pass
+    def load() -> Any:
+        args_info = in_tree.unflatten(args_info_flat)
+        return jax.stages.Compiled(unloaded.load(), [], args_info, out_tree, no_kwargs=no_kwargs)
 
-    backend = devices[0].client
-    unloaded, args_info_flat, no_kwargs = Unpickler(io.BytesIO(payload), backend, devices).load()
-    loaded = unloaded.load()
-    args_info = in_tree.unflatten(args_info_flat)
-    return jax.stages.Compiled(loaded, [], args_info, out_tree, no_kwargs=no_kwargs)
+    return _unpickled(load, "executable")

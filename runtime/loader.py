@@ -7,6 +7,8 @@ import collections
 import contextlib
 import dataclasses
 import importlib.metadata
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,7 @@ from runtime.artifact import (
     executable_device_ids,
     load_executable,
     read_manifest,
+    read_verified,
     verify_files,
 )
 from wan.configs import VideoShape
@@ -50,27 +53,38 @@ class Present:
 
 
 def build_folders(artifacts: Path) -> list[Path]:
-    """The build folders in a folder of builds, sorted: its subfolders that have a manifest,
-    hidden ones (the program store, `.programs`) skipped. Their manifests are not read."""
+    """The build folders in a folder of builds, sorted: its subfolders that have a manifest
+    (whether or not it reads), hidden ones (the program store, `.programs`) skipped. Their
+    manifests are not read."""
     return sorted(
-        p for p in artifacts.iterdir() if not p.name.startswith(".") and (p / MANIFEST).is_file()
+        p
+        for p in artifacts.iterdir()
+        if not p.name.startswith(".") and os.path.lexists(p / MANIFEST)
     )
 
 
-def candidate_builds(artifacts: Path) -> list[tuple[Path, Manifest]]:
-    """The builds in `artifacts` (a build folder itself, or a folder of builds) whose manifest
-    reads."""
-    if (artifacts / MANIFEST).is_file():
+def read_builds(artifacts: Path) -> list[tuple[Path, Manifest | ArtifactError]]:
+    """Each build folder in a folder of builds with its manifest, or with why the manifest
+    does not read: one broken build never hides the others."""
+    found: list[tuple[Path, Manifest | ArtifactError]] = []
+    for folder in build_folders(artifacts):
+        try:
+            found.append((folder, read_manifest(folder)))
+        except ArtifactError as e:
+            found.append((folder, e))
+    return found
+
+
+def candidate_builds(artifacts: Path) -> list[tuple[Path, Manifest | ArtifactError]]:
+    """The builds in `artifacts` (a build folder itself, whose manifest must read, or a folder
+    of builds, see read_builds)."""
+    if os.path.lexists(artifacts / MANIFEST):
         return [(artifacts, read_manifest(artifacts))]
     if not artifacts.is_dir():
         raise ArtifactError(
             f"{artifacts} does not exist: build with `aot build --out {artifacts} ...`"
         )
-    found = []
-    for folder in build_folders(artifacts):
-        with contextlib.suppress(ArtifactError):
-            found.append((folder, read_manifest(folder)))
-    return found
+    return read_builds(artifacts)
 
 
 def passed_over(manifest: Manifest, request: Request, present: Present) -> str | None:
@@ -103,15 +117,19 @@ def match_build(
 ) -> tuple[Path, Manifest]:
     """The build for `request` on `present` devices: the one named `build`, else the only
     candidate, else the only candidate whose mesh is the default for its shape and devices.
-    A refusal names every build, one line each, with why it was passed over."""
-    builds = candidate_builds(artifacts)
+    A refusal names every build, one line each, with why it was passed over (a build whose
+    manifest does not read: why not)."""
+    found = candidate_builds(artifacts)
+    builds = [(f, m) for f, m in found if isinstance(m, Manifest)]
     reasons = {folder.name: passed_over(m, request, present) for folder, m in builds}
+    unreadable = {f.name: f"unreadable: {m}" for f, m in found if isinstance(m, ArtifactError)}
     fits = [(f, m) for f, m in builds if reasons[f.name] is None]
     if build is not None:
         chosen = [(f, m) for f, m in builds if f.name == build]
         if chosen and reasons[build] is None:
             return chosen[0]
-        why = f"build {build} {'cannot serve this request' if chosen else 'is not there'}"
+        state = "is unreadable" if build in unreadable else "is not there"
+        why = f"build {build} {'cannot serve this request' if chosen else state}"
     elif len(fits) == 1:
         return fits[0]
     elif len(defaults := [(f, m) for f, m in fits if m.default_mesh]) == 1:
@@ -126,11 +144,14 @@ def match_build(
             f" --target {builds[0][1].key.target if builds else 'cpu-8'} --out {artifacts}"
         )
         why = f"no build serves this request; make it with: {command}"
-    lines = [f"{why} (builds in {artifacts}: {len(builds)})"]
-    for folder, m in builds:
-        mark = "default mesh" if m.default_mesh else "chosen mesh"
-        lines.append(f"  {folder.name}: {reasons[folder.name] or f'fits ({mark})'}")
-    raise ArtifactError("\n".join(lines))
+    lines = {
+        folder.name: reasons[folder.name]
+        or f"fits ({'default mesh' if m.default_mesh else 'chosen mesh'})"
+        for folder, m in builds
+    }
+    lines.update(unreadable)
+    head = f"{why} (builds in {artifacts}: {len(found)})"
+    raise ArtifactError("\n".join([head, *(f"  {name}: {lines[name]}" for name in sorted(lines))]))
 
 
 def installed_versions() -> dict[str, str]:
@@ -191,10 +212,12 @@ def ordered_devices(manifest: Manifest, devices: list[Any], blobs: dict[str, byt
             f"manifest device ids {manifest.device_ids} do not name this process's devices"
         )
     for name, blob in blobs.items():
-        if executable_device_ids(blob) != manifest.device_ids:
+        with _naming(name):
+            recorded = executable_device_ids(blob)
+        if recorded != manifest.device_ids:
             raise ArtifactError(
                 f"{name}: manifest device order {manifest.device_ids} differs from the executable's "
-                f"{executable_device_ids(blob)}: the manifest was edited; rebuild with `aot build --force`"
+                f"{recorded}: the manifest was edited; rebuild with `aot build --force`"
             )
     return [by_id[i] for i in manifest.device_ids]
 
@@ -219,13 +242,20 @@ def load_build(folder: Path, manifest: Manifest, devices: list[Any]) -> dict[str
     verify_files(folder, manifest)
     check_environment(manifest, devices)
     check_signatures(folder, manifest)
-    blobs = {
-        name: (folder / manifest.programs[name].executable.path).read_bytes() for name in PROGRAMS
-    }
+    # Read once and checked again: the bytes deserialised are the bytes hashed.
+    blobs = {name: read_verified(folder, manifest.programs[name].executable) for name in PROGRAMS}
     ordered = ordered_devices(manifest, devices, blobs)
+    loaded = {}
+    for name, blob in blobs.items():
+        with _naming(name):
+            loaded[name] = load_executable(blob, ordered)
+    return loaded
+
+
+@contextlib.contextmanager
+def _naming(program: str) -> Iterator[None]:
+    """An ArtifactError raised inside names `program` first."""
     try:
-        return {name: load_executable(blob, ordered) for name, blob in blobs.items()}
-    except ArtifactError:
-        raise
-    except Exception as e:  # a corrupt payload that passed sha256 can only come from the builder
-        raise ArtifactError(f"cannot deserialize executables in {folder}: {e}") from None
+        yield
+    except ArtifactError as e:
+        raise ArtifactError(f"{program}: {e}") from None

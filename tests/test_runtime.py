@@ -163,7 +163,9 @@ def test_missing_weight_tensor(tiny_build, tiny_weights, tmp_path):
 
 def test_loading_in_process_refuses_wrong_devices(build_copy, tiny_weights):
     """The Python API checks the same things before deserialising."""
-    _edit_manifest(build_copy, lambda m: m.update(device_ids=m["device_ids"][:4]))
+    _edit_manifest(
+        build_copy, lambda m: m.update(device_ids=m["device_ids"][:4], local_device_count=4)
+    )
     with pytest.raises(ArtifactError, match="needs 4 cpu devices, this process has 8"):
         Pipeline.load(build_copy.parent, tiny_weights, Request(VideoShape(192, 320, 9, 1)))
 

@@ -1,0 +1,616 @@
+"""A crafted or damaged artifacts folder: executables that would run a command when unpickled,
+manifests mutated at random, paths and symlinks leading outside the build, a gzip bomb, a
+sparse 8 GB manifest, and one broken build among good ones. Each is refused with one line
+(exit 2 from the CLIs), nothing runs, nothing outside the build is read, and the good builds
+still list, check and run."""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import io
+import json
+import os
+import pickle
+import shutil
+import tracemalloc
+import zlib
+from pathlib import Path
+
+import jax
+import pytest
+from conftest import TINY_SHAPE, run_cli
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from jax.experimental import serialize_executable
+
+from aot import check, report
+from runtime.artifact import (
+    ALLOWED_GLOBALS,
+    MANIFEST,
+    ArtifactError,
+    FileEntry,
+    Manifest,
+    load_executable,
+    read_hlo_text,
+    read_manifest,
+    sha256_file,
+    verify_file,
+    verify_files,
+)
+from runtime.loader import Present, Request, match_build, passed_over
+from wan.configs import VideoShape
+
+RUN = ["--prompt", "a cat", "--steps", "1"]
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+@pytest.fixture
+def build_copy(tiny_build, tmp_path) -> Path:
+    """A private copy of the tiny build to damage, in a folder of builds."""
+    folder = tmp_path / "artifacts" / tiny_build.name
+    shutil.copytree(tiny_build, folder)
+    return folder
+
+
+def edit_manifest(folder: Path, edit) -> None:
+    path = folder / MANIFEST
+    raw = json.loads(path.read_text())
+    edit(raw)
+    path.write_text(json.dumps(raw))
+
+
+def replace_file(folder: Path, program: str, kind: str, data: bytes) -> None:
+    """Put `data` in a program's executable or HLO file and make the manifest agree, so that
+    the integrity check passes and only what comes after it can refuse the file."""
+    path = folder / f"{program}.{'exec' if kind == 'executable' else 'hlo.txt.gz'}"
+    path.write_bytes(data)
+    edit_manifest(
+        folder,
+        lambda m: m["programs"][program][kind].update(sha256=sha256_file(path), size=len(data)),
+    )
+
+
+def one_line_refusal(result, canary: Path | None = None) -> str:
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error:"), result.stderr
+    assert canary is None or not canary.exists()
+    return lines[0]
+
+
+def run_args(artifacts: Path, weights: Path, tmp_path: Path) -> list[str]:
+    return [
+        "run", "--artifacts", str(artifacts), "--weights", str(weights), *TINY_SHAPE, *RUN,
+        "--out", str(tmp_path / "v.mp4"),
+    ]  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- gadgets
+# Pickles built opcode by opcode, as an attacker would write them (pickle.dumps refuses to
+# name a global by a path it cannot verify).
+
+
+def data(value) -> bytes:
+    """Plain data (no globals) as pickle opcodes, without PROTO and STOP."""
+    return pickle.dumps(value, protocol=2)[2:-1]
+
+
+def global_(module: str, name: str) -> bytes:
+    """Classic GLOBAL (protocol 0 onwards)."""
+    return b"c" + module.encode() + b"\n" + name.encode() + b"\n"
+
+
+def stack_global(module: str, name: str) -> bytes:
+    """Protocol 4's STACK_GLOBAL, which lets the name be a dotted attribute path."""
+    return data(module) + data(name) + b"\x93"
+
+
+def call(function: bytes, *args: bytes) -> bytes:
+    return function + b"(" + b"".join(args) + b"tR"
+
+
+def pickled(body: bytes) -> bytes:
+    return b"\x80\x04" + body + b"."
+
+
+def gadgets(canary: Path) -> dict[str, bytes]:
+    """Each pickle would create `canary` (or fail trying) if the unpickler let it run."""
+    touch = f"touch {canary}"
+    popen = call(stack_global("jax._src.environment_info", "subprocess.Popen"), data(["touch", str(canary)]))  # fmt: skip
+    return {
+        # jax._src.environment_info imports subprocess: the attribute path reaches Popen.
+        "dotted_popen": pickled(popen),
+        "dotted_os_system": pickled(call(stack_global("jax", "_src.api.os.system"), data(touch))),
+        "os_system": pickled(call(global_("os", "system"), data(touch))),
+        "posix_system": pickled(call(global_("posix", "system"), data(touch))),
+        "builtins_eval": pickled(
+            call(global_("builtins", "eval"), data(f"__import__('os').system({touch!r})"))
+        ),
+        "builtins_getattr": pickled(
+            call(
+                call(
+                    global_("builtins", "getattr"),
+                    call(global_("builtins", "__import__"), data("os")),
+                    data("system"),
+                ),
+                data(touch),
+            )
+        ),
+        # An allowed class whose argument is made by a callable that is not allowed.
+        "allowed_class_reducing_os_system": pickled(
+            call(stack_global("jax._src.mesh", "Mesh"), call(global_("os", "system"), data(touch)))
+        ),
+        # Popen through a dotted name under an allowed module.
+        "allowed_module_dotted_name": pickled(
+            call(
+                stack_global("jax", "_src.environment_info.subprocess.Popen"),
+                data(["touch", str(canary)]),
+            )
+        ),
+    }
+
+
+def with_payload(real_exec: bytes, payload: bytes) -> bytes:
+    """A real executable file with jax's inner payload pickle replaced."""
+    _, in_tree, out_tree, device_ids = pickle.loads(real_exec)  # our own build: trusted here
+    return pickle.dumps((payload, in_tree, out_tree, device_ids), protocol=5)
+
+
+def all_gadgets(canary: Path, real_exec: bytes) -> dict[str, bytes]:
+    outer = gadgets(canary)
+    nested = {f"payload_{name}": with_payload(real_exec, blob) for name, blob in outer.items()}
+    # jax's persistent ids are ("exec", bytes), ("device", id), ("client",): nothing else.
+    persistent = pickled(data(("shell", f"touch {canary}")) + b"Q")
+    return {
+        **outer,
+        **nested,
+        "payload_persistent_id": with_payload(real_exec, persistent),
+        "payload_not_jax": with_payload(real_exec, pickle.dumps((1, [], False))),
+        "outer_not_a_tuple": pickle.dumps(["payload", 1, 2, [0]]),
+    }
+
+
+def test_gadgets_run_when_not_restricted(tmp_path):
+    """Control: each outer gadget does create the canary under a plain unpickler, so the
+    refusals below are the allow-list's doing."""
+    for name, blob in gadgets(tmp_path / "pwned").items():
+        canary = tmp_path / "pwned"
+        try:
+            made = pickle.loads(blob)
+            if hasattr(made, "wait"):
+                made.wait()
+        except Exception:  # jax's Mesh refuses os.system's exit status, after the command ran
+            pass
+        assert canary.exists(), name
+        canary.unlink()
+
+
+def test_gadgets_refused_in_process(tiny_build, tmp_path):
+    """Every gadget, outer pickle or nested in jax's payload, is an ArtifactError from
+    load_executable, and the command never ran; the real executable still loads."""
+    canary = tmp_path / "pwned"
+    real = (tiny_build / "text_encode.exec").read_bytes()
+    devices = jax.devices()[:8]
+    for name, blob in all_gadgets(canary, real).items():
+        with pytest.raises(ArtifactError) as refused:
+            load_executable(blob, devices)
+        assert "\n" not in str(refused.value), name
+        assert not canary.exists(), name
+    assert load_executable(real, devices) is not None
+
+
+@pytest.mark.parametrize(
+    "gadget", ["dotted_popen", "builtins_getattr", "payload_dotted_popen", "payload_os_system"]
+)
+def test_gadget_in_a_build_is_refused_by_runtime_run(build_copy, tiny_weights, tmp_path, gadget):
+    canary = tmp_path / "pwned"
+    real = (build_copy / "kv_cache.exec").read_bytes()
+    replace_file(build_copy, "kv_cache", "executable", all_gadgets(canary, real)[gadget])
+    result = run_cli("runtime", *run_args(build_copy.parent, tiny_weights, tmp_path), check=False)
+    line = one_line_refusal(result, canary)
+    assert "kv_cache" in line and "refusing to load it" in line
+    assert not (tmp_path / "v.mp4").exists()
+
+
+def test_allowed_globals_cover_a_real_build(tiny_build):
+    """Record every global the tiny build's executables name (outer pickle and jax's payload)
+    with unrestricted unpicklers (our own fresh build: trusted here). When a jax upgrade needs
+    another global, this fails naming it: add it to runtime.artifact.ALLOWED_GLOBALS."""
+    asked: dict[str, set[tuple[str, str]]] = {"executable": set(), "payload": set()}
+
+    class Outer(pickle.Unpickler):
+        def find_class(self, module, name):
+            asked["executable"].add((module, name))
+            return super().find_class(module, name)
+
+    class Payload(serialize_executable._JaxPjrtUnpickler):
+        def find_class(self, module, name):
+            asked["payload"].add((module, name))
+            return super().find_class(module, name)
+
+    devices = {d.id: d for d in jax.devices()}
+    for path in sorted(tiny_build.glob("*.exec")):
+        payload, _, _, ids = Outer(io.BytesIO(path.read_bytes())).load()
+        ordered = [devices[i] for i in ids]
+        Payload(io.BytesIO(payload), ordered[0].client, ordered).load()
+    for kind, names in asked.items():
+        missing = sorted(names - ALLOWED_GLOBALS[kind])
+        assert not missing, (
+            f"jax's executables now name {missing} in the {kind} pickle: review each and add it "
+            f'to runtime.artifact.ALLOWED_GLOBALS["{kind}"]'
+        )
+    assert asked["payload"], "the recording saw no globals: the test no longer records"
+
+
+# ---------------------------------------------------------------------------- manifests
+
+
+@pytest.fixture(scope="module")
+def manifest_json(tiny_build) -> dict:
+    return json.loads((tiny_build / MANIFEST).read_text())
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory) -> Path:
+    """One folder whose manifest.json each example overwrites (no other files needed:
+    read_manifest reads only the manifest)."""
+    return tmp_path_factory.mktemp("mutated")
+
+
+def json_paths(value, prefix=()):
+    yield prefix
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()  # fmt: skip
+    for key, item in items:
+        yield from json_paths(item, (*prefix, key))
+
+
+JSON_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=6,
+)  # fmt: skip
+
+
+def mutate(raw, path, how: str, value):
+    """`raw` with the value at `path` deleted, replaced by `value`, or re-typed."""
+    if not path:
+        return value if how == "replace" else [raw]
+    parent = raw
+    for key in path[:-1]:
+        parent = parent[key]
+    key = path[-1]
+    if how == "delete":
+        del parent[key]
+    elif how == "replace":
+        parent[key] = value
+    elif how == "wrap":
+        parent[key] = [parent[key]]
+    else:  # stringify
+        parent[key] = json.dumps(parent[key])
+    return raw
+
+
+def reads_or_refuses(folder: Path) -> Manifest | None:
+    """read_manifest gives a Manifest that every reader can use, or one ArtifactError line."""
+    try:
+        manifest = read_manifest(folder)
+    except ArtifactError as e:
+        assert "\n" not in str(e) and str(folder) in str(e)
+        return None
+    report.inspect_text(manifest)
+    report._peak_text(manifest)
+    json.dumps(manifest.to_json())
+    passed_over(manifest, Request(VideoShape(192, 320, 9, 1)), Present.host_cpu())
+    check.BuildFacts.of(manifest)
+    return manifest
+
+
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(st.data())
+def test_mutated_manifest_reads_or_refuses(manifest_json, scratch, data):
+    paths = list(json_paths(manifest_json))
+    shallow = [p for p in paths if len(p) <= 3 and "inputs" not in p and "outputs" not in p]
+    raw = json.loads(json.dumps(manifest_json))
+    for _ in range(data.draw(st.integers(1, 3))):
+        path = data.draw(st.sampled_from(shallow) | st.sampled_from(paths))
+        how = data.draw(st.sampled_from(["delete", "replace", "wrap", "stringify"]))
+        value = data.draw(JSON_VALUES)
+        # An earlier mutation may have removed or re-typed this path.
+        with contextlib.suppress(KeyError, IndexError, TypeError):
+            raw = mutate(raw, path, how, value)
+    (scratch / MANIFEST).write_text(json.dumps(raw, allow_nan=True))
+    reads_or_refuses(scratch)
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(st.binary(max_size=200) | st.text(max_size=200).map(str.encode))
+def test_junk_manifest_is_refused(scratch, junk):
+    (scratch / MANIFEST).write_bytes(junk)
+    with pytest.raises(ArtifactError):
+        read_manifest(scratch)
+
+
+def _set(*path_and_value):
+    *path, value = path_and_value
+
+    def edit(m):
+        for key in path[:-1]:
+            m = m[key]
+        m[path[-1]] = value
+
+    return edit
+
+
+def _drop(*path):
+    def edit(m):
+        for key in path[:-1]:
+            m = m[key]
+        del m[path[-1]]
+
+    return edit
+
+
+def _nested_config(m):
+    deep: list = []
+    for _ in range(50):
+        deep = [deep]
+    m["model_config"]["deep"] = deep
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (_set("programs", []), "programs must be a JSON object"),
+        (_set("programs", {}), "programs must name exactly the programs"),
+        (_drop("programs", "vae_decode"), "programs must name exactly the programs"),
+        (_set("programs", "evil", {}), "programs must name exactly the programs"),
+        (_set("process_count", 0), "process_count must be an integer in [1, 4096]"),
+        (_set("local_device_count", 100000), "local_device_count must be an integer in [1, 1024]"),
+        (_set("device_ids", [-1, 1, 2, 3, 4, 5, 6, 7]), "device_ids[0] must be an integer"),
+        (_set("device_ids", [0, 0, 2, 3, 4, 5, 6, 7]), "device_ids must be distinct"),
+        (
+            _set("device_ids", [0, 1]),
+            "device_ids has 2 ids, process_count x local_device_count is 8",
+        ),
+        (
+            _set("programs", "kv_cache", "inputs", 0, "shape", [2, "512"]),
+            "shape[1] must be an integer",
+        ),
+        (_set("programs", "kv_cache", "inputs", 0, "shape", [2.5]), "shape[0] must be an integer"),
+        (_set("programs", "kv_cache", "memory", "peak", "1 GiB"), "memory.peak must be an integer"),
+        (_drop("programs", "kv_cache", "memory", "peak"), "memory.peak is missing"),
+        (_set("programs", "kv_cache", "flops", "NaN"), "flops must be a finite"),
+        (_set("programs", "kv_cache", "executable", "path", "../../x.exec"), "plain file name"),
+        (_set("programs", "kv_cache", "hlo", "path", "/etc/passwd"), "plain file name"),
+        (_set("programs", "kv_cache", "executable", "sha256", "xyz"), "64 lowercase hex digits"),
+        (_set("programs", "kv_cache", "name", "vae_decode"), "kv_cache.name must be kv_cache"),
+        (_set("key", "width", True), "key.width must be an integer"),
+        (_set("key", "mesh", ["data", 2]), "key.mesh must be a JSON object"),
+        (_set("key", "vae_mesh", [1, 2, 3]), "key.vae_mesh must have 2 items"),
+        (_set("device_kind", "cpu\nError: forged"), "device_kind must be a one-line string"),
+        (_set("schema_version", "2"), "manifest schema '2' is not 2"),
+        (_set("surprise", 1), "surprise is not a field"),
+        (_nested_config, "model_config is nested deeper than 16 levels"),
+    ],
+)
+def test_malformed_manifest_names_the_field(build_copy, edit, message):
+    edit_manifest(build_copy, edit)
+    with pytest.raises(ArtifactError) as refused:
+        read_manifest(build_copy)
+    text = str(refused.value)
+    assert message in text and str(build_copy / MANIFEST) in text and "\n" not in text, text
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"\x00\xff\xfe binary", "is not valid JSON"),
+        ('{"schema_version": 2, "notes": ["caf\xe9"]}'.encode("latin-1"), "is not valid JSON"),
+        (b"[1, 2, 3]", "the manifest must be a JSON object"),
+        (b'{"schema_version": 2, "hbm_bytes": NaN}', "NaN is not a number JSON allows"),
+        (b"[" * 100_000 + b"]" * 100_000, "is not valid JSON"),
+        (b'{"schema_version": 2, "process_count": ' + b"9" * 5000 + b"}", "is not valid JSON"),
+    ],
+)
+def test_unparsable_manifest_is_one_line(tmp_path, content, message):
+    (tmp_path / MANIFEST).write_bytes(content)
+    with pytest.raises(ArtifactError, match=message) as refused:
+        read_manifest(tmp_path)
+    assert "\n" not in str(refused.value)
+
+
+def test_old_manifest_without_optional_fields_reads(build_copy):
+    def old(m):
+        for key in ("local_device_count", "default_mesh", "peak_flops", "ulysses_all_to_alls"):
+            del m[key]
+        for key in ("context_parallel", "vae_vmem_mib"):
+            del m["key"][key]
+        for p in m["programs"].values():
+            for key in ("gathered_bytes_per_latent_frame", "kernel_flops", "compiler_options", "replicated_param_bytes"):  # fmt: skip
+                del p[key]
+
+    edit_manifest(build_copy, old)
+    manifest = read_manifest(build_copy)
+    assert (manifest.local_device_count, manifest.default_mesh, manifest.key.context_parallel) == (
+        8,
+        False,
+        "gather",
+    )
+    verify_files(build_copy, manifest)
+
+
+def test_sparse_8gb_manifest_is_refused_quickly(tmp_path):
+    with (tmp_path / MANIFEST).open("wb") as f:
+        f.truncate(8 << 30)  # sparse: no disk used
+    tracemalloc.start()
+    try:
+        with pytest.raises(ArtifactError, match="is over 16 MiB"):
+            read_manifest(tmp_path)
+        assert tracemalloc.get_traced_memory()[1] < 64 << 20
+    finally:
+        tracemalloc.stop()
+
+
+def test_fifo_manifest_is_refused_without_blocking(tmp_path):
+    os.mkfifo(tmp_path / MANIFEST)
+    with pytest.raises(ArtifactError, match="not a regular file"):
+        read_manifest(tmp_path)
+
+
+# ---------------------------------------------------------------------------- paths
+
+
+def test_path_outside_the_build_is_refused(build_copy, tmp_path):
+    """A manifest path `../../x` to a file with the right sha256 and size: refused by the
+    runtime and by `aot check`, whose output never shows the outside file."""
+    secret = "SECRET-OUTSIDE-TEXT"
+    outside = tmp_path / "x.hlo.txt.gz"
+    outside.write_bytes(gzip.compress(f"HloModule {secret}\n".encode()))
+
+    def lead_outside(m):
+        m["programs"]["kv_cache"]["hlo"].update(
+            path="../../x.hlo.txt.gz", sha256=sha256_file(outside), size=outside.stat().st_size
+        )
+
+    edit_manifest(build_copy, lead_outside)
+    with pytest.raises(ArtifactError, match="must be a plain file name"):
+        read_manifest(build_copy)
+    with pytest.raises(ArtifactError, match="must be a plain file name"):
+        verify_file(build_copy, FileEntry("../../x.hlo.txt.gz", sha256_file(outside), 1))
+    result = run_cli("aot", "check", str(build_copy), check=False)
+    one_line_refusal(result)
+    assert secret not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("name", ["kv_cache.hlo.txt.gz", "kv_cache.exec", MANIFEST])
+def test_symlink_in_a_build_is_refused(build_copy, tmp_path, name):
+    """A build file that is a symlink (here to a byte-identical copy outside, so only the
+    link itself can be refused)."""
+    outside = tmp_path / f"outside-{name}"
+    shutil.move(build_copy / name, outside)
+    (build_copy / name).symlink_to(outside)
+    with pytest.raises(ArtifactError, match="is a symbolic link"):
+        verify_files(build_copy, read_manifest(build_copy))
+    if name.endswith(".gz"):
+        one_line_refusal(run_cli("aot", "check", str(build_copy), check=False))
+
+
+# ---------------------------------------------------------------------------- HLO
+
+
+def gzip_bomb(megabytes: int) -> bytes:
+    """A gzip file that expands to `megabytes` MB of zeros, made without holding them."""
+    compressor = zlib.compressobj(9, zlib.DEFLATED, 31)
+    chunk = bytes(1 << 20)
+    return b"".join(compressor.compress(chunk) for _ in range(megabytes)) + compressor.flush()
+
+
+def test_gzip_bomb_hlo_is_refused_within_bounded_memory(build_copy):
+    bomb = gzip_bomb(1024)  # ~1 MB expanding to 1 GiB
+    replace_file(build_copy, "kv_cache", "hlo", bomb)
+    entry = read_manifest(build_copy).programs["kv_cache"].hlo
+    tracemalloc.start()
+    try:
+        with pytest.raises(ArtifactError, match="expands past"):
+            read_hlo_text(build_copy, entry)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < (1 << 30) // 8, peak  # the cap (64x the file), not the bomb's 1 GiB
+    one_line_refusal(run_cli("aot", "check", str(build_copy), check=False))
+
+
+def test_hlo_sha256_is_checked_before_decompressing(build_copy, monkeypatch):
+    """A gzip file that is not the one the manifest recorded is never opened by gzip."""
+    path = build_copy / "kv_cache.hlo.txt.gz"
+    damaged = bytearray(path.read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF
+    path.write_bytes(bytes(damaged))
+    monkeypatch.setattr(zlib, "decompressobj", None)  # any use would raise TypeError
+    entry = read_manifest(build_copy).programs["kv_cache"].hlo
+    with pytest.raises(ArtifactError, match="fails its sha256 check"):
+        read_hlo_text(build_copy, entry)
+
+
+# ---------------------------------------------------------------------------- one bad build
+
+
+@pytest.fixture
+def mixed_builds(build_copy) -> Path:
+    """The tiny build, a build whose manifest is a JSON list, one whose device count is
+    hostile, one with a missing program, and a hidden folder that is never a build."""
+    artifacts = build_copy.parent
+    for name, edit in [
+        ("broken_list", lambda path: path.write_text("[]")),
+        ("broken_devices", None),
+        ("broken_program", None),
+        (".hidden", lambda path: path.write_text("not json")),
+    ]:
+        shutil.copytree(build_copy, artifacts / name)
+        if edit is not None:
+            edit(artifacts / name / MANIFEST)
+    edit_manifest(artifacts / "broken_devices", _set("local_device_count", 100000))
+    edit_manifest(artifacts / "broken_program", _drop("programs", "denoise_step"))
+    return artifacts
+
+
+BROKEN = ("broken_devices", "broken_list", "broken_program")
+
+
+def test_aot_list_shows_good_and_unreadable_builds(mixed_builds, build_copy):
+    result = run_cli("aot", "list", str(mixed_builds))
+    assert "Traceback" not in result.stderr
+    rows = {line.split()[0]: line for line in result.stdout.splitlines()[2:]}
+    assert set(rows) == {build_copy.name, *BROKEN}
+    assert "unreadable:" not in rows[build_copy.name] and "tiny" in rows[build_copy.name]
+    for name in BROKEN:
+        assert "unreadable:" in rows[name]
+
+
+def test_aot_check_reports_unreadable_builds_and_checks_the_others(mixed_builds, build_copy):
+    result = run_cli("aot", "check", str(mixed_builds), "--json", check=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    report_json = json.loads(result.stdout)
+    builds = {b["build"]: b for b in report_json["builds"]}
+    assert set(builds) == {build_copy.name, *BROKEN}
+    assert builds[build_copy.name]["ok"] and builds[build_copy.name]["programs"]
+    unreadable = {v["build"]: v for v in report_json["violations"]}
+    assert set(unreadable) == set(BROKEN)
+    assert all(v["rule"] == "unreadable" and "\n" not in v["message"] for v in unreadable.values())
+    assert "local_device_count" in unreadable["broken_devices"]["message"]
+    # Named itself, a broken build is bad input: one line, exit 2.
+    one_line_refusal(run_cli("aot", "check", str(mixed_builds / "broken_list"), check=False))
+
+
+def test_runtime_run_skips_broken_builds(mixed_builds, tiny_weights, tmp_path, build_copy):
+    result = run_cli("runtime", *run_args(mixed_builds, tiny_weights, tmp_path), check=False)
+    assert result.returncode == 0, result.stderr
+    assert build_copy.name in result.stdout and (tmp_path / "v.mp4").is_file()
+    # A request no build serves: the refusal names every build, the broken ones with why.
+    matched = Request(VideoShape(320, 192, 9, 1))
+    with pytest.raises(ArtifactError) as refused:
+        match_build(mixed_builds, matched, "tiny", Present.host_cpu())
+    lines = str(refused.value).splitlines()
+    assert len(lines) == 1 + 1 + len(BROKEN)
+    for name in BROKEN:
+        assert any(line.startswith(f"  {name}: unreadable: ") for line in lines), lines
+    # The hostile device count never reaches XLA: the build named alone is one line.
+    one_line_refusal(
+        run_cli(
+            "runtime",
+            *run_args(mixed_builds / "broken_devices", tiny_weights, tmp_path),
+            check=False,
+        )  # fmt: skip
+    )
