@@ -10,7 +10,6 @@ import hashlib
 import math
 import os
 import re
-import shutil
 import signal
 import sys
 import threading
@@ -34,18 +33,26 @@ from runtime.artifact import (
     dump_executable,
     file_entry,
     read_manifest,
+    verify_files,
 )
 from runtime.loader import host_layout, installed_versions
 from wan import attention as attention_lib
 from wan import interface, sharding
 from wan import programs as wan_programs
-from wan.atomic import atomic_folder, locked
+from wan.atomic import atomic_folder, locked, owned_files
 from wan.configs import ModelConfig, VideoShape
 from wan.errors import InputError
 
 # Test hook: kill the process right after this program's files are written.
 KILL_AFTER_ENV = "AOT_TEST_KILL_AFTER"
 BLOCKWISE_MIN_TOKENS = 8192  # above this, naive attention's temporaries dominate memory
+# Bounds of a request, far above any WAN use (720p, 81 frames: 75,600 tokens a video), so that
+# a mistyped size is a one-line error before anything is traced or allocated.
+MAX_SIDE = 8192  # pixels
+MAX_FRAMES = 1025
+MAX_BATCH = 1024
+MAX_STEP_TOKENS = 1 << 24  # video tokens of one denoise step, over its whole (CFG) batch
+MAX_MODEL_NAME = 100  # characters: the model's name starts each build folder's name
 
 
 class BuildError(InputError):
@@ -93,16 +100,8 @@ def plan_build(
 ) -> BuildPlan:
     """Validate a request and resolve its defaults (mesh, VAE mesh and axis, attention, context
     parallelism, the VAE decode's scoped VMEM)."""
-    factor = config.vae.spatial_factor * config.transformer.patch_size[1]
-    if shape.width % factor or shape.height % factor or shape.width <= 0 or shape.height <= 0:
-        raise BuildError(
-            f"resolution {shape.width}x{shape.height}: width and height must be positive multiples of {factor}"
-        )
-    tf = config.vae.temporal_factor
-    if shape.frames < 1 or (shape.frames - 1) % tf:
-        raise BuildError(f"--frames {shape.frames}: frames must be {tf}k+1 (e.g. 9, 17, 81)")
-    if shape.batch < 1:
-        raise BuildError(f"--batch {shape.batch}: batch must be >= 1")
+    check_model_name(model_name)
+    check_shape(config, shape)
     default = sharding.default_mesh(
         num_devices, shape.step_batch, transformer_bytes(config), target.hbm_bytes
     )
@@ -138,6 +137,51 @@ def plan_build(
         vae_vmem_mib=choose_vae_vmem(vae_vmem_mib, target),
     )
     return BuildPlan(config, shape, target, layout, attention, key, mesh == default)
+
+
+def check_model_name(name: str) -> None:
+    """A model name that can start a visible folder's name: not hidden (a leading '.', which
+    `aot list`, `runtime run` and `aot gc` pass over), not an option (a leading '-'), no
+    separator or control character."""
+    bad = (
+        not name
+        or name[0] in ".-"
+        or len(name) > MAX_MODEL_NAME
+        or any(c in "/\\" or not c.isprintable() for c in name)
+    )
+    if bad:
+        raise BuildError(
+            f"--model {name!r}: a model's name starts the names of its build folders, so it must "
+            "not start with '.' (hidden from `aot list` and `runtime run`) or '-', nor hold a "
+            f"separator or control character, and must be at most {MAX_MODEL_NAME} characters: "
+            "rename the model's folder"
+        )
+
+
+def check_shape(config: ModelConfig, shape: VideoShape) -> None:
+    """A video shape the model can make, within the bounds of what a build can serve."""
+    if not (0 < shape.width <= MAX_SIDE and 0 < shape.height <= MAX_SIDE):
+        raise BuildError(
+            f"resolution {shape.width}x{shape.height}: width and height must be 1-{MAX_SIDE} pixels"
+        )
+    if not 0 < shape.frames <= MAX_FRAMES:
+        raise BuildError(f"--frames {shape.frames}: frames must be 1-{MAX_FRAMES}")
+    if not 0 < shape.batch <= MAX_BATCH:
+        raise BuildError(f"--batch {shape.batch}: batch must be 1-{MAX_BATCH}")
+    factor = config.vae.spatial_factor * config.transformer.patch_size[1]
+    if shape.width % factor or shape.height % factor:
+        raise BuildError(
+            f"resolution {shape.width}x{shape.height}: width and height must be positive multiples of {factor}"
+        )
+    tf = config.vae.temporal_factor
+    if (shape.frames - 1) % tf:
+        raise BuildError(f"--frames {shape.frames}: frames must be {tf}k+1 (e.g. 9, 17, 81)")
+    if (tokens := shape.tokens(config) * shape.step_batch) > MAX_STEP_TOKENS:
+        raise BuildError(
+            f"{shape.width}x{shape.height}, {shape.frames} frames, step batch {shape.step_batch}: "
+            f"{tokens} video tokens per denoise step, over the bound of {MAX_STEP_TOKENS}: "
+            "use a smaller --res, --frames or --batch"
+        )
 
 
 def choose_attention(requested: str | None, target: Target, tokens: int) -> str:
@@ -192,7 +236,7 @@ def parse_vae_vmem(text: str) -> int | None:
         return None
     if text == "default":
         return 0
-    if not text.isdigit():
+    if not (text.isdigit() and len(text) <= 6):
         raise BuildError(f"--vae-vmem {text}: use auto, default or a number of MiB")
     return int(text)
 
@@ -334,39 +378,84 @@ def build(
     progress: Callable[[str], None] | None = None,
 ) -> BuildResult:
     """Make (or reuse) the build folder of `plan`. Atomic: the folder appears complete or not
-    at all; a lock keeps two builds of one key apart. Builds of one call share a `ledger`
-    (which also says --force)."""
+    at all; a lock keeps two builds of one key apart, and the store's lock keeps `aot gc` out.
+    An existing folder of that name is replaced only when aot wrote it (`build_files`). Builds
+    of one call share a `ledger` (which also says --force)."""
     ledger = ledger if ledger is not None else CallLedger()
-    out_root.mkdir(parents=True, exist_ok=True)
+    if done := up_to_date(plan, out_root, ledger):
+        return done  # found without writing anything: --out may be read-only
     folder = out_root / plan.key.folder_name()
-    fingerprint = compiler_fingerprint(plan.target)
-    with locked(out_root / ".locks" / f"{folder.name}.lock"):
-        if not ledger.force and (existing := existing_build(out_root, plan, fingerprint)):
-            return BuildResult(plan, folder, existing, skipped=True, programs={})
-        for stale in out_root.glob(f".tmp-{folder.name}-*"):
-            shutil.rmtree(stale, ignore_errors=True)  # left by a killed build of this key
-        with atomic_folder(folder, out_root / f".tmp-{folder.name}-{os.getpid()}") as tmp:
+    check_out(out_root)
+    check_replaceable(folder)  # before anything is compiled
+    with store.building(out_root), locked(out_root / store.LOCKS / f"{folder.name}.lock"):
+        if done := up_to_date(plan, out_root, ledger):
+            return done  # made meanwhile
+        store.remove_leftovers(out_root, folder.name)
+        fingerprint = compiler_fingerprint(plan.target)
+        with atomic_folder(
+            folder, out_root / f".tmp-{folder.name}-{os.getpid()}", build_files
+        ) as tmp:
             manifest, statuses = _compile_all(plan, tmp, out_root, fingerprint, ledger, progress)
             manifest.write(tmp)
     return BuildResult(plan, folder, manifest, skipped=False, programs=statuses)
 
 
+def up_to_date(plan: BuildPlan, out_root: Path, ledger: CallLedger) -> BuildResult | None:
+    """The result of `plan` when its build is already in `out_root` (never with --force)."""
+    if ledger.force:
+        return None
+    existing = existing_build(out_root, plan, compiler_fingerprint(plan.target))
+    folder = out_root / plan.key.folder_name()
+    return BuildResult(plan, folder, existing, skipped=True, programs={}) if existing else None
+
+
 def existing_build(out_root: Path, plan: BuildPlan, fingerprint: str) -> Manifest | None:
     """The build of this key in `out_root`, if it was made from the same model config and
-    compiler."""
+    compiler and its files are whole (size, sha256)."""
     folder = out_root / plan.key.folder_name()
     if not (folder / MANIFEST).is_file():
         return None
     try:
         manifest = read_manifest(folder)
+        ok = (
+            manifest.key == plan.key
+            and manifest.model_hash == plan.config.hash()
+            and manifest.compiler_fingerprint == fingerprint
+        )
+        if ok:
+            verify_files(folder, manifest)
     except ArtifactError:
         return None
-    ok = (
-        manifest.key == plan.key
-        and manifest.model_hash == plan.config.hash()
-        and manifest.compiler_fingerprint == fingerprint
-    )
     return manifest if ok else None
+
+
+def check_out(out_root: Path) -> None:
+    """`--out` is a folder, or a path where one can be made (no file on or above it)."""
+    for path in (out_root, *out_root.parents):
+        if path.exists():
+            if not path.is_dir():
+                raise BuildError(f"--out {out_root}: {path} is not a folder: choose another --out")
+            return
+
+
+def check_replaceable(folder: Path) -> None:
+    """`folder` is absent or a build folder aot wrote (`build_files`)."""
+    if os.path.lexists(folder):
+        build_files(folder)
+
+
+def build_files(folder: Path) -> list[str]:
+    """The files of build folder `folder` when aot build wrote it: a manifest that reads and
+    nothing but the files it lists; else an error that says what to move away."""
+    try:
+        manifest = read_manifest(folder)
+    except ArtifactError:
+        raise BuildError(
+            f"{folder} exists but is not a build (no readable {MANIFEST}): move it away, or "
+            "choose another --out"
+        ) from None
+    files = (f.path for p in manifest.programs.values() for f in (p.executable, p.hlo))
+    return owned_files(folder, {MANIFEST, *(f for f in files if isinstance(f, str))})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -536,10 +625,15 @@ def store_program(
     label: str,
     progress: Callable[[str], None] | None,
 ) -> tuple[ProgramEntry, Path, bool]:
-    """The store's entry `pid` of `out_root` for `lowered`, compiled unless there (or with
-    `replace`): (manifest entry, its store folder, whether it was there)."""
+    """The store's entry `pid` of `out_root` for `lowered`, compiled unless there and sound (or
+    with `replace`): (manifest entry, its store folder, whether it was there)."""
     make = functools.partial(_make_program, plan, lowered, label, progress)
-    return store.fetch_or_make(out_root, pid, make, replace=replace)
+
+    def damaged(why: str) -> None:
+        if progress is not None:
+            progress(f"{label} stored entry damaged, recompiling ({why})")
+
+    return store.fetch_or_make(out_root, pid, make, replace=replace, damaged=damaged)
 
 
 def _make_program(
@@ -606,9 +700,10 @@ def _write_program(
 ) -> ProgramEntry:
     program = lowered.program
     device_ids = [d.id for d in lowered.mesh.devices.flat]
-    (folder / f"{program.name}.exec").write_bytes(dump_executable(compiled, device_ids))
+    executable, hlo_text = store.program_files(program.name)
+    (folder / executable).write_bytes(dump_executable(compiled, device_ids))
     text = compiled.as_text()
-    with gzip.open(folder / f"{program.name}.hlo.txt.gz", "wt") as f:
+    with gzip.open(folder / hlo_text, "wt") as f:
         f.write(text)
     module = hlo.parse(text)
     cost = compiled.cost_analysis() or {}
@@ -616,8 +711,8 @@ def _write_program(
         cost = cost[0] if cost else {}
     return ProgramEntry(
         name=program.name,
-        executable=file_entry(folder, f"{program.name}.exec"),
-        hlo=file_entry(folder, f"{program.name}.hlo.txt.gz"),
+        executable=file_entry(folder, executable),
+        hlo=file_entry(folder, hlo_text),
         input_names=list(program.args),
         output_names=list(program.out_axes),
         inputs=_array_specs(

@@ -16,7 +16,7 @@ from pathlib import Path
 import click
 
 from aot import targets
-from runtime.cli_args import CliError, OneLineErrors, parse_resolution
+from runtime.cli_args import CliError, OneLineErrors, os_error_text, parse_resolution
 
 POLICY_OPTION = click.option(
     "--policy",
@@ -133,21 +133,34 @@ def _matrix_options(command: Callable) -> Callable:
 def build_cmd(out, force, strict, policy_path, as_json, jobs, **matrix) -> None:
     """Compile the program matrix (--res x --frames x --batch) for one target."""
     from aot import build as builder
-    from aot import check, report
+    from aot import check, report, store
     from aot.jobs import JobsError, check_jobs, compile_distinct, default_jobs
 
+    builder.check_out(out)
     plans = _plans(**matrix)
     try:
         policy = check.load_policy(policy_path)
         jobs = default_jobs() if jobs is None else jobs
         check_jobs(jobs, plans[0].target)
         ledger = builder.CallLedger(force)
-        if jobs > 1:
-            compile_distinct(plans, out, jobs, ledger, show_progress=not as_json)
-        progress = None if as_json else (lambda line: click.echo(line, err=True))
-        results = [builder.build(plan, out, ledger, progress) for plan in plans]
+        # Up-to-date builds are found without writing: a read-only --out is fine when all are.
+        done = {plan.key: builder.up_to_date(plan, out, ledger) for plan in plans}
+        pending = [plan for plan in plans if done[plan.key] is None]
+        for plan in pending:
+            builder.check_replaceable(out / plan.key.folder_name())
+        if pending:
+            with store.building(out):  # from the workers' compiles until each manifest is in
+                if jobs > 1:
+                    compile_distinct(pending, out, jobs, ledger, show_progress=not as_json)
+                progress = None if as_json else (lambda line: click.echo(line, err=True))
+                done.update(
+                    (plan.key, builder.build(plan, out, ledger, progress)) for plan in pending
+                )
+        results = [done[plan.key] for plan in plans]
     except (check.CheckInputError, JobsError, builder.BuildError) as e:
         raise CliError(str(e)) from None
+    except OSError as e:  # a full disk, a read-only --out
+        raise CliError(f"cannot write the builds into {out}: {os_error_text(e)}") from None
     built = sum(not r.skipped for r in results)
     if as_json:
         click.echo(json.dumps(report.builds_json(results), indent=1))
@@ -189,26 +202,34 @@ def _plans(
     from wan.sharding import MeshShape
 
     try:
+        name = Path(model).name if Path(model).is_dir() else model
+        builder.check_model_name(name)
         config = resolve_model(model)
         tgt = targets.parse_target(target)
-        # cpu-PxN: this process joins a local multi-process job until the command is done.
-        click.get_current_context().with_resource(local_job(tgt))
-        num_devices = len(targets.devices(tgt))
-        mesh = MeshShape.parse(mesh_text) if mesh_text else None
-        if vae_spatial != "auto" and not vae_spatial.isdigit():
-            raise ValueError(f"--vae-spatial {vae_spatial}: use auto or a positive integer")
-        spatial = None if vae_spatial == "auto" else int(vae_spatial)
-        vmem = builder.parse_vae_vmem(vae_vmem)
-        name = Path(model).name if Path(model).is_dir() else model
-        return [
-            builder.plan_build(
-                name, config, VideoShape(*parse_resolution(res), frames, batch, cfg=not no_cfg), tgt,
-                num_devices, mesh, spatial, None if attention == "auto" else attention,
-                None if context_parallel == "auto" else context_parallel, vmem,
-            )
+        shapes = [
+            VideoShape(*parse_resolution(res), frames, batch, cfg=not no_cfg)
             for res in resolutions
             for frames in frames_list
             for batch in batches
+        ]
+        # Checked before any device starts: a mistyped size never reaches jax.
+        for shape in shapes:
+            builder.check_shape(config, shape)
+        mesh = MeshShape.parse(mesh_text) if mesh_text else None
+        if vae_spatial != "auto" and not (vae_spatial.isdigit() and len(vae_spatial) <= 6):
+            raise ValueError(f"--vae-spatial {vae_spatial}: use auto or a positive integer")
+        spatial = None if vae_spatial == "auto" else int(vae_spatial)
+        vmem = builder.parse_vae_vmem(vae_vmem)
+        # cpu-PxN: this process joins a local multi-process job until the command is done.
+        click.get_current_context().with_resource(local_job(tgt))
+        num_devices = len(targets.devices(tgt))
+        return [
+            builder.plan_build(
+                name, config, shape, tgt, num_devices, mesh, spatial,
+                None if attention == "auto" else attention,
+                None if context_parallel == "auto" else context_parallel, vmem,
+            )
+            for shape in shapes
         ]  # fmt: skip
     except (ValueError, OSError, targets.TargetError, JobError, builder.BuildError) as e:
         raise CliError(str(e)) from None
@@ -266,21 +287,50 @@ def list_cmd(folder: Path) -> None:
 @click.argument("folder", type=click.Path(path_type=Path), default=Path("artifacts"))
 @click.option("--dry-run", is_flag=True, help="List what would be removed, remove nothing.")
 def gc_cmd(folder: Path, dry_run: bool) -> None:
-    """Remove the stored programs (FOLDER/.programs) that no build in FOLDER references."""
-    import shutil
-
+    """Remove the stored programs (FOLDER/.programs) that no build in FOLDER references, and
+    the temporary folders of killed builds. Only what `aot build` writes is ever removed; it
+    waits for the builds in progress."""
     from aot import store
+    from wan.atomic import remove_owned
 
     if not folder.is_dir():
         raise CliError(f"{folder} is not a folder of builds (make one with `aot build`)")
-    builds = [p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")]
-    unused = store.garbage(folder, builds)
-    size = sum(f.stat().st_size for e in unused for f in e.rglob("*") if f.is_file())
-    if not dry_run:
-        for entry in unused:
-            shutil.rmtree(entry, ignore_errors=True)
-    verb = "would remove" if dry_run else "removed"
-    click.echo(f"{verb} {len(unused)} unreferenced program(s), {size / 1e6:.1f} MB")
+
+    def waiting() -> None:
+        click.echo("waiting for the builds in progress to finish", err=True)
+
+    with contextlib.nullcontext() if dry_run else store.collecting(folder, waiting):
+        garbage = store.garbage(folder, _manifests(folder))
+        verb = "would remove" if dry_run else "removed"
+        removed, size = 0, 0
+        for path, files in [*garbage.unused.items(), *garbage.leftovers.items()]:
+            path_size = store.size(path, files)
+            if not (dry_run or remove_owned(path, files)):
+                click.echo(f"left alone: {path} (something else appeared in it)")
+                continue
+            what = "leftover of a killed build" if path in garbage.leftovers else "program"
+            click.echo(f"{verb} {what} {path.name} ({path_size / 1e6:.1f} MB)")
+            removed += path in garbage.unused
+            size += path_size
+    for path in garbage.foreign:
+        click.echo(f"left alone: {path} (not a program entry)")
+    click.echo(f"{verb} {removed} unreferenced program(s), {size / 1e6:.1f} MB")
+
+
+def _manifests(folder: Path) -> list:
+    """The manifests of the builds in `folder`; a build whose manifest does not read is
+    skipped with a line saying why (its files stay whole: they are its own hard links)."""
+    from runtime.artifact import MANIFEST, ArtifactError, read_manifest
+
+    manifests = []
+    for path in sorted(folder.iterdir()):
+        if path.name.startswith(".") or not (path / MANIFEST).is_file():
+            continue
+        try:
+            manifests.append(read_manifest(path))
+        except ArtifactError as e:
+            click.echo(f"skipped {path.name}: {e}", err=True)
+    return manifests
 
 
 @cli.command("inspect")

@@ -9,28 +9,55 @@ self-contained (copy it anywhere).
 
 Entries live in `<out>/.programs/<id>/`: the executable, its optimized HLO and its manifest entry
 as JSON. Each is written atomically under its own lock, so concurrent builds into one folder
-compile each program once. `aot gc` removes the entries that no build references.
+compile each program once. An entry is checked (its entry.json, its file names, each file's size
+and sha256) every time it is reused or linked: a damaged one is compiled again and replaced. The
+store is trusted as far as the artifacts folder is: a crafted entry whose entry.json matches its
+files passes these checks, as a crafted build folder does, and the runtime's loader is what
+refuses its executable.
+
+Builds hold the store's lock shared from their first store access until their manifest is in
+place; `aot gc` holds it exclusive, so it never removes an entry that a build has just compiled
+or is about to link. It removes only the entries it can identify (a program id holding a readable
+entry.json and only its files) and the temporary folders of killed builds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
+import stat
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from runtime.artifact import ArtifactError, ProgramEntry, read_manifest
-from wan.atomic import atomic_folder, locked
+from runtime.artifact import MANIFEST, ArtifactError, Manifest, ProgramEntry, verify_file
+from wan import interface
+from wan.atomic import NotOurs, atomic_folder, locked, owned_files, remove_owned, temporaries
 
 if TYPE_CHECKING:
     from aot.build import LoweredProgram
 
 STORE = ".programs"
 ENTRY = "entry.json"
+LOCKS = ".locks"
+MAX_ENTRY_BYTES = 64 << 20  # an entry.json lists each array once: a few MB for the 14B
+_PROGRAM_ID = re.compile(r"[0-9a-f]{64}")
+
+
+def program_files(name: str) -> tuple[str, str]:
+    """The files of program `name` in a store entry and a build folder: executable, HLO."""
+    return f"{name}.exec", f"{name}.hlo.txt.gz"
+
+
+# Every file name `aot build` writes into a build folder, a store entry or their temporaries.
+OUR_FILES = frozenset(
+    {MANIFEST, ENTRY, *(file for name in interface.SIGNATURES for file in program_files(name))}
+)
 
 
 def program_id(lowered: LoweredProgram, fingerprint: str) -> str:
@@ -45,58 +72,156 @@ def program_id(lowered: LoweredProgram, fingerprint: str) -> str:
     return digest.hexdigest()
 
 
+def building(out_root: Path) -> contextlib.AbstractContextManager[None]:
+    """The store's lock as a build holds it (shared with other builds, not with `aot gc`)."""
+    return locked(out_root / LOCKS / "store.lock", shared=True)
+
+
+def collecting(
+    out_root: Path, waiting: Callable[[], None] | None = None
+) -> contextlib.AbstractContextManager[None]:
+    """The store's lock as `aot gc` holds it: no build runs meanwhile (`waiting()` is called
+    when one must finish first)."""
+    return locked(out_root / LOCKS / "store.lock", waiting=waiting)
+
+
 def fetch_or_make(
-    out_root: Path, pid: str, make: Callable[[Path], ProgramEntry], replace: bool = False
+    out_root: Path,
+    pid: str,
+    make: Callable[[Path], ProgramEntry],
+    replace: bool = False,
+    damaged: Callable[[str], None] | None = None,
 ) -> tuple[ProgramEntry, Path, bool]:
     """The store's entry `pid`: (manifest entry, its folder, whether it was already there).
-    When absent (or with `replace`), `make(folder)` writes the program's files into `folder`
-    and returns its entry; another process making the same entry is waited for, not repeated."""
+    When absent, damaged (`damaged(why)` is called) or `replace`d, `make(folder)` writes the
+    program's files into `folder` and returns its entry; another process making the same entry
+    is waited for, not repeated."""
     folder = out_root / STORE / pid
-    with locked(out_root / ".locks" / f"program-{pid}.lock"):
-        if not replace and (entry := _read_entry(folder)) is not None:
-            return entry, folder, True
-        for stale in folder.parent.glob(f".tmp-{pid}-*"):
-            shutil.rmtree(stale, ignore_errors=True)  # left by a killed build
-        with atomic_folder(folder, folder.parent / f".tmp-{pid}-{os.getpid()}") as tmp:
+    with locked(out_root / LOCKS / f"program-{pid}.lock"):
+        if os.path.lexists(folder):
+            if not replace:
+                try:
+                    return read_entry(folder), folder, True
+                except ArtifactError as e:
+                    if damaged is not None:
+                        damaged(str(e))
+            owned_files(folder, OUR_FILES)  # refused before compiling what could not replace it
+        remove_leftovers(folder.parent, pid)
+        tmp = folder.parent / f".tmp-{pid}-{os.getpid()}"
+        with atomic_folder(folder, tmp, lambda old: owned_files(old, OUR_FILES)) as tmp:
             entry = make(tmp)
             (tmp / ENTRY).write_text(json.dumps(dataclasses.asdict(entry)))
         return entry, folder, False
 
 
 def has(out_root: Path, pid: str) -> bool:
-    """Whether the store of `out_root` holds a complete entry `pid`."""
-    return _read_entry(out_root / STORE / pid) is not None
-
-
-def _read_entry(folder: Path) -> ProgramEntry | None:
+    """Whether the store of `out_root` holds a sound entry `pid`."""
     try:
-        return ProgramEntry.from_json(json.loads((folder / ENTRY).read_text()))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+        read_entry(out_root / STORE / pid)
+    except ArtifactError:
+        return False
+    return True
+
+
+def read_entry(folder: Path) -> ProgramEntry:
+    """The entry in store folder `folder`, when its entry.json reads, names its program's own
+    files, and each is a regular file of the recorded size and sha256; else ArtifactError."""
+    entry = _load_entry(folder)
+    for file in (entry.executable, entry.hlo):
+        verify_file(folder, file)
+    return entry
+
+
+def _load_entry(folder: Path) -> ProgramEntry:
+    path = folder / ENTRY
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            raise ArtifactError(f"{path} is not a regular file")
+        if os.lstat(path).st_size > MAX_ENTRY_BYTES:
+            raise ArtifactError(f"{path} is over {MAX_ENTRY_BYTES >> 20} MiB")
+        entry = ProgramEntry.from_json(json.loads(path.read_bytes()))
+    except ArtifactError:
+        raise
+    except OSError as e:
+        raise ArtifactError(f"{path} is unreadable ({e.strerror})") from None
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        raise ArtifactError(f"{path} is malformed ({str(e)[:200]})") from None
+    name = entry.name
+    own = isinstance(name, str) and name in interface.SIGNATURES
+    if not own or (entry.executable.path, entry.hlo.path) != program_files(name):
+        raise ArtifactError(f"{path} names files other than its program's own")
+    return entry
 
 
 def link_files(entry: ProgramEntry, store_folder: Path, build_folder: Path) -> None:
     """The entry's files into a build folder: hard links (no copy) where the file system has
-    them, else copies."""
-    for name in (entry.executable.path, entry.hlo.path):
+    them, else copies; each checked (size, sha256) where it landed."""
+    for file in (entry.executable, entry.hlo):
+        source, target = store_folder / file.path, build_folder / file.path
         try:
-            os.link(store_folder / name, build_folder / name)
+            os.link(source, target, follow_symlinks=False)
         except OSError:
-            shutil.copyfile(store_folder / name, build_folder / name)
+            shutil.copyfile(source, target, follow_symlinks=False)
+        verify_file(build_folder, file)
 
 
-def garbage(out_root: Path, builds: Iterable[Path]) -> list[Path]:
-    """Store entries whose executable no build in `builds` references."""
-    referenced = set()
-    for build in builds:
+def remove_leftovers(parent: Path, name: str | None = None) -> list[Path]:
+    """Remove the temporary folders killed builds left in `parent` (of `name`, or all) that hold
+    only files a build writes: the ones removed. Call with no build of `name` running."""
+    removed = []
+    for folder in temporaries(parent, name):
+        with contextlib.suppress(NotOurs):
+            if remove_owned(folder, owned_files(folder, OUR_FILES)):
+                removed.append(folder)
+    return removed
+
+
+@dataclasses.dataclass
+class Garbage:
+    """What `aot gc` would remove, and what it leaves alone."""
+
+    unused: dict[Path, list[str]]  # store entries no build references -> their files
+    leftovers: dict[Path, list[str]]  # temporary folders of killed builds -> their files
+    foreign: list[Path]  # under the store, not a program entry: never removed
+
+
+def garbage(out_root: Path, manifests: Iterable[Manifest]) -> Garbage:
+    """The store entries of `out_root` whose executable none of `manifests` references, the
+    leftovers of killed builds, and what is not ours."""
+    referenced = {p.executable.sha256 for m in manifests for p in m.programs.values()}
+    store = out_root / STORE
+    scratch = sorted({*temporaries(out_root), *temporaries(store)})
+    leftovers, foreign, unused = {}, [], {}
+    for folder in scratch:
         try:
-            manifest = read_manifest(build)
-        except ArtifactError:
+            leftovers[folder] = owned_files(folder, OUR_FILES)
+        except (NotOurs, OSError):
+            foreign.append(folder)
+    for folder in sorted(store.iterdir()) if store.is_dir() else []:
+        if folder in scratch:
             continue
-        referenced.update(p.executable.sha256 for p in manifest.programs.values())
-    unused = []
-    for folder in sorted((out_root / STORE).glob("[!.]*")):  # not a build's tmp folder
-        entry = _read_entry(folder)
-        if entry is None or entry.executable.sha256 not in referenced:
-            unused.append(folder)
-    return unused
+        try:
+            files, sha256 = _entry_files(folder)
+        except (ArtifactError, NotOurs, OSError):
+            foreign.append(folder)
+            continue
+        if sha256 not in referenced:
+            unused[folder] = files
+    return Garbage(unused, leftovers, foreign)
+
+
+def _entry_files(folder: Path) -> tuple[list[str], str]:
+    """(the files of store entry `folder`, its executable's sha256), when it is one: named by
+    a program id, holding a readable entry.json and only that entry's files."""
+    if not _PROGRAM_ID.fullmatch(folder.name):
+        raise NotOurs(f"{folder} is not named by a program id")
+    files = owned_files(folder, OUR_FILES)
+    entry = _load_entry(folder)
+    if not set(files) <= {ENTRY, *program_files(entry.name)}:
+        raise NotOurs(f"{folder} holds files its entry does not name")
+    return files, entry.executable.sha256
+
+
+def size(folder: Path, files: Iterable[str]) -> int:
+    """Bytes of `files` in `folder`."""
+    return sum(os.lstat(folder / name).st_size for name in files)

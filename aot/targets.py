@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import os
 import re
 from typing import Any
@@ -70,7 +71,14 @@ TPU_ALIASES = {
     "tpu-v5p-8": "v5p:2x2x1",
     "tpu7x-8": "tpu7x:2x2x1",
 }
-_TOPOLOGY = re.compile(r"^(v4|v5e|v5p|v6e|tpu7x):(\d+(?:x\d+){1,2})(?:/(\d+(?:x\d+){1,2}))?$")
+# cpu-N and cpu-PxN run here: every device is a thread pool of this machine, every process a
+# Python with jax. Far above what a test or a benchmark uses (cpu-8, cpu-2x4).
+MAX_CPU_DEVICES = 512
+MAX_CPU_PROCESSES = 16
+MAX_TPU_CHIPS = 16384  # above the largest slice of any generation (tpu7x: 9216 chips)
+_TOPOLOGY = re.compile(
+    r"^(v4|v5e|v5p|v6e|tpu7x):(\d{1,5}(?:x\d{1,5}){1,2})(?:/(\d{1,5}(?:x\d{1,5}){1,2}))?$"
+)
 
 
 class TargetError(InputError):
@@ -107,10 +115,13 @@ def parse_target(name: str) -> Target:
     """`cpu-N`, `cpu-PxN`, `current`, a TPU alias (tpu-v6e-8, ...), `tpu-<topology>`
     (tpu-v6e:4x4: hosts of the generation's VM size) or `tpu-<topology>/<host>` (tpu-v6e:4x4/2x2:
     hosts of 2x2 chips)."""
-    if m := re.fullmatch(r"cpu-(?:(\d+)x)?(\d+)", name):
+    if m := re.fullmatch(r"cpu-(?:(\d{1,9})x)?(\d{1,9})", name):
         procs, local = int(m.group(1) or 1), int(m.group(2))
-        if procs < 1 or local < 1:
-            raise TargetError(f"{name}: cpu-N and cpu-PxN need P, N >= 1")
+        if not (1 <= procs <= MAX_CPU_PROCESSES and 1 <= procs * local <= MAX_CPU_DEVICES):
+            raise TargetError(
+                f"{name}: cpu-N and cpu-PxN need P, N >= 1, at most {MAX_CPU_PROCESSES} "
+                f"processes (P) and {MAX_CPU_DEVICES} devices (P x N)"
+            )
         return Target(name, "cpu", num_devices=procs * local, num_processes=procs)
     if name == "current":
         return Target(name, "current")
@@ -121,6 +132,8 @@ def parse_target(name: str) -> Target:
         )
         raise TargetError(f"unknown target {name!r}: use one of {known}")
     generation, chips, host = m.groups()
+    if math.prod(_dims(chips)) > MAX_TPU_CHIPS:
+        raise TargetError(f"{name}: a slice has at most {MAX_TPU_CHIPS} chips")
     return Target(
         name,
         "tpu",
