@@ -113,7 +113,7 @@ def list_table(folder: Path) -> str:
     rows = []
     for build, m in read_builds(folder):
         if not isinstance(m, Manifest):
-            rows.append([build.name, f"unreadable: {m}", *[""] * 7])
+            rows.append([build.name, *["-"] * 7, f"unreadable: {m}"])
             continue
         k = m.key
         rows.append([

@@ -76,7 +76,7 @@ def _at(where: str, key: Any) -> str:
 
 
 def _malformed(where: str, what: str) -> ArtifactError:
-    return ArtifactError(f"{where} {what}")
+    return ArtifactError(f"`{where}` {what}" if where else f"the manifest {what}")
 
 
 def _string(value: Any, where: str) -> str:
@@ -135,9 +135,6 @@ def _matching(pattern: re.Pattern[str], what: str) -> Check:
     return check
 
 
-_FILE_NAME = _matching(_PLAIN_FILE_NAME, "a plain file name inside the build folder")
-
-
 def _list(value: Any, where: str) -> list[Any]:
     if not isinstance(value, list):
         raise _malformed(where, "must be a list")
@@ -162,13 +159,18 @@ def _tuple_of(check: Check, length: int | None = None) -> Check:
 
 def _object(value: Any, where: str) -> dict[str, Any]:
     if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-        raise _malformed(where or "the manifest", "must be a JSON object")
+        raise _malformed(where, "must be a JSON object")
     return value
 
 
 def _dict_of(check: Check, required: Sequence[str] = ()) -> Check:
+    """An object of plain keys (names of axes, programs, collectives, options) to values."""
+
     def dict_check(value: Any, where: str) -> dict[str, Any]:
-        out = {k: check(v, _at(where, k)) for k, v in _object(value, where).items()}
+        for key in _object(value, where):
+            if not _PLAIN_KEY.fullmatch(key):
+                raise _malformed(_at(where, key), "is not a plain key name")
+        out = {k: check(v, _at(where, k)) for k, v in value.items()}
         if missing := [k for k in required if k not in out]:
             raise _malformed(_at(where, missing[0]), "is missing")
         return out
@@ -295,7 +297,7 @@ class FileEntry:
     @classmethod
     def from_json(cls, raw: Any, where: str) -> FileEntry:
         checks = {
-            "path": _FILE_NAME,
+            "path": _matching(_PLAIN_FILE_NAME, "a plain file name inside the build folder"),
             "sha256": _matching(_SHA256, "64 lowercase hex digits"),
             "size": _integer(0, MAX_FILE_BYTES),
         }
@@ -566,8 +568,12 @@ def _read_checked(folder: Path, entry: FileEntry, keep: bool) -> bytes:
     """The file `entry` names in `folder`, read once and checked: a plain name inside the
     folder, a regular file (not a symlink) of the entry's size (before any byte is read), and
     the bytes read hash to the entry's sha256. The bytes when `keep`, else b""."""
-    name = _FILE_NAME(entry.path, f"{folder}: file {repr(entry.path)[:80]}")
-    path = folder / name
+    if not isinstance(entry.path, str) or not _PLAIN_FILE_NAME.fullmatch(entry.path):
+        raise ArtifactError(
+            f"{folder}: file {repr(entry.path)[:80]} must be a plain file name inside the build "
+            "folder: refusing it"
+        )
+    path = folder / entry.path
     digest, kept, read = hashlib.sha256(), [], 0
     with _open_file(path) as f:
         size = os.fstat(f.fileno()).st_size
@@ -761,7 +767,10 @@ def _payload_parts(payload: bytes, devices: Sequence[Any]) -> tuple[Any, list[An
                     return super().persistent_load(pid)
                 case ("device", int() as i) if i in self.devices_by_id and type(i) is int:
                     return super().persistent_load(pid)
-            raise ArtifactError(f"executable's payload names {repr(pid)[:80]}: {_REBUILD}")
+            raise ArtifactError(
+                f"the payload pickle names the persistent id {repr(pid)[:80]}, not jax's exec, "
+                f"device of this job or client: refusing to load it; {_REBUILD}"
+            )
 
     parts = _unpickled(
         lambda: PayloadUnpickler(io.BytesIO(payload), devices[0].client, devices).load(),

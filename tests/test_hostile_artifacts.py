@@ -203,9 +203,15 @@ def test_gadgets_refused_in_process(tiny_build, tmp_path):
     assert load_executable(real, devices) is not None
 
 
-@pytest.mark.parametrize(
-    "gadget", ["dotted_popen", "builtins_getattr", "payload_dotted_popen", "payload_os_system"]
-)
+# Every outer shape, and the nested ones that differ (the payload pickle's own unpickler).
+CLI_GADGETS = [
+    "dotted_popen", "dotted_os_system", "os_system", "posix_system", "builtins_eval",
+    "builtins_getattr", "allowed_class_reducing_os_system", "allowed_module_dotted_name",
+    "payload_dotted_popen", "payload_persistent_id",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("gadget", CLI_GADGETS)
 def test_gadget_in_a_build_is_refused_by_runtime_run(build_copy, tiny_weights, tmp_path, gadget):
     canary = tmp_path / "pwned"
     real = (build_copy / "kv_cache.exec").read_bytes()
@@ -280,9 +286,8 @@ JSON_VALUES = st.recursive(
 
 
 def mutate(raw, path, how: str, value):
-    """`raw` with the value at `path` deleted, replaced by `value`, or re-typed."""
-    if not path:
-        return value if how == "replace" else [raw]
+    """`raw` with the value at `path` (not the root) deleted, replaced by `value`, or
+    re-typed."""
     parent = raw
     for key in path[:-1]:
         parent = parent[key]
@@ -318,7 +323,7 @@ def reads_or_refuses(folder: Path) -> Manifest | None:
 )
 @given(st.data())
 def test_mutated_manifest_reads_or_refuses(manifest_json, scratch, data):
-    paths = list(json_paths(manifest_json))
+    paths = list(json_paths(manifest_json))[1:]  # not the root: test_junk_manifest_is_refused
     shallow = [p for p in paths if len(p) <= 3 and "inputs" not in p and "outputs" not in p]
     raw = json.loads(json.dumps(manifest_json))
     for _ in range(data.draw(st.integers(1, 3))):
@@ -372,37 +377,55 @@ def _nested_config(m):
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        (_set("programs", []), "programs must be a JSON object"),
-        (_set("programs", {}), "programs must name exactly the programs"),
-        (_drop("programs", "vae_decode"), "programs must name exactly the programs"),
-        (_set("programs", "evil", {}), "programs must name exactly the programs"),
-        (_set("process_count", 0), "process_count must be an integer in [1, 4096]"),
-        (_set("local_device_count", 100000), "local_device_count must be an integer in [1, 1024]"),
-        (_set("device_ids", [-1, 1, 2, 3, 4, 5, 6, 7]), "device_ids[0] must be an integer"),
-        (_set("device_ids", [0, 0, 2, 3, 4, 5, 6, 7]), "device_ids must be distinct"),
+        (_set("programs", []), "`programs` must be a JSON object"),
+        (_set("programs", {}), "`programs` must name exactly the programs"),
+        (_drop("programs", "vae_decode"), "`programs` must name exactly the programs"),
+        (_set("programs", "evil", {}), "`programs` must name exactly the programs"),
+        (_set("process_count", 0), "`process_count` must be an integer in [1, 4096]"),
+        (
+            _set("local_device_count", 100000),
+            "`local_device_count` must be an integer in [1, 1024]",
+        ),
+        (_set("device_ids", [-1, 1, 2, 3, 4, 5, 6, 7]), "`device_ids[0]` must be an integer"),
+        (_set("device_ids", [0, 0, 2, 3, 4, 5, 6, 7]), "`device_ids` must be distinct"),
         (
             _set("device_ids", [0, 1]),
-            "device_ids has 2 ids, process_count x local_device_count is 8",
+            "`device_ids` has 2 ids, process_count x local_device_count is 8",
         ),
         (
             _set("programs", "kv_cache", "inputs", 0, "shape", [2, "512"]),
-            "shape[1] must be an integer",
+            "`programs.kv_cache.inputs[0].shape[1]` must be an integer",
         ),
-        (_set("programs", "kv_cache", "inputs", 0, "shape", [2.5]), "shape[0] must be an integer"),
-        (_set("programs", "kv_cache", "memory", "peak", "1 GiB"), "memory.peak must be an integer"),
-        (_drop("programs", "kv_cache", "memory", "peak"), "memory.peak is missing"),
-        (_set("programs", "kv_cache", "flops", "NaN"), "flops must be a finite"),
+        (
+            _set("programs", "kv_cache", "inputs", 0, "shape", [2.5]),
+            "`programs.kv_cache.inputs[0].shape[0]` must be an integer",
+        ),
+        (
+            _set("programs", "kv_cache", "memory", "peak", "1 GiB"),
+            "`programs.kv_cache.memory.peak` must be an integer",
+        ),
+        (
+            _drop("programs", "kv_cache", "memory", "peak"),
+            "`programs.kv_cache.memory.peak` is missing",
+        ),
+        (
+            _set("programs", "kv_cache", "flops", "NaN"),
+            "`programs.kv_cache.flops` must be a finite",
+        ),
         (_set("programs", "kv_cache", "executable", "path", "../../x.exec"), "plain file name"),
         (_set("programs", "kv_cache", "hlo", "path", "/etc/passwd"), "plain file name"),
         (_set("programs", "kv_cache", "executable", "sha256", "xyz"), "64 lowercase hex digits"),
-        (_set("programs", "kv_cache", "name", "vae_decode"), "kv_cache.name must be kv_cache"),
-        (_set("key", "width", True), "key.width must be an integer"),
-        (_set("key", "mesh", ["data", 2]), "key.mesh must be a JSON object"),
-        (_set("key", "vae_mesh", [1, 2, 3]), "key.vae_mesh must have 2 items"),
-        (_set("device_kind", "cpu\nError: forged"), "device_kind must be a one-line string"),
+        (
+            _set("programs", "kv_cache", "name", "vae_decode"),
+            "`programs.kv_cache.name` must be kv_cache",
+        ),
+        (_set("key", "width", True), "`key.width` must be an integer"),
+        (_set("key", "mesh", ["data", 2]), "`key.mesh` must be a JSON object"),
+        (_set("key", "vae_mesh", [1, 2, 3]), "`key.vae_mesh` must have 2 items"),
+        (_set("device_kind", "cpu\nError: forged"), "`device_kind` must be a one-line string"),
         (_set("schema_version", "2"), "manifest schema '2' is not 2"),
-        (_set("surprise", 1), "surprise is not a field"),
-        (_nested_config, "model_config is nested deeper than 16 levels"),
+        (_set("surprise", 1), "`surprise` is not a field"),
+        (_nested_config, "`model_config` is nested deeper than 16 levels"),
     ],
 )
 def test_malformed_manifest_names_the_field(build_copy, edit, message):
@@ -472,26 +495,28 @@ def test_fifo_manifest_is_refused_without_blocking(tmp_path):
 # ---------------------------------------------------------------------------- paths
 
 
-def test_path_outside_the_build_is_refused(build_copy, tmp_path):
-    """A manifest path `../../x` to a file with the right sha256 and size: refused by the
-    runtime and by `aot check`, whose output never shows the outside file."""
+@pytest.mark.parametrize(("kind", "name"), [("hlo", "x.hlo.txt.gz"), ("executable", "x.exec")])
+def test_path_outside_the_build_is_refused(build_copy, tiny_weights, tmp_path, kind, name):
+    """A manifest path `../../x` to a file with the right sha256 and size (the build's own
+    file, or an HLO with a secret): refused by the runtime and by `aot check`, whose output
+    never shows the outside file."""
     secret = "SECRET-OUTSIDE-TEXT"
-    outside = tmp_path / "x.hlo.txt.gz"
-    outside.write_bytes(gzip.compress(f"HloModule {secret}\n".encode()))
-
-    def lead_outside(m):
-        m["programs"]["kv_cache"]["hlo"].update(
-            path="../../x.hlo.txt.gz", sha256=sha256_file(outside), size=outside.stat().st_size
-        )
-
-    edit_manifest(build_copy, lead_outside)
+    outside = tmp_path / name
+    if kind == "hlo":
+        outside.write_bytes(gzip.compress(f"HloModule {secret}\n".encode()))
+    else:
+        shutil.copyfile(build_copy / "kv_cache.exec", outside)
+    entry = FileEntry(f"../../{name}", sha256_file(outside), outside.stat().st_size)
+    edit_manifest(build_copy, lambda m: m["programs"]["kv_cache"][kind].update(vars(entry)))
     with pytest.raises(ArtifactError, match="must be a plain file name"):
         read_manifest(build_copy)
     with pytest.raises(ArtifactError, match="must be a plain file name"):
-        verify_file(build_copy, FileEntry("../../x.hlo.txt.gz", sha256_file(outside), 1))
-    result = run_cli("aot", "check", str(build_copy), check=False)
-    one_line_refusal(result)
-    assert secret not in result.stdout + result.stderr
+        verify_file(build_copy, entry)
+    checked = run_cli("aot", "check", str(build_copy), check=False)
+    one_line_refusal(checked)
+    assert secret not in checked.stdout + checked.stderr
+    ran = run_cli("runtime", *run_args(build_copy, tiny_weights, tmp_path), check=False)
+    assert "must be a plain file name" in one_line_refusal(ran)
 
 
 @pytest.mark.parametrize("name", ["kv_cache.hlo.txt.gz", "kv_cache.exec", MANIFEST])
