@@ -61,33 +61,50 @@ def _publish(tmp: Path, final: Path, owned_files: Callable[[Path], Collection[st
 
 
 def owned_files(folder: Path, allowed: Collection[str]) -> list[str]:
-    """The names in `folder`, when it is a real folder (not a link) of files that all have
-    names in `allowed` (regular files, or links: removing a link loses nothing); else NotOurs,
-    naming what to move away."""
+    """The files in `folder` (relative paths, subfolders walked), when it is a real folder (not
+    a link) whose files all have paths in `allowed` (regular files, or links: removing a link
+    loses nothing); else NotOurs, naming what to move away."""
     if not stat.S_ISDIR(os.lstat(folder).st_mode):
         raise NotOurs(f"{folder} is not a folder this tool wrote: move it away and run again")
-    names = sorted(os.listdir(folder))
-    for name in names:
+    found = []
+    for name in sorted(os.listdir(folder)):
         mode = os.lstat(folder / name).st_mode
-        if name not in allowed or not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+        inner = [p for p in allowed if p.startswith(f"{name}/")]
+        if stat.S_ISDIR(mode) and inner:
+            found += [
+                f"{name}/{p}"
+                for p in owned_files(folder / name, [p[len(name) + 1 :] for p in inner])
+            ]
+        elif name in allowed and (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+            found.append(name)
+        else:
             raise NotOurs(
                 f"{folder} holds {name!r}, which this tool did not write there: move it (or the "
                 "whole folder) away and run again"
             )
-    return names
+    return found
 
 
 def remove_owned(folder: Path, names: Collection[str]) -> bool:
-    """Remove the files `names` (plain names) from `folder`, then the folder if that emptied it:
-    whether it is gone. Anything else (put there meanwhile) stays, and the folder with it."""
+    """Remove the files `names` (paths relative to `folder`), then the folders that emptied:
+    whether `folder` is gone. Anything else (put there meanwhile) stays, with its folders."""
     for name in names:
         with contextlib.suppress(FileNotFoundError):
             (folder / name).unlink()
-    try:
-        folder.rmdir()
-    except OSError:  # not empty: it holds something that is not ours
-        return False
+    subfolders = {folder / name for path in names for name in _parents(path)}
+    for sub in sorted(subfolders, key=lambda p: len(p.parts), reverse=True) + [folder]:
+        try:
+            sub.rmdir()
+        except OSError:  # not empty (it holds something that is not ours) or gone
+            if sub == folder:
+                return False
     return True
+
+
+def _parents(path: str) -> list[str]:
+    """'a/b/c' -> ['a', 'a/b']."""
+    parts = path.split("/")[:-1]
+    return ["/".join(parts[: i + 1]) for i in range(len(parts))]
 
 
 def temporaries(parent: Path, name: str | None = None) -> list[Path]:

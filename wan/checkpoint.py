@@ -23,7 +23,7 @@ import orbax.checkpoint as ocp
 import safetensors.numpy
 
 from wan import weights
-from wan.atomic import atomic_folder
+from wan.atomic import atomic_folder, owned_files
 from wan.configs import CHECKPOINT_MARKER as MARKER
 from wan.configs import ModelConfig
 from wan.lora import ParamDelta
@@ -60,7 +60,7 @@ def save_checkpoint(
     if unknown:
         raise ValueError(f"unknown components {sorted(unknown)}; expected some of {sorted(RULES)}")
     tmp = folder.with_name(f".tmp-{folder.name}-{os.getpid()}")
-    with atomic_folder(folder, tmp):
+    with atomic_folder(folder, tmp, lambda old: owned_files(old, _checkpoint_files())):
         # The project's own layout (transposed, layers stacked), uncompressed, as one
         # safetensors file per component: loading is memory-mapped slices placed on the devices,
         # no conversion (bench/weights_load.py against orbax).
@@ -77,6 +77,17 @@ def save_checkpoint(
         }
         (tmp / MARKER).write_text(json.dumps(meta, indent=2))
     return folder
+
+
+def _checkpoint_files() -> list[str]:
+    """Every file a checkpoint folder can hold: replacing one removes these and nothing else."""
+    tokenizer = (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "spiece.model",
+    )
+    return [MARKER, *(f"{c}/{PARAMS}" for c in RULES), *(f"tokenizer/{n}" for n in tokenizer)]
 
 
 def load_component(

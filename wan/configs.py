@@ -148,12 +148,12 @@ class TransformerConfig:
     def patch_grid(self, video: Sequence[int]) -> tuple[int, int, int]:
         """(frames, rows, cols) of patches for a latent video of (T, H, W): the token grid."""
         if any(n % p for n, p in zip(video, self.patch_size, strict=True)):
-            raise ValueError(
+            raise InputError(
                 f"latent size {tuple(video)} is not a multiple of the patch size {self.patch_size}"
             )
         grid = tuple(n // p for n, p in zip(video, self.patch_size, strict=True))
         if max(grid) > self.rope_max_seq_len:
-            raise ValueError(f"patch grid {grid} exceeds rope_max_seq_len={self.rope_max_seq_len}")
+            raise InputError(f"patch grid {grid} exceeds rope_max_seq_len={self.rope_max_seq_len}")
         return grid  # type: ignore[return-value]
 
     @classmethod

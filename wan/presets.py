@@ -11,6 +11,7 @@ from wan.configs import (
     TransformerConfig,
     VAEConfig,
 )
+from wan.errors import InputError
 
 _UMT5_XXL = TextEncoderConfig()
 _WAN21_VAE = VAEConfig()
@@ -101,6 +102,6 @@ def resolve_model(spec: str) -> ModelConfig:
         return PRESETS[spec]
     if Path(spec).is_dir():
         return ModelConfig.from_folder(spec)
-    raise ValueError(
+    raise InputError(
         f"unknown model {spec!r}: use one of {', '.join(PRESETS)} or a diffusers-format folder"
     )

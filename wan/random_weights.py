@@ -24,6 +24,7 @@ import numpy as np
 
 from wan import checkpoint, programs
 from wan.configs import ModelConfig
+from wan.errors import InputError
 from wan.presets import resolve_model
 from wan.tokenizer import build_word_tokenizer
 
@@ -64,10 +65,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     try:
-        config = resolve_model(args.model)
-    except ValueError as e:
-        parser.error(str(e))
-    print(write_random_checkpoint(config, args.out, args.seed))
+        print(write_random_checkpoint(resolve_model(args.model), args.out, args.seed))
+    except (InputError, OSError) as e:
+        parser.exit(2, f"error: {e}\n")
 
 
 if __name__ == "__main__":
