@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import signal
 import sys
 import time
@@ -26,6 +25,7 @@ from runtime.artifact import ArtifactError, Manifest
 from runtime.cli_args import CliError, OneLineErrors, parse_resolution
 from runtime.loader import Present, Request, match_build
 from runtime.outputs import OutputError, check_outputs, npy_path, staged, write_npy
+from runtime.request import check_finite, check_text, latent_shape, read_init_noise
 from runtime.video import video_paths
 from wan.configs import ModelConfig, VideoShape
 from wan.presets import model_spec
@@ -37,22 +37,12 @@ def cli() -> None:
 
 
 def _utf8_text(ctx: click.Context, param: click.Parameter, text: str) -> str:
-    """A prompt that is UTF-8: undecodable bytes in argv arrive as lone surrogates."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        byte = ord(text[e.start]) & 0xFF  # surrogate escapes carry the byte
-        raise CliError(
-            f"{param.opts[0]} is not valid UTF-8 (byte 0x{byte:02x} at character {e.start + 1}): "
-            "give UTF-8 text"
-        ) from None
+    check_text(param.opts[0], text)
     return text
 
 
 def _finite(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
-    """click's float types take 'nan' and 'inf'; a scale or shift must be a finite number."""
-    if value is not None and not math.isfinite(value):
-        raise CliError(f"{param.opts[0]} {value}: give a finite number")
+    check_finite(param.opts[0], value)
     return value
 
 
@@ -188,7 +178,7 @@ def run_cmd(
             raise CliError(str(e)) from None
 
     folder, manifest = _start(match, coordinator, num_processes, process_id, join_timeout)
-    from runtime.pipeline import Pipeline, latent_shape, read_init_noise
+    from runtime.pipeline import Pipeline
     from wan.tokenizer import TokenizerError
     from wan.weights import WeightError
 

@@ -11,12 +11,9 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import math
 import time
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from tokenize import TokenError
 from typing import Any
 
 import jax
@@ -25,6 +22,7 @@ import numpy as np
 from runtime import clock
 from runtime.artifact import ArtifactError, BuildKey, Manifest
 from runtime.loader import Present, Request, load_build, match_build
+from runtime.request import RequestError, check_settings, check_text, initial_latents
 from wan import checkpoint, interface, lora, schedulers, tokenizer
 from wan.configs import ModelConfig, SchedulerConfig
 from wan.errors import InputError
@@ -32,11 +30,6 @@ from wan.presets import model_spec
 from wan.weights import flatten
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-
-
-class RequestError(InputError):
-    """A generation request this pipeline cannot run (a number that is not finite, noise of
-    another shape or with NaNs, prompts that do not fit the batch); the message says which."""
 
 
 class NonFiniteError(InputError):
@@ -268,7 +261,7 @@ class Pipeline:
         texts = self._texts(prompt, negative_prompt)
         step_args = interface.named("denoise_step", self.exe["denoise_step"].args_info[0])
         latent_shape = tuple(step_args["latents"].shape)
-        latents = _initial_latents(latent_shape, seed, init_noise)
+        latents = initial_latents(latent_shape, seed, init_noise)
         scheduler = dataclasses.replace(
             self.config.scheduler,
             kind=sampler or self.config.scheduler.kind,
@@ -350,7 +343,7 @@ class Pipeline:
         if len(prompts) != batch or len(negatives) != batch:
             raise RequestError(f"this build generates batches of {batch} prompts")
         for text in prompts + negatives:
-            check_text(text)
+            check_text("a prompt", text)
         pairs = zip(prompts, negatives, strict=True)
         return [t for pair in pairs for t in pair] if self.key.cfg else prompts
 
@@ -418,96 +411,6 @@ class Pipeline:
         return np.asarray(self._run("vae_decode", params=self.params["vae"], latents=x)["frames"])
 
 
-def check_settings(guidance: float, guidance_2: float | None, shift: float | None) -> None:
-    """The request's scales are finite and the flow shift (when given) a positive number."""
-    for name, value in (("guidance", guidance), ("guidance_2", guidance_2), ("shift", shift)):
-        if value is not None and not math.isfinite(value):
-            raise RequestError(f"{name} is {value}: give a finite number")
-    if shift is not None and shift <= 0:
-        raise RequestError(f"shift is {shift}: give a number > 0")
-
-
-def check_text(text: str) -> None:
-    """`text` is a str that is valid Unicode (a command line's undecodable bytes arrive as lone
-    surrogates, which no tokenizer can encode)."""
-    if not isinstance(text, str):
-        raise RequestError(f"a prompt is a {type(text).__name__}, not text")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise RequestError(
-            f"a prompt is not valid UTF-8 (character {e.start + 1}): give UTF-8 text"
-        ) from None
-
-
-def latent_shape(manifest: Manifest) -> tuple[int, ...]:
-    """The build's latents, channels-last (B, T, h, w, C): the denoise step's input."""
-    (spec,) = (s for s in manifest.programs["denoise_step"].inputs if s.path == "latents")
-    return tuple(spec.shape)
-
-
-def read_init_noise(path: Path, shape: tuple[int, ...]) -> np.ndarray:
-    """Initial noise for latents of `shape` (channels-last, as `latent_shape`) from a .npy in the
-    diffusers layout (B, C, T, h, w): its header is checked (a float array of that shape, the file
-    exactly that long) before any data is read, no pickle is ever loaded, values must be finite."""
-    expected = _noise_shape(shape)
-    header_shape, dtype, data_start = _npy_header(path)
-    if dtype.kind != "f" or header_shape != expected:
-        raise RequestError(
-            f"--init-noise {path} holds {dtype} {header_shape}: this build needs float "
-            f"{expected} (B, C, T, H/8, W/8)"
-        )
-    if path.stat().st_size != data_start + math.prod(expected) * dtype.itemsize:
-        raise RequestError(f"--init-noise {path}: its length does not match its header")
-    try:
-        noise = np.load(path, allow_pickle=False)
-    except (ValueError, EOFError) as e:
-        raise RequestError(f"--init-noise {path} is not a valid .npy array: {e}") from None
-    return checked_noise(noise, shape)
-
-
-def _npy_header(path: Path) -> tuple[tuple[int, ...], np.dtype, int]:
-    """A .npy file's shape, dtype and where its data starts, from its header alone."""
-    if not path.is_file():  # a FIFO or a device would block or never end
-        raise RequestError(f"--init-noise {path} is not a regular file")
-    try:
-        with path.open("rb") as f:
-            version = np.lib.format.read_magic(f)
-            if version not in ((1, 0), (2, 0)):
-                raise ValueError(f"npy format version {version} is not supported")
-            read_header = getattr(np.lib.format, f"read_array_header_{version[0]}_0")
-            with warnings.catch_warnings():  # a Python 2 header: parsed all the same
-                warnings.simplefilter("ignore")
-                shape, _, dtype = read_header(f)
-            return shape, dtype, f.tell()
-    # numpy parses the header (at most 10,000 bytes) as a Python literal, with its errors.
-    except (ValueError, EOFError, SyntaxError, TypeError, TokenError, RecursionError) as e:
-        raise RequestError(f"--init-noise {path} is not a valid .npy array: {e}") from None
-
-
-def checked_noise(noise: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """`noise` (diffusers layout) as float32 for latents of `shape`: the right shape, finite."""
-    expected = _noise_shape(shape)
-    try:
-        noise = np.asarray(noise, dtype=np.float32)
-    except (TypeError, ValueError) as e:
-        raise RequestError(f"the init noise is not a float array: {e}") from None
-    if noise.shape != expected:
-        raise RequestError(
-            f"the init noise has shape {noise.shape}, this build needs {expected} "
-            "(B, C, T, H/8, W/8)"
-        )
-    if not np.isfinite(noise).all():
-        raise RequestError("the init noise holds NaN or Inf: give finite values")
-    return noise
-
-
-def _noise_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Channels-last (B, T, h, w, C) -> the diffusers layout (B, C, T, h, w)."""
-    b, t, h, w, c = shape
-    return (b, c, t, h, w)
-
-
 def _all_finite(x: jax.Array) -> bool:
     """Whether `x` holds no NaN or Inf, read on the host: a device-to-host copy of each of this
     process's shards (once per replica group), since a jnp reduction would compile."""
@@ -516,15 +419,3 @@ def _all_finite(x: jax.Array) -> bool:
         for shard in x.addressable_shards
         if shard.replica_id == 0
     )
-
-
-def _initial_latents(
-    shape: tuple[int, ...], seed: int, init_noise: np.ndarray | None
-) -> np.ndarray:
-    """Channels-last (B, T, h, w, C) float32 noise, from `init_noise` (diffusers layout
-    (B, C, T, h, w)) or a numpy generator seeded with `seed`."""
-    if init_noise is None:
-        noise = np.random.default_rng(seed).standard_normal(_noise_shape(shape), np.float32)
-    else:
-        noise = checked_noise(init_noise, shape)
-    return np.ascontiguousarray(noise.transpose(0, 2, 3, 4, 1))

@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 from safetensors.numpy import load_file, save_file
 
 from runtime.outputs import OutputError, check_outputs, staged
-from runtime.pipeline import (
-    NonFiniteError,
+from runtime.pipeline import NonFiniteError
+from runtime.request import (
     RequestError,
     check_settings,
     checked_noise,
@@ -265,8 +265,8 @@ def test_mutated_init_noise_is_read_or_refused(tmp_path_factory, data):
 
 @pytest.mark.parametrize(
     ("settings_", "message"),
-    [((math.nan, None, None), "guidance is nan"), ((5.0, math.inf, None), "guidance_2 is inf"),
-     ((5.0, None, -math.inf), "shift is -inf"), ((5.0, None, 0.0), "give a number > 0")],
+    [((math.nan, None, None), "guidance nan: give a finite"), ((5.0, math.inf, None), "guidance_2 inf: give a finite"),
+     ((5.0, None, -math.inf), "shift -inf: give a finite"), ((5.0, None, 0.0), "give a number > 0")],
 )  # fmt: skip
 def test_api_settings_are_checked(settings_, message):
     with pytest.raises(RequestError, match=message):
