@@ -59,8 +59,8 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float | None) -> 
 @click.option("--prompt", required=True, callback=_utf8_text)
 @click.option("--negative-prompt", default="", show_default=True, callback=_utf8_text)
 @click.option("--res", "resolution", required=True, help="WxH, e.g. 720x1280 (portrait).")
-@click.option("--frames", required=True, type=int)
-@click.option("--batch", default=1, show_default=True, type=int)
+@click.option("--frames", required=True, type=click.IntRange(min=1))
+@click.option("--batch", default=1, show_default=True, type=click.IntRange(min=1))
 @click.option("--steps", default=50, show_default=True, type=click.IntRange(min=1))
 @click.option(
     "--guidance",
@@ -77,7 +77,7 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float | None) -> 
     callback=_finite,
     help="Two-expert models: scale for the low-noise expert.",
 )
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
 @click.option(
     "--sampler",
     type=click.Choice(["unipc", "euler"]),

@@ -20,10 +20,16 @@ class RequestError(InputError):
     another shape or with NaNs, prompts that do not fit the batch); the message says which."""
 
 
+# CFG scales and flow shifts in use are 1-20; far past that the float32 step tables and
+# guidance overflow, so a larger value is a typo, refused before it makes a NaN video.
+MAX_SCALE = 1e4
+
+
 def check_finite(name: str, value: float | None) -> None:
-    """A scale or shift is a finite number (Python's float() takes 'nan' and 'inf')."""
-    if value is not None and not math.isfinite(value):
-        raise RequestError(f"{name} {value}: give a finite number")
+    """A scale or shift is a finite number within +-MAX_SCALE (Python's float() takes 'nan',
+    'inf' and '1e308')."""
+    if value is not None and not (math.isfinite(value) and abs(value) <= MAX_SCALE):
+        raise RequestError(f"{name} {value}: give a finite number within +-{MAX_SCALE:g}")
 
 
 def check_settings(guidance: float, guidance_2: float | None, shift: float | None) -> None:

@@ -105,6 +105,10 @@ def _shift_inf(tmp_path):
     return ["--shift", "inf"], "--shift inf: give a finite number"
 
 
+def _guidance_overflows_float32(tmp_path):
+    return ["--guidance", "1e308"], "--guidance 1e+308: give a finite number within +-10000"
+
+
 def _prompt_not_utf8(tmp_path):
     return ["--prompt", "a \udcff cat"], "--prompt is not valid UTF-8 (byte 0xff at character 3)"
 
@@ -117,7 +121,7 @@ def _negative_prompt_not_utf8(tmp_path):
     "bad",
     [_same_as_out, _hard_link_to_report, _npy_appended_is_a_folder, _frames_equal_to_report,
      _batch_video_is_the_report, _guidance_nan, _guidance_inf, _guidance_2_nan, _shift_nan,
-     _shift_inf, _prompt_not_utf8, _negative_prompt_not_utf8],
+     _shift_inf, _guidance_overflows_float32, _prompt_not_utf8, _negative_prompt_not_utf8],
 )  # fmt: skip
 def test_refused_before_anything_loads(tiny_weights, tmp_path, bad):
     extra, message = bad(tmp_path)
