@@ -23,30 +23,87 @@ from wan.errors import InputError
 
 GiB = 1 << 30
 
-# Per-chip HBM by TPU generation (topology-name prefix).
-TPU_HBM = {"v4": 32 * GiB, "v5e": 16 * GiB, "v5p": 95 * GiB, "v6e": 32 * GiB, "tpu7x": 192 * GiB}
-# Peak dense bf16 FLOP/s per chip (the roofline's denominator), by TPU generation and GPU kind.
-PEAK_BF16_FLOPS = {
-    "v4": 275e12,
-    "v5e": 197e12,
-    "v5p": 459e12,
-    "v6e": 918e12,
-    "tpu7x": 2307e12,
-    "H100": 989e12,
-    "H200": 989e12,
-}
-# Largest splash attention blocks (queries, keys, keys per compute step) by TPU generation,
-# balanced to each sequence at trace time (wan.attention.balanced_block). The kernel's scratch
-# must fit the generation's scoped VMEM (tests/test_attention.py compiles each): 3072/2048/1024
-# takes 25.9 MiB, over the 16 MiB of v4, v5e and v5p (2048/2048/512 takes 19 MiB).
-SPLASH_BLOCKS = {
-    "v4": (2048, 1024, 512),
-    "v5e": (2048, 1024, 512),
-    "v5p": (2048, 1024, 512),
-    "v6e": (3072, 2048, 1024),
-    # 6400/2048/2048 overflows tpu7x's 64 MiB VMEM (81.8 MiB at 14B 720p): smaller query blocks.
-    "tpu7x": (2048, 2048, 1024),
-}
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """One TPU generation's facts. Rates and HBM are per chip, as sold; a chip may hold several
+    JAX devices (TensorCores that libtpu does not fuse into one), and every per-device figure
+    (the HBM budget `aot check` applies, the roofline's peak) divides by `devices_per_chip`,
+    which `devices` checks against libtpu's topology."""
+
+    name: str  # topology-name prefix: "v6e" in "v6e:2x4"
+    alias: str  # target name of the single-host VM
+    vm_chips: str  # chips of that VM, "AxB[xC]": its topology and the hosts a slice is made of
+    hbm_bytes_per_chip: int
+    peak_bf16_per_chip: float  # dense FLOP/s
+    peak_8bit_per_chip: float  # dense OP/s of `eight_bit`; for a later quantized step
+    eight_bit: str  # the 8-bit format of that rate
+    devices_per_chip: int  # JAX devices per chip in the layout the real VMs run
+    # Largest splash attention blocks (queries, keys, keys per compute step), balanced to each
+    # sequence at trace time (wan.attention.balanced_block); the kernel's scratch must fit the
+    # generation's scoped VMEM (tests/test_attention.py compiles each).
+    splash_blocks: tuple[int, int, int]
+    chip_config: str | None = None  # libtpu chip config the VMs run (default: libtpu's)
+
+    @property
+    def vm_topology(self) -> str:
+        return f"{self.name}:{self.vm_chips}"
+
+    @property
+    def host_bounds(self) -> tuple[int, int, int]:
+        return _dims(self.vm_chips)
+
+    @property
+    def hbm_bytes(self) -> int:
+        """HBM of one device."""
+        return self.hbm_bytes_per_chip // self.devices_per_chip
+
+    @property
+    def peak_bf16(self) -> float:
+        """Peak dense bf16 FLOP/s of one device."""
+        return self.peak_bf16_per_chip / self.devices_per_chip
+
+    @property
+    def peak_8bit(self) -> float:
+        """Peak dense 8-bit OP/s of one device."""
+        return self.peak_8bit_per_chip / self.devices_per_chip
+
+
+# Splash blocks: 3072/2048/1024 take 25.9 MiB of scoped VMEM, over the 16 MiB of v4, v5e and
+# v5p (2048/2048/512 take 19 MiB); 6400/2048/2048 overflow tpu7x's 64 MiB (81.8 MiB at 14B
+# 720p), hence its smaller query blocks. VMs: v5e and v6e up to 8 chips (2x4) a host, v4, v5p
+# and tpu7x 4 (2x2x1); libtpu's own default is 4 for every generation. Devices a chip: as libtpu
+# lays out `vm_topology` with `chip_config` (tests/test_targets.py).
+GENERATIONS = {
+    g.name: g
+    for g in [
+        # name, VM alias, VM chips, HBM a chip, bf16 FLOP/s a chip, 8-bit OP/s a chip, 8-bit
+        # format, devices a chip, splash blocks.
+        # A v4 VM runs megacore: a chip's two TensorCores are one device (libtpu's default
+        # chip config has 2 devices a chip, which that VM does not have). v4 has no int8 path
+        # faster than bf16: its 8-bit rate is its bf16 rate.
+        Generation("v4", "tpu-v4-8", "2x2x1", 32 * GiB, 275e12, 275e12, "int8", 1,
+                   (2048, 1024, 512), chip_config="megacore"),
+        Generation("v5e", "tpu-v5e-8", "2x4", 16 * GiB, 197e12, 394e12, "int8", 1,
+                   (2048, 1024, 512)),
+        # v5p: megacore is libtpu's default chip config.
+        Generation("v5p", "tpu-v5p-8", "2x2x1", 95 * GiB, 459e12, 918e12, "int8", 1,
+                   (2048, 1024, 512)),
+        Generation("v6e", "tpu-v6e-8", "2x4", 32 * GiB, 918e12, 1836e12, "int8", 1,
+                   (3072, 2048, 1024)),
+        # Two TensorCores a chip, each its own device (libtpu has no megacore config for it).
+        Generation("tpu7x", "tpu7x-8", "2x2x1", 192 * GiB, 2307e12, 4614e12, "fp8", 2,
+                   (2048, 2048, 1024)),
+    ]
+}  # fmt: skip
+# Views of the table by generation, per device, for the callers that need one fact.
+TPU_HBM = {g.name: g.hbm_bytes for g in GENERATIONS.values()}
+SPLASH_BLOCKS = {g.name: g.splash_blocks for g in GENERATIONS.values()}
+# Short names for the common single-host VMs: one process with all of the host's chips.
+TPU_ALIASES = {g.alias: g.vm_topology for g in GENERATIONS.values()}
+# Peak dense bf16 FLOP/s of a GPU `current` target's device, by device kind.
+GPU_PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}
+
 # Scoped VMEM (MiB) that the VAE decode's kernels are emitted for on TPU. libtpu tiles each conv
 # fusion as large as the scoped VMEM allows (32 MiB by default on v6e) and its emit time follows
 # the tile's code size, with retries after a tile overflows: most of the decode's compile time.
@@ -54,31 +111,13 @@ SPLASH_BLOCKS = {
 # at 720x1280, batch 8, in a full build: 34 s at 4 MiB, 313 s at the default; docs/benchmarks.md);
 # the transformer's programs, where run time is spent, keep the compiler's default.
 VAE_VMEM_MIB = 4
-# Chips per host (x, y, z) of the VMs each generation is sold in: v5e and v6e up to 8 chips
-# (2x4) per host, v4, v5p and tpu7x 4 (2x2x1). libtpu's own default is 4 for every generation.
-HOST_BOUNDS = {
-    "v4": (2, 2, 1),
-    "v5e": (2, 4, 1),
-    "v5p": (2, 2, 1),
-    "v6e": (2, 4, 1),
-    "tpu7x": (2, 2, 1),
-}
-# Short names for the common single-host VMs: one process with all of the host's chips.
-TPU_ALIASES = {
-    "tpu-v4-8": "v4:2x2x1",
-    "tpu-v5e-8": "v5e:2x4",
-    "tpu-v6e-8": "v6e:2x4",
-    "tpu-v5p-8": "v5p:2x2x1",
-    "tpu7x-8": "tpu7x:2x2x1",
-}
 # cpu-N and cpu-PxN run here: every device is a thread pool of this machine, every process a
 # Python with jax. Far above what a test or a benchmark uses (cpu-8, cpu-2x4).
 MAX_CPU_DEVICES = 512
 MAX_CPU_PROCESSES = 16
 MAX_TPU_CHIPS = 16384  # above the largest slice of any generation (tpu7x: 9216 chips)
-_TOPOLOGY = re.compile(
-    r"^(v4|v5e|v5p|v6e|tpu7x):(\d{1,5}(?:x\d{1,5}){1,2})(?:/(\d{1,5}(?:x\d{1,5}){1,2}))?$"
-)
+_DIMS = r"\d{1,5}(?:x\d{1,5}){1,2}"
+_TOPOLOGY = re.compile(rf"^({'|'.join(GENERATIONS)}):({_DIMS})(?:/({_DIMS}))?$")
 
 
 class TargetError(InputError):
@@ -100,15 +139,21 @@ class Target:
         return self.topology.split(":")[0] if self.topology else None
 
     @property
+    def chip(self) -> Generation | None:
+        """The TPU generation's facts; None for other targets."""
+        return GENERATIONS[self.generation] if self.generation else None
+
+    @property
     def hbm_bytes(self) -> int | None:
-        return TPU_HBM[self.generation] if self.generation else None
+        """HBM of one device (None when unknown: CPUs, GPUs)."""
+        return self.chip.hbm_bytes if self.chip else None
 
 
 def peak_flops(target: Target, device_kind: str) -> float | None:
     """Peak bf16 FLOP/s of one device of `target` (None when unknown: CPUs, other GPUs)."""
-    if target.generation:
-        return PEAK_BF16_FLOPS[target.generation]
-    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in device_kind), None)
+    if target.chip:
+        return target.chip.peak_bf16
+    return next((v for k, v in GPU_PEAK_BF16_FLOPS.items() if k in device_kind), None)
 
 
 def parse_target(name: str) -> Target:
@@ -152,7 +197,7 @@ def host_bounds(
 ) -> tuple[int, int, int]:
     """Chips per host for a slice of `chips`: `host` as given, else the generation's VM size
     capped by the slice (a slice smaller than a VM is one host)."""
-    bounds = host or tuple(map(min, HOST_BOUNDS[generation], chips))
+    bounds = host or tuple(map(min, GENERATIONS[generation].host_bounds, chips))
     if any(b < 1 or c % b for c, b in zip(chips, bounds, strict=True)):
         raise TargetError(
             f"slice {_text(chips)} is not a whole number of {_text(bounds)} hosts: give a host "
@@ -208,13 +253,28 @@ def devices(target: Target) -> list[Any]:
         )
     from jax.experimental import topologies
 
+    chip_config = {"chip_config_name": target.chip.chip_config} if target.chip.chip_config else {}
     try:
-        return list(
+        found = list(
             topologies.get_topology_desc(
                 platform="tpu",
                 topology_name=target.topology,
                 chips_per_host_bounds=target.chips_per_host,
+                **chip_config,
             ).devices
         )
     except Exception as e:  # libtpu raises plain RuntimeErrors for unknown shapes
         raise TargetError(f"libtpu does not know topology {target.topology!r}: {e}") from None
+    # The per-device HBM and peak divide the chip's by the table's count: they must agree.
+    if (per_chip := devices_per_chip(found)) != target.chip.devices_per_chip:
+        raise TargetError(
+            f"libtpu lays out {target.topology} with {per_chip} device(s) a chip, "
+            f"aot.targets.GENERATIONS says {target.chip.devices_per_chip}: this libtpu is not "
+            "one the project knows; install the tpu extra's version (pip install -e '.[tpu]')"
+        )
+    return found
+
+
+def devices_per_chip(tpu_devices: list[Any]) -> int:
+    """JAX devices per chip of a TPU topology: devices over distinct chip coordinates."""
+    return len(tpu_devices) // len({tuple(d.coords) for d in tpu_devices})
