@@ -134,7 +134,7 @@ def build_cmd(out, force, strict, policy_path, as_json, jobs, **matrix) -> None:
     """Compile the program matrix (--res x --frames x --batch) for one target."""
     from aot import build as builder
     from aot import check, report, store
-    from aot.jobs import JobsError, check_jobs, compile_distinct, default_jobs
+    from aot.jobs import check_jobs, compile_distinct, default_jobs
 
     builder.check_out(out)
     plans = _plans(**matrix)
@@ -157,8 +157,6 @@ def build_cmd(out, force, strict, policy_path, as_json, jobs, **matrix) -> None:
                     (plan.key, builder.build(plan, out, ledger, progress)) for plan in pending
                 )
         results = [done[plan.key] for plan in plans]
-    except (check.CheckInputError, JobsError, builder.BuildError) as e:
-        raise CliError(str(e)) from None
     except OSError as e:  # a full disk, a read-only --out
         raise CliError(f"cannot write the builds into {out}: {os_error_text(e)}") from None
     built = sum(not r.skipped for r in results)
@@ -194,7 +192,7 @@ def _plans(
     context_parallel, vae_vmem, no_cfg,
 ) -> list:  # fmt: skip
     """The BuildPlans of a matrix, in --res, --frames, --batch order; bad input is a CliError."""
-    from aot import build as builder
+    from aot import plan as planner
     from aot.local_job import local_job
     from runtime.processes import JobError
     from wan.configs import VideoShape
@@ -203,7 +201,7 @@ def _plans(
 
     try:
         name = Path(model).name if Path(model).is_dir() else model
-        builder.check_model_name(name)
+        planner.check_model_name(name)
         config = resolve_model(model)
         tgt = targets.parse_target(target)
         shapes = [
@@ -214,24 +212,24 @@ def _plans(
         ]
         # Checked before any device starts: a mistyped size never reaches jax.
         for shape in shapes:
-            builder.check_shape(config, shape)
+            planner.check_shape(config, shape)
         mesh = MeshShape.parse(mesh_text) if mesh_text else None
         if vae_spatial != "auto" and not (vae_spatial.isdigit() and len(vae_spatial) <= 6):
             raise ValueError(f"--vae-spatial {vae_spatial}: use auto or a positive integer")
         spatial = None if vae_spatial == "auto" else int(vae_spatial)
-        vmem = builder.parse_vae_vmem(vae_vmem)
+        vmem = planner.parse_vae_vmem(vae_vmem)
         # cpu-PxN: this process joins a local multi-process job until the command is done.
         click.get_current_context().with_resource(local_job(tgt))
         num_devices = len(targets.devices(tgt))
         return [
-            builder.plan_build(
+            planner.plan_build(
                 name, config, shape, tgt, num_devices, mesh, spatial,
                 None if attention == "auto" else attention,
                 None if context_parallel == "auto" else context_parallel, vmem,
             )
             for shape in shapes
         ]  # fmt: skip
-    except (ValueError, OSError, targets.TargetError, JobError, builder.BuildError) as e:
+    except (ValueError, OSError, targets.TargetError, JobError, planner.BuildError) as e:
         raise CliError(str(e)) from None
 
 

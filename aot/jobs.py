@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from aot import build, store, targets
+from aot.lower import lower_plan
+from aot.plan import BuildError, BuildPlan
 from wan.errors import InputError
 
 # One XLA compile keeps about two cores busy (libtpu's backend passes run in parallel: 182-191%
@@ -56,7 +58,7 @@ def check_jobs(jobs: int, target: targets.Target) -> None:
 
 
 def compile_distinct(
-    plans: Sequence[build.BuildPlan],
+    plans: Sequence[BuildPlan],
     out_root: Path,
     jobs: int,
     ledger: build.CallLedger,
@@ -65,12 +67,12 @@ def compile_distinct(
     """Compile each distinct program of `plans` that the store of `out_root` lacks (all with
     --force) in `jobs` processes, recording them in `ledger`. Builds already complete are
     left out. Workers print their progress lines on stderr when `show_progress`."""
-    tasks: dict[str, tuple[build.BuildPlan, str]] = {}
+    tasks: dict[str, tuple[BuildPlan, str]] = {}
     for plan in plans:
         fingerprint = build.compiler_fingerprint(plan.target)
         if not ledger.force and build.existing_build(out_root, plan, fingerprint):
             continue
-        for lowered in build.lower_plan(plan):
+        for lowered in lower_plan(plan):
             pid = store.program_id(lowered, fingerprint)
             if ledger.force or not store.has(out_root, pid):
                 tasks.setdefault(pid, (plan, lowered.program.name))
@@ -101,7 +103,7 @@ def compile_distinct(
         except BaseException as e:
             pool.shutdown(cancel_futures=True)  # one failure ends the call: compile no more
             if isinstance(e, concurrent.futures.process.BrokenProcessPool):
-                raise build.BuildError(
+                raise BuildError(
                     "a compile worker died (out of memory?): run again with fewer --jobs"
                 ) from None
             raise
@@ -118,12 +120,12 @@ def _die_with(parent: int) -> None:
 
 
 def _compile_one(
-    plan: build.BuildPlan, name: str, out_root: Path, replace: bool, count: str, show: bool
+    plan: BuildPlan, name: str, out_root: Path, replace: bool, count: str, show: bool
 ) -> tuple[str, bool]:
     """In a worker: lower and compile program `name` of `plan` into the store: (its store id,
     whether it was compiled here)."""
     targets.prepare_environment(plan.target)
-    (lowered,) = build.lower_plan(plan, only={name})
+    (lowered,) = lower_plan(plan, only={name})
     pid = store.program_id(lowered, build.compiler_fingerprint(plan.target))
     label = f"{count} {plan.key.folder_name()} {name}"
     progress = (lambda line: print(line, file=sys.stderr, flush=True)) if show else None

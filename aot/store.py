@@ -40,7 +40,7 @@ from wan import interface
 from wan.atomic import NotOurs, atomic_folder, locked, owned_files, remove_owned, temporaries
 
 if TYPE_CHECKING:
-    from aot.build import LoweredProgram
+    from aot.lower import LoweredProgram
 
 STORE = ".programs"
 ENTRY = "entry.json"

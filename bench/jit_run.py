@@ -36,7 +36,8 @@ def main() -> None:
         os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
         os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
-    from aot.build import compile_in_process, plan_build
+    from aot.lower import compile_in_process
+    from aot.plan import plan_build
     from runtime.pipeline import Pipeline
     from wan.configs import VideoShape
     from wan.presets import resolve_model

@@ -46,7 +46,9 @@ def compile_one(model: str, target_name: str, batch: int, res: str, frames: int,
     target = targets.parse_target(target_name)
     targets.prepare_environment(target)
     from aot import check, hlo, hlo_cost
-    from aot.build import compile_plan, kernel_flops, memory_stats, plan_build, ulysses_all_to_alls
+    from aot.entries import memory_stats
+    from aot.lower import compile_plan
+    from aot.plan import kernel_flops, plan_build, ulysses_all_to_alls
     from wan.configs import VideoShape
     from wan.presets import resolve_model
 

@@ -65,7 +65,7 @@ def measure(
 
     target = targets.parse_target(target_name)
     targets.prepare_environment(target)
-    from aot import build, hlo  # works in every revision that has lower_plan(..., only)
+    from aot import hlo, lower, plan
 
     try:
         from aot.vae_gathers import gathers
@@ -76,11 +76,11 @@ def measure(
 
     shape = programs.VideoShape(width, height, 4 * (latent_frames - 1) + 1, batch=batch)
     # --vae-vmem is only given to this tree (older ones may predate it)
-    vmem = {} if vae_vmem is None else {"vae_vmem_mib": build.parse_vae_vmem(vae_vmem)}
-    plan = build.plan_build(
+    vmem = {} if vae_vmem is None else {"vae_vmem_mib": plan.parse_vae_vmem(vae_vmem)}
+    plan = plan.plan_build(
         preset, PRESETS[preset], shape, target, len(targets.devices(target)), **vmem
     )
-    (lowered,) = build.lower_plan(plan, only={"vae_decode"})
+    (lowered,) = lower.lower_plan(plan, only={"vae_decode"})
     layout = getattr(plan, "sharding_plan", plan)  # older revisions: on the plan itself
     if isinstance(lowered, tuple):  # revisions before LoweredProgram: (program, lowered, mesh)
         lowered = lowered[1]

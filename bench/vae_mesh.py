@@ -42,7 +42,7 @@ def main() -> None:
     target = targets.parse_target(args.target)
     targets.prepare_environment(target)
 
-    from aot import build, hlo
+    from aot import entries, hlo, lower, plan, progress
     from wan.configs import VideoShape
     from wan.presets import resolve_model
 
@@ -53,10 +53,10 @@ def main() -> None:
     for batch in args.batches:
         shape = VideoShape(width, height, args.frames, batch)
         for spatial in [1 if m == "N,1" else n for m in args.meshes]:
-            plan = build.plan_build(args.model, config, shape, target, n, None, spatial)
+            plan = plan.plan_build(args.model, config, shape, target, n, None, spatial)
             layout, vae_mesh = plan.sharding_plan.vae_layout, plan.sharding_plan.vae_mesh
-            (lowered,) = build.lower_plan(plan, only={"vae_decode"})
-            with build.RssSampler() as rss:
+            (lowered,) = lower.lower_plan(plan, only={"vae_decode"})
+            with progress.RssSampler() as rss:
                 start = time.perf_counter()
                 compiled = lowered.compile()
                 seconds = time.perf_counter() - start
@@ -68,7 +68,7 @@ def main() -> None:
                 "batch": batch,
                 "vae_mesh": list(vae_mesh),
                 "vae_axis": layout.axis,
-                "peak_gib": round(build.memory_stats(compiled)["peak"] / GiB, 3),
+                "peak_gib": round(entries.memory_stats(compiled)["peak"] / GiB, 3),
                 "compile_seconds": round(seconds, 1),
                 "peak_rss_gib": round(rss.peak / GiB, 2),
                 "collectives": {

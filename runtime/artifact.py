@@ -345,6 +345,7 @@ class ProgramEntry:
     compiler_options: dict[str, Any] = dataclasses.field(default_factory=dict)  # XLA's, by name
     # per device: bytes of `params` left whole on every device of a multi-device mesh
     replicated_param_bytes: int = 0
+    program_id: str = ""  # its identity in the program store (aot.store.program_id)
 
     @classmethod
     def from_json(cls, raw: Any, where: str = "program") -> ProgramEntry:
@@ -371,6 +372,7 @@ _PROGRAM_FIELDS: dict[str, Check] = {
     "kernel_flops": _number,
     "compiler_options": _dict_of(_option),
     "replicated_param_bytes": _BYTES,
+    "program_id": _string,
 }
 
 

@@ -119,3 +119,10 @@ def save_tiny_diffusers_pipeline(folder, two_experts: bool = False) -> None:
         boundary_ratio=0.9 if two_experts else None,
     )
     pipe.save_pretrained(folder)
+
+
+def compile_program(*args, **kwargs):
+    """`aot.lower.lower_program(*args, **kwargs)`, compiled: one program outside a build."""
+    from aot.lower import lower_program
+
+    return lower_program(*args, **kwargs).compile()

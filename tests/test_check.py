@@ -17,9 +17,9 @@ from click.testing import CliRunner
 from conftest import TINY_SHAPE, run_cli
 
 from aot import hlo
-from aot.build import memory_stats
 from aot.check import KINDS
 from aot.cli import cli
+from aot.entries import memory_stats
 from aot.targets import TPU_HBM
 from runtime.artifact import file_entry, read_manifest
 from wan import sharding
@@ -332,3 +332,61 @@ def test_ulysses_limit_is_the_builds_own(tiny_build, tmp_path):
     bad.write_text('[programs.denoise_step]\nmax_bytes = {all-to-all = "ulysses"}\n')
     result = aot_check(tiny_build, "--policy", bad)
     assert result.exit_code == 2 and "must be a non-negative integer" in result.output
+
+
+@pytest.fixture(scope="module")
+def ulysses_build(tmp_path_factory) -> Path:
+    """A tiny Ulysses build: batch 2 (4 rows with CFG) on data=4, the 2 heads over context=2."""
+    out = tmp_path_factory.mktemp("ulysses")
+    run_cli("aot", "build", "--model", "tiny", "--res", "192x320", "--frames", "9", "--batch",
+            "2", "--target", "cpu-8", "--mesh", "data=4,context=2", "--context-parallel",
+            "ulysses", "--out", str(out))  # fmt: skip
+    (folder,) = [p for p in out.iterdir() if p.name.endswith("_ulysses")]
+    return folder
+
+
+def with_one_more_all_to_all(build: Path, dest: Path) -> Path:
+    """A copy of `build` whose denoise-step HLO has one more all-to-all: the first one
+    duplicated under another name beside it, in the layer scan (so once per layer); the
+    manifest's size and sha256 of the HLO file rewritten to match."""
+    folder = copy_build(build, dest)
+    path = folder / "denoise_step.hlo.txt.gz"
+    with gzip.open(path, "rt") as f:
+        lines = f.read().splitlines(keepends=True)
+    (i, line) = next((i, s) for i, s in enumerate(lines) if " all-to-all(" in s)
+    lines.insert(i + 1, line.replace("%all-to-all", "%all-to-all.extra", 1))
+    with gzip.open(path, "wt") as f:
+        f.write("".join(lines))
+
+    def edit(m):
+        m.programs["denoise_step"].hlo = file_entry(folder, path.name)
+
+    rewrite_manifest(folder, edit)
+    return folder
+
+
+def test_ulysses_build_passes_with_its_all_to_alls_and_fails_with_one_more(
+    ulysses_build, tmp_path
+):
+    """The default policy allows the denoise step exactly the all-to-alls its Ulysses attention
+    needs (q, k, v in and the output back: 4 per layer, 8 for the tiny model's 2 layers). The
+    build passes with 8; the same build with one more all-to-all in its layer (2 more runs) and
+    the build under a policy allowing 7 both fail."""
+    m = read_manifest(ulysses_build)
+    assert m.ulysses_all_to_alls == 4 * m.model_config["transformer"]["num_layers"] == 8
+    text = gzip.open(ulysses_build / "denoise_step.hlo.txt.gz", "rt").read()
+    runs = sum(c.count for c in hlo.collectives(hlo.parse(text)) if c.kind == "all-to-all")
+    assert runs == 8
+    result = aot_check(ulysses_build)
+    assert result.exit_code == 0, result.output
+
+    extra = with_one_more_all_to_all(ulysses_build, tmp_path / "extra")
+    result = aot_check(extra)
+    assert result.exit_code == 1, result.output
+    assert "all-to-all: 10 executions per run > max_count 8 (the build's ulysses" in result.stdout
+
+    seven = tmp_path / "seven.toml"
+    seven.write_text('[programs.denoise_step]\nmax_count = {all-to-all = 7}\n')
+    result = aot_check(ulysses_build, "--policy", seven)
+    assert result.exit_code == 1, result.output
+    assert "all-to-all: 8 executions per run > max_count 7" in result.stdout

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aot import store
-from aot.build import BuildError, check_model_name
+from aot.plan import BuildError, check_model_name
 from aot.targets import MAX_CPU_DEVICES, Target, TargetError, parse_target
 from runtime.artifact import read_manifest, verify_files
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from aot import build
+from aot import plan as planner
 from aot.targets import TPU_HBM, parse_target
 from wan import sharding
 from wan.configs import VideoShape
@@ -92,7 +92,7 @@ def test_transformer_bytes_is_the_models_weights(model):
     modulation tables and norm2, 0.2% of the 1.3B's parameters)."""
     config = PRESETS[model]
     assert config.dtype == "bfloat16"
-    weights, bf16 = build.transformer_bytes(config), 2 * REAL_PARAMETERS[model]
+    weights, bf16 = planner.transformer_bytes(config), 2 * REAL_PARAMETERS[model]
     assert bf16 < weights < 1.01 * bf16, (weights, bf16)
 
 
@@ -113,7 +113,7 @@ def test_real_preset_default_meshes(model, target, width, height, batch, mesh, v
     """The meshes `aot build` picked for the recorded real-size builds, from their plan."""
     target = parse_target(target)
     assert target.hbm_bytes == TPU_HBM[target.generation]
-    plan = build.plan_build(
+    plan = planner.plan_build(
         model, PRESETS[model], VideoShape(width, height, 81, batch), target, num_devices=8
     )
     assert plan.default_mesh

@@ -14,7 +14,8 @@ import torch
 from conftest import save_tiny_diffusers_pipeline
 from diffusers import WanPipeline
 
-from aot.build import compile_in_process, plan_build
+from aot.lower import compile_in_process
+from aot.plan import plan_build
 from aot.targets import parse_target
 from runtime.pipeline import Pipeline
 from wan.configs import ModelConfig, VideoShape

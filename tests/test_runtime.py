@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from conftest import TINY_SHAPE, run_cli
 
-from aot.build import compile_in_process, plan_build
+from aot.lower import compile_in_process
+from aot.plan import plan_build
 from aot.targets import parse_target
 from runtime.artifact import ArtifactError, read_manifest, sha256_file
 from runtime.loader import Request
@@ -33,6 +34,11 @@ def _run(build_root, weights, tmp_path, *extra, check=True, env=None):
 
 
 def test_run_compiles_nothing_and_equals_plain_jit(tiny_build, tiny_weights, tmp_path):
+    """`runtime run` from artifacts: no compile, and frames bit-identical to the same programs
+    compiled in this process (`compile_in_process`, the path `aot build` compiles through).
+    That proves the serialised executables round-trip exactly (the artifact is the program
+    that was built), not that the program is right: correctness is the parity with diffusers
+    (tests/test_cli_parity.py, tests/test_pipeline.py)."""
     result = _run(tiny_build.parent, tiny_weights, tmp_path, "--save-frames", str(tmp_path / "f.npy"),
                   "--report", str(tmp_path / "r.json"))  # fmt: skip
     report = json.loads((tmp_path / "r.json").read_text())

@@ -1,0 +1,109 @@
+"""A compiled program's files and its manifest entry: the serialised executable, its optimized HLO
+and what the reports and `aot check` read (memory per device, FLOPs, collectives, the VAE's
+gathered bytes, replicated weights)."""
+
+from __future__ import annotations
+
+import gzip
+import math
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from aot import hlo, hlo_cost, store, vae_gathers
+from aot.lower import LoweredProgram
+from runtime.artifact import ArraySpec, ProgramEntry, dump_executable, file_entry
+from wan import interface
+
+
+def program_entry(
+    folder: Path, lowered: LoweredProgram, compiled: Any, seconds: float, rss: int
+) -> ProgramEntry:
+    program = lowered.program
+    device_ids = [d.id for d in lowered.mesh.devices.flat]
+    executable, hlo_text = store.program_files(program.name)
+    (folder / executable).write_bytes(dump_executable(compiled, device_ids))
+    text = compiled.as_text()
+    with gzip.open(folder / hlo_text, "wt") as f:
+        f.write(text)
+    module = hlo.parse(text)
+    cost = compiled.cost_analysis() or {}
+    if isinstance(cost, list):
+        cost = cost[0] if cost else {}
+    return ProgramEntry(
+        name=program.name,
+        executable=file_entry(folder, executable),
+        hlo=file_entry(folder, hlo_text),
+        input_names=list(program.args),
+        output_names=list(program.out_axes),
+        inputs=_array_specs(
+            interface.named(program.name, compiled.args_info[0]),
+            interface.named(program.name, compiled.input_shardings[0]),
+        ),
+        outputs=_array_specs(
+            jax.eval_shape(program.fn, *program.args.values()), compiled.output_shardings
+        ),
+        compile_seconds=round(seconds, 3),
+        compiler_options=lowered.options,
+        replicated_param_bytes=replicated_param_bytes(program.name, compiled),
+        peak_rss_bytes=rss,
+        memory=memory_stats(compiled),
+        flops=hlo_cost.flops(module),
+        xla_flops=float(cost.get("flops", 0.0)),
+        collectives=hlo.collective_summary(module),
+        gathered_bytes_per_latent_frame=(
+            vae_gathers.gathers(module).per_latent_frame if program.name == "vae_decode" else None
+        ),
+    )
+
+
+def replicated_param_bytes(program_name: str, compiled: Any) -> int:
+    """Bytes per device of the weights that a multi-device program keeps whole on every device
+    (as MaxText's check for insufficiently sharded parameters reports them)."""
+    args = interface.named(program_name, compiled.args_info[0])
+    shardings = interface.named(program_name, compiled.input_shardings[0])
+    if "params" not in args:
+        return 0
+    leaves = jax.tree.leaves(args["params"])
+    placed = jax.tree.leaves(
+        shardings["params"], is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)
+    )
+    return sum(
+        math.prod(a.shape) * a.dtype.itemsize
+        for a, s in zip(leaves, placed, strict=True)
+        if len(s.device_set) > 1 and s.is_fully_replicated
+    )
+
+
+def _array_specs(shapes: Any, shardings: Any) -> list[ArraySpec]:
+    leaves = jax.tree_util.tree_flatten_with_path(shapes)[0]
+    flat_shardings = jax.tree.leaves(
+        shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)
+    )
+    specs = []
+    for (path, leaf), s in zip(leaves, flat_shardings, strict=True):
+        spec = getattr(s, "spec", None)
+        specs.append(
+            ArraySpec(
+                path=jax.tree_util.keystr(path, simple=True, separator="/"),
+                shape=tuple(leaf.shape),
+                dtype=str(leaf.dtype),
+                sharding=str(spec) if spec is not None else str(s),
+            )
+        )
+    return specs
+
+
+def memory_stats(compiled: Any) -> dict[str, int]:
+    """Per-device bytes. peak = arguments + outputs - aliased + temporaries."""
+    m = compiled.memory_analysis()
+    stats = {
+        "argument": int(m.argument_size_in_bytes),
+        "output": int(m.output_size_in_bytes),
+        "alias": int(m.alias_size_in_bytes),
+        "temp": int(m.temp_size_in_bytes),
+        "generated_code": int(m.generated_code_size_in_bytes),
+    }
+    stats["peak"] = stats["argument"] + stats["output"] - stats["alias"] + stats["temp"]
+    return stats

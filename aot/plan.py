@@ -1,0 +1,294 @@
+"""What one build is made from: a request checked against the bounds of what a build can serve,
+and its defaults resolved (mesh, VAE mesh and axis, attention kernel, context parallelism, the
+VAE decode's scoped VMEM) into a `BuildPlan` whose `BuildKey` names its folder."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+
+from aot.targets import SPLASH_BLOCKS, VAE_VMEM_MIB, Target, devices
+from runtime.artifact import BuildKey
+from wan import attention as attention_lib
+from wan import programs as wan_programs
+from wan import sharding
+from wan.configs import ModelConfig, VideoShape
+from wan.errors import InputError
+
+BLOCKWISE_MIN_TOKENS = 8192  # above this, naive attention's temporaries dominate memory
+# Bounds of a request, far above any WAN use (720p, 81 frames: 75,600 tokens a video), so that
+# a mistyped size is a one-line error before anything is traced or allocated.
+MAX_SIDE = 8192  # pixels
+MAX_FRAMES = 1025
+MAX_BATCH = 1024
+MAX_STEP_TOKENS = 1 << 24  # video tokens of one denoise step, over its whole (CFG) batch
+MAX_MODEL_NAME = 100  # characters: the model's name starts each build folder's name
+
+
+class BuildError(InputError):
+    """A build request that cannot be satisfied; the message says what to change."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildPlan:
+    """Everything one build is made from; `key` names its folder."""
+
+    config: ModelConfig
+    shape: VideoShape
+    target: Target
+    sharding_plan: sharding.ShardingPlan
+    attention: str
+    key: BuildKey
+    default_mesh: bool  # the mesh is the one chosen without --mesh (the runtime prefers it)
+
+    @property
+    def mesh(self) -> sharding.MeshShape:
+        """The transformer mesh."""
+        return self.sharding_plan.transformer
+
+
+def plan_build(
+    model_name: str,
+    config: ModelConfig,
+    shape: VideoShape,
+    target: Target,
+    num_devices: int,
+    mesh: sharding.MeshShape | None = None,
+    vae_spatial: int | None = None,
+    attention: str | None = None,
+    context_parallel: str | None = None,
+    vae_vmem_mib: int | None = None,
+) -> BuildPlan:
+    """Validate a request and resolve its defaults (mesh, VAE mesh and axis, attention, context
+    parallelism, the VAE decode's scoped VMEM)."""
+    check_model_name(model_name)
+    check_shape(config, shape)
+    default = sharding.default_mesh(
+        num_devices, shape.step_batch, transformer_bytes(config), target.hbm_bytes
+    )
+    mesh = mesh or default
+    if mesh.size != num_devices:
+        raise BuildError(
+            f"mesh {_mesh_text(mesh)} has {mesh.size} devices but target {target.name} has {num_devices}"
+        )
+    if shape.step_batch % mesh.data:
+        raise BuildError(
+            f"step batch {shape.step_batch} ({'2 x ' if shape.cfg else ''}--batch {shape.batch}) is not "
+            f"divisible by data = {mesh.data}: change --batch or --mesh"
+        )
+    try:
+        layout = sharding.ShardingPlan.choose(mesh, shape.latent_shape(config), vae_spatial)
+    except ValueError as e:
+        raise BuildError(str(e)) from None
+    attention = choose_attention(attention, target, shape.tokens(config))
+    context_parallel = choose_context_parallel(context_parallel, config, shape, mesh)
+    key = BuildKey(
+        model=model_name,
+        width=shape.width,
+        height=shape.height,
+        frames=shape.frames,
+        batch=shape.batch,
+        cfg=shape.cfg,
+        target=target.name,
+        mesh=mesh.items(),
+        vae_mesh=layout.vae_mesh,
+        vae_axis=layout.vae_layout.axis,
+        attention=attention,
+        context_parallel=context_parallel,
+        vae_vmem_mib=choose_vae_vmem(vae_vmem_mib, target),
+    )
+    return BuildPlan(config, shape, target, layout, attention, key, mesh == default)
+
+
+def check_model_name(name: str) -> None:
+    """A model name that can start a visible folder's name: not hidden (a leading '.', which
+    `aot list`, `runtime run` and `aot gc` pass over), not an option (a leading '-'), no
+    separator or control character."""
+    bad = (
+        not name
+        or name[0] in ".-"
+        or len(name) > MAX_MODEL_NAME
+        or any(c in "/\\" or not c.isprintable() for c in name)
+    )
+    if bad:
+        raise BuildError(
+            f"--model {name!r}: a model's name starts the names of its build folders, so it must "
+            "not start with '.' (hidden from `aot list` and `runtime run`) or '-', nor hold a "
+            f"separator or control character, and must be at most {MAX_MODEL_NAME} characters: "
+            "rename the model's folder"
+        )
+
+
+def check_shape(config: ModelConfig, shape: VideoShape) -> None:
+    """A video shape the model can make, within the bounds of what a build can serve."""
+    if not (0 < shape.width <= MAX_SIDE and 0 < shape.height <= MAX_SIDE):
+        raise BuildError(
+            f"resolution {shape.width}x{shape.height}: width and height must be 1-{MAX_SIDE} pixels"
+        )
+    if not 0 < shape.frames <= MAX_FRAMES:
+        raise BuildError(f"--frames {shape.frames}: frames must be 1-{MAX_FRAMES}")
+    if not 0 < shape.batch <= MAX_BATCH:
+        raise BuildError(f"--batch {shape.batch}: batch must be 1-{MAX_BATCH}")
+    factor = config.vae.spatial_factor * config.transformer.patch_size[1]
+    if shape.width % factor or shape.height % factor:
+        raise BuildError(
+            f"resolution {shape.width}x{shape.height}: width and height must be positive multiples of {factor}"
+        )
+    tf = config.vae.temporal_factor
+    if (shape.frames - 1) % tf:
+        raise BuildError(f"--frames {shape.frames}: frames must be {tf}k+1 (e.g. 9, 17, 81)")
+    if (tokens := shape.tokens(config) * shape.step_batch) > MAX_STEP_TOKENS:
+        raise BuildError(
+            f"{shape.width}x{shape.height}, {shape.frames} frames, step batch {shape.step_batch}: "
+            f"{tokens} video tokens per denoise step, over the bound of {MAX_STEP_TOKENS}: "
+            "use a smaller --res, --frames or --batch"
+        )
+
+
+def choose_attention(requested: str | None, target: Target, tokens: int) -> str:
+    """The attention kernel of a build, with its block sizes: `auto` (None) is dot for short
+    sequences, else the target's flash kernel (splash on TPU, cuDNN on GPU, blockwise on CPU)."""
+    platform = target_platform(target)
+    if requested is None:
+        requested = (
+            "dot"
+            if tokens <= BLOCKWISE_MIN_TOKENS
+            else {"tpu": "splash", "gpu": "cudnn"}.get(platform, "blockwise")
+        )
+    kernel = attention_lib.kernel_name(requested)
+    runs_on = {"splash": "tpu", "cudnn": "gpu"}.get(kernel, platform)
+    if runs_on != platform:
+        raise BuildError(
+            f"--attention {requested}: {kernel} runs on {runs_on} targets, {target.name} is "
+            f"{platform}: use blockwise or dot"
+        )
+    if requested == "splash":
+        requested = "splash:" + ":".join(map(str, SPLASH_BLOCKS[target.generation]))
+    try:
+        attention_lib.resolve(requested)
+    except ValueError as e:
+        raise BuildError(str(e)) from None
+    return requested
+
+
+def choose_context_parallel(
+    requested: str | None,
+    config: ModelConfig,
+    shape: VideoShape,
+    mesh: sharding.MeshShape,
+) -> str:
+    """`ulysses` where the heads per device divide over the sequence shards, else `gather`."""
+    shards, local_heads = _query_layout(config, shape, mesh)
+    if requested is None:
+        return "ulysses" if shards > 1 and local_heads % shards == 0 else "gather"
+    if requested not in attention_lib.CONTEXT_PARALLEL:
+        raise BuildError(f"--context-parallel {requested}: use gather or ulysses")
+    if requested == "ulysses" and local_heads % shards:
+        raise BuildError(
+            f"--context-parallel ulysses: {local_heads} heads per device do not divide over "
+            f"{shards} sequence shards (mesh {_mesh_text(mesh)}): use gather or another --mesh"
+        )
+    return requested
+
+
+def parse_vae_vmem(text: str) -> int | None:
+    """`--vae-vmem` as choose_vae_vmem takes it: auto -> None, default -> 0, N -> N."""
+    if text == "auto":
+        return None
+    if text == "default":
+        return 0
+    if not (text.isdigit() and len(text) <= 6):
+        raise BuildError(f"--vae-vmem {text}: use auto, default or a number of MiB")
+    return int(text)
+
+
+def choose_vae_vmem(requested: int | None, target: Target) -> int | None:
+    """MiB of scoped VMEM the VAE decode is compiled for (TPU only): auto (None) is
+    VAE_VMEM_MIB, 0 the compiler's default."""
+    platform = target_platform(target)
+    if platform != "tpu":
+        if requested:
+            raise BuildError(
+                f"--vae-vmem {requested}: scoped VMEM is a TPU compiler setting, {target.name} is "
+                f"{platform}: leave it out"
+            )
+        return None
+    if requested is None:
+        return VAE_VMEM_MIB
+    if not 0 <= requested <= 128:
+        raise BuildError(f"--vae-vmem {requested}: use 1-128 MiB, or 0 for the compiler's default")
+    return requested or None
+
+
+def compiler_options(plan: BuildPlan, program_name: str) -> dict[str, Any]:
+    """The XLA options one program of `plan` compiles with (part of its identity in the store)."""
+    if program_name == "vae_decode" and plan.key.vae_vmem_mib:
+        return {"xla_tpu_scoped_vmem_limit_kib": plan.key.vae_vmem_mib * 1024}
+    return {}
+
+
+def ulysses_all_to_alls(plan: BuildPlan) -> int:
+    """All-to-alls per denoise step the Ulysses design puts there: q, k, v in and the output
+    back, in each layer's self-attention (none when the sequence is not sharded)."""
+    shards, _ = _query_layout(plan.config, plan.shape, plan.mesh)
+    ulysses = plan.key.context_parallel == "ulysses" and shards > 1
+    return 4 * plan.config.transformer.num_layers if ulysses else 0
+
+
+def kernel_flops(plan: BuildPlan) -> float:
+    """FLOPs per device per denoise step of the attention kernels that the HLO counts as opaque
+    custom calls (splash, cuDNN): self- and cross-attention of every layer; 0 for XLA kernels."""
+    if attention_lib.kernel_name(plan.attention) in attention_lib.PARTITIONABLE:
+        return 0.0
+    tc = plan.config.transformer
+    spec, mesh_shape = _query_spec(plan.config, plan.shape, plan.mesh)
+    q_shape = _query_shape(plan.config, plan.shape)
+    per_layer = attention_lib.flops(q_shape, q_shape[1]) + attention_lib.flops(
+        q_shape, plan.config.text_encoder.max_length
+    )
+    split = math.prod(mesh_shape[a] for entry in spec for a in attention_lib.spec_axes(entry))
+    return per_layer * tc.num_layers / split
+
+
+def _query_shape(config: ModelConfig, shape: VideoShape) -> tuple[int, ...]:
+    tc = config.transformer
+    return (shape.step_batch, shape.tokens(config), tc.num_attention_heads, tc.attention_head_dim)
+
+
+def _query_spec(
+    config: ModelConfig, shape: VideoShape, mesh: sharding.MeshShape
+) -> tuple[jax.sharding.PartitionSpec, dict[str, int]]:
+    """How a denoise step lays out its self-attention queries, and the mesh's sizes."""
+    mesh_shape = dict(mesh.items())
+    spec = sharding.logical_to_spec(
+        attention_lib.Q_AXES, _query_shape(config, shape), mesh_shape, sharding.TRANSFORMER_RULES
+    )
+    return spec, mesh_shape
+
+
+def _query_layout(
+    config: ModelConfig, shape: VideoShape, mesh: sharding.MeshShape
+) -> tuple[int, int]:
+    """(sequence shards, heads per device) of the self-attention queries of a denoise step."""
+    spec, mesh_shape = _query_spec(config, shape, mesh)
+    return attention_lib.sequence_layout(spec, mesh_shape, config.transformer.num_attention_heads)
+
+
+def target_platform(target: Target) -> str:
+    """cpu, tpu or gpu: what the target's devices are (`current`: this machine's)."""
+    return devices(target)[0].platform if target.platform == "current" else target.platform
+
+
+def _mesh_text(mesh: sharding.MeshShape) -> str:
+    return ",".join(f"{a}={n}" for a, n in mesh.items())
+
+
+@functools.cache
+def transformer_bytes(config: ModelConfig) -> int:
+    """Bytes of one transformer's weights (one expert's), from its abstract state."""
+    _, params, _ = wan_programs.split_abstract(wan_programs.abstract_module(config, "transformer"))
+    return sum(math.prod(p.shape) * p.dtype.itemsize for p in jax.tree.leaves(params))
