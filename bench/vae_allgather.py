@@ -38,7 +38,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from aot import hlo, targets, vae_gathers  # noqa: E402
 
 
-
 def upsampler_input_bytes(config: Any, width: int, height: int) -> int:
     """Bytes of every upsampler's input in the decode of one latent frame (steady state: after
     each temporal upsampler the frames double), in the decode's dtype: what a decoder that

@@ -7,7 +7,6 @@ import functools
 import gzip
 import json
 import math
-import os
 import shlex
 import shutil
 import signal

@@ -365,16 +365,15 @@ def with_one_more_all_to_all(build: Path, dest: Path) -> Path:
     return folder
 
 
-def test_ulysses_build_passes_with_its_all_to_alls_and_fails_with_one_more(
-    ulysses_build, tmp_path
-):
+def test_ulysses_build_passes_with_its_all_to_alls_and_fails_with_one_more(ulysses_build, tmp_path):
     """The default policy allows the denoise step exactly the all-to-alls its Ulysses attention
     needs (q, k, v in and the output back: 4 per layer, 8 for the tiny model's 2 layers). The
     build passes with 8; the same build with one more all-to-all in its layer (2 more runs) and
     the build under a policy allowing 7 both fail."""
     m = read_manifest(ulysses_build)
     assert m.ulysses_all_to_alls == 4 * m.model_config["transformer"]["num_layers"] == 8
-    text = gzip.open(ulysses_build / "denoise_step.hlo.txt.gz", "rt").read()
+    with gzip.open(ulysses_build / "denoise_step.hlo.txt.gz", "rt") as f:
+        text = f.read()
     runs = sum(c.count for c in hlo.collectives(hlo.parse(text)) if c.kind == "all-to-all")
     assert runs == 8
     result = aot_check(ulysses_build)
@@ -386,7 +385,7 @@ def test_ulysses_build_passes_with_its_all_to_alls_and_fails_with_one_more(
     assert "all-to-all: 10 executions per run > max_count 8 (the build's ulysses" in result.stdout
 
     seven = tmp_path / "seven.toml"
-    seven.write_text('[programs.denoise_step]\nmax_count = {all-to-all = 7}\n')
+    seven.write_text("[programs.denoise_step]\nmax_count = {all-to-all = 7}\n")
     result = aot_check(ulysses_build, "--policy", seven)
     assert result.exit_code == 1, result.output
     assert "all-to-all: 8 executions per run > max_count 7" in result.stdout

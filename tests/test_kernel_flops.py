@@ -1,0 +1,96 @@
+"""`aot.plan.kernel_flops`, the attention kernels' FLOPs that every step lower bound adds to
+the HLO count: checked against the attention FLOPs worked out by hand for small configs, 0 for
+kernels XLA sees, and the same figure the HLO counter finds in a dot build's attention."""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+
+import pytest
+
+from aot import hlo, hlo_cost
+from aot.plan import kernel_flops, plan_build
+from aot.targets import parse_target
+from runtime.artifact import read_manifest
+from wan import sharding
+from wan.configs import VideoShape
+from wan.presets import PRESETS
+
+TINY = PRESETS["tiny"]
+TEXT_TOKENS = TINY.text_encoder.max_length
+
+
+def by_hand(batch_rows: int, tokens: int, shards: int) -> float:
+    """The tiny model's attention FLOPs per device per step: 4 B H Lq Lkv D (q k^T and p v,
+    2 FLOPs a multiply-add) for self-attention (Lkv = the video tokens) and cross-attention
+    (Lkv = the prompt tokens), in each layer, over the devices that split the queries."""
+    tc = TINY.transformer
+    heads, dim = tc.num_attention_heads, tc.attention_head_dim
+    per_layer = 4 * batch_rows * heads * tokens * dim * (tokens + TEXT_TOKENS)
+    return per_layer * tc.num_layers / shards
+
+
+def tiny_plan(mesh: sharding.MeshShape, attention: str, batch: int = 1):
+    shape = VideoShape(192, 320, 9, batch)
+    return plan_build("tiny", TINY, shape, parse_target("tpu-v6e-8"), 8, mesh, attention=attention)
+
+
+@pytest.mark.parametrize(
+    "mesh, shards",
+    [
+        # CFG's 2 rows on data, the 720 tokens on context: every device a different eighth.
+        (sharding.MeshShape(data=2, context=4), 8),
+        # 2 heads do not divide over tensor=4: the heads stay whole, 4 devices repeat the work.
+        (sharding.MeshShape(data=2, tensor=4), 2),
+        (sharding.MeshShape(context=8), 8),
+    ],
+)
+@pytest.mark.parametrize("kernel", ["splash:512:512:512", "cudnn"])
+def test_kernel_flops_by_hand(mesh, shards, kernel):
+    plan = tiny_plan(mesh, "splash:512:512:512")
+    plan = dataclasses.replace(plan, attention=kernel)  # cudnn plans need a GPU target
+    shape = plan.shape
+    assert shape.step_batch == 2 and shape.tokens(TINY) == 720  # 3 x 20 x 12 patches
+    assert kernel_flops(plan) == by_hand(2, 720, shards)
+
+
+@pytest.mark.parametrize("kernel", ["dot", "blockwise"])
+def test_xla_visible_kernels_add_nothing(kernel):
+    """dot and blockwise attention are ordinary HLO, which the HLO counter already counts."""
+    plan = tiny_plan(sharding.MeshShape(data=2, context=4), "dot")
+    assert kernel_flops(dataclasses.replace(plan, attention=kernel)) == 0.0
+    assert kernel_flops(dataclasses.replace(plan, attention="cudnn")) > 0  # control
+
+
+class _BatchedDots(hlo_cost._Counter):
+    """The HLO counter restricted to dots with batch dimensions: attention's q k^T and p v
+    (batched over videos and heads); the projections and the MLP are unbatched matmuls."""
+
+    def dot(self, ins: hlo.Instruction) -> tuple[float, float]:
+        return super().dot(ins) if ins.attrs.get("lhs_batch_dims") else (0.0, 0.0)
+
+    RULES = {
+        "dot": dot,
+        "fusion": hlo_cost._Counter.fusion,
+        "while": hlo_cost._Counter.loop,
+        "call": hlo_cost._Counter.call,
+        "conditional": hlo_cost._Counter.conditional,
+    }
+
+
+def test_dot_builds_attention_flops_in_the_hlo_match_the_formula(tiny_build):
+    """The tiny build's denoise step runs dot attention: its batched dots in the optimized HLO,
+    counted with the layer scan's trips, are the formula's FLOPs per device, so the HLO
+    count and kernel_flops (which a splash build adds instead) measure the same work."""
+    m = read_manifest(tiny_build)
+    step = m.programs["denoise_step"]
+    assert m.key.attention == "dot" and step.kernel_flops == 0.0
+    with gzip.open(tiny_build / step.hlo.path, "rt") as f:
+        module = hlo.parse(f.read())
+    counter = _BatchedDots(module)
+    attention, _ = counter.computation(module.entry)
+    shards = m.mesh_axes["data"] * m.mesh_axes["context"]  # batch and queries' split
+    assert (m.mesh_axes["data"], m.mesh_axes["context"]) == (2, 4)
+    assert attention == by_hand(2, 720, shards)
+    assert 0 < attention < step.flops  # the rest: projections, MLP, norms
