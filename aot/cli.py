@@ -51,7 +51,7 @@ _MATRIX = [
         help=(
             "cpu-N, cpu-PxN (P processes of N), current, single-host TPU VMs, one "
             f"process ({targets.describe_aliases()}), tpu-<gen>:<topology> (a slice in hosts of the "
-            "generation's VM: v5e/v6e 8 chips, v4/v5p/tpu7x 4), tpu-<gen>:<topology>/<host> "
+            f"generation's VM: {targets.describe_hosts()}), tpu-<gen>:<topology>/<host> "
             "(other VM sizes, e.g. tpu-v6e:4x4/2x2)."
         ),
     ),

@@ -16,6 +16,7 @@ import importlib.util
 import math
 import os
 import re
+from collections.abc import Callable
 from typing import Any
 
 from runtime import processes
@@ -213,6 +214,20 @@ def _text(dims: tuple[int, ...]) -> str:
 def describe_aliases() -> str:
     """What each TPU alias means (for --help)."""
     return ", ".join(f"{alias} = {topology}" for alias, topology in TPU_ALIASES.items())
+
+
+def describe_hosts() -> str:
+    """Chips a VM and devices a chip of each generation (for --help)."""
+    return f"{_grouped(lambda g: math.prod(g.host_bounds), ' chips')}; devices a chip: " + (
+        _grouped(lambda g: g.devices_per_chip, "")
+    )
+
+
+def _grouped(fact: Callable[[Generation], int], unit: str) -> str:
+    groups: dict[int, list[str]] = {}
+    for g in GENERATIONS.values():
+        groups.setdefault(fact(g), []).append(g.name)
+    return ", ".join(f"{'/'.join(names)} {value}{unit}" for value, names in groups.items())
 
 
 def prepare_environment(target: Target) -> None:

@@ -112,3 +112,9 @@ def test_aliases_and_host_bounds_come_from_the_table():
     }
     assert targets.parse_target("tpu-v6e:4x4").chips_per_host == (2, 4, 1)
     assert targets.parse_target("tpu-tpu7x:4x4x4").chips_per_host == (2, 2, 1)
+
+
+def test_help_describes_the_table():
+    assert targets.describe_hosts() == (
+        "v4/v5p/tpu7x 4 chips, v5e/v6e 8 chips; devices a chip: v4/v5e/v5p/v6e 1, tpu7x 2"
+    )
