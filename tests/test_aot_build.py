@@ -153,15 +153,15 @@ def test_manifest_and_files(tiny_build):
     assert "denoise_step" in report and "peak GiB" in report
 
 
-def build_killed_when(args: list[str], line_starts: str) -> list[str]:
+def build_killed_when(args: list[str], line_ends: str) -> list[str]:
     """Run `aot build ARGS`, read its progress lines on stderr as they come and SIGKILL it when
-    one starts with `line_starts`; the lines read until then."""
+    one ends with `line_ends`; the lines read until then."""
     cmd = [str(BIN / "aot"), *args]
     with subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as p:
         seen = []
         for line in p.stderr:
             seen.append(line.rstrip("\n"))
-            if line.startswith(line_starts):
+            if seen[-1].endswith(line_ends):
                 p.kill()
                 break
         assert p.wait(timeout=600) == -signal.SIGKILL, seen
@@ -169,25 +169,22 @@ def build_killed_when(args: list[str], line_starts: str) -> list[str]:
 
 
 def test_killed_build_leaves_nothing_complete_and_is_redone(tmp_path):
-    """A build SIGKILLed after two of its four programs (when the third starts compiling, the
-    first line after the second is stored) leaves no build folder, only hidden entries, and
-    the store keeps the two finished programs, which the build run again reuses."""
+    """A build SIGKILLed when its denoise step starts compiling (the first line after the
+    programs before it are stored: text_encode and kv_cache) leaves no build folder, only
+    hidden entries; the store keeps the finished programs, which the build run again reuses."""
     args = ["build", "--model", "tiny", *TINY_SHAPE, "--target", "cpu-8", "--out", str(tmp_path)]
     plan = plan_build("tiny", PRESETS["tiny"], VideoShape(192, 320, 9, 1), parse_target("cpu-8"), 8)
-    label = f"{plan.key.folder_name()} kv_cache done in "
-    seen = build_killed_when(args, f"[3/4] {plan.key.folder_name()} denoise_step compiling")
-    assert any(label in line for line in seen), seen
+    folder = plan.key.folder_name()
+    seen = build_killed_when(args, f"] {folder} denoise_step compiling")
+    done = {line.split()[2] for line in seen if line.split()[3:5] == ["done", "in"]}
+    assert {"text_encode", "kv_cache"} <= done and "denoise_step" not in done, seen
     assert not any((p / "manifest.json").exists() for p in tmp_path.iterdir())
     assert all(p.name.startswith(".") for p in tmp_path.iterdir())
     stored = [e for e in (tmp_path / ".programs").iterdir() if (e / "entry.json").exists()]
-    assert sorted(f.stem for e in stored for f in e.glob("*.exec")) == ["kv_cache", "text_encode"]
-    redone = run_cli("aot", *args, "--json")
-    assert _statuses(redone.stdout) == {
-        "text_encode": ["reused"],
-        "kv_cache": ["reused"],
-        "denoise_step": ["compiled"],
-        "vae_decode": ["compiled"],
-    }
+    assert {f.stem for e in stored for f in e.glob("*.exec")} == done
+    statuses = _statuses(run_cli("aot", *args, "--json").stdout)
+    assert statuses == {n: ["reused" if n in done else "compiled"] for n in statuses}
+    assert statuses["denoise_step"] == ["compiled"]
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp")] == []
     (build,) = [p for p in tmp_path.iterdir() if not p.name.startswith(".")]
     assert set(read_manifest(build).programs) == set(PROGRAMS)
@@ -340,20 +337,21 @@ def test_vae_vmem_is_part_of_the_build_and_the_program():
     assert plan.key.vae_vmem_mib == VAE_VMEM_MIB and plan.key.folder_name().endswith(
         f"_vmem{VAE_VMEM_MIB}"
     )
-    assert compiler_options(plan, "vae_decode") == {
+    made = {p.name: p for p in programs.programs(PRESETS["tiny"], shape, programs.ProgramOptions())}
+    assert compiler_options(plan, made["vae_decode"]) == {
         "xla_tpu_scoped_vmem_limit_kib": VAE_VMEM_MIB * 1024
     }
-    assert all(compiler_options(plan, name) == {} for name in PROGRAMS if name != "vae_decode")
+    assert all(compiler_options(plan, made[n]) == {} for n in PROGRAMS if n != "vae_decode")
     eight = plan_build("tiny", PRESETS["tiny"], shape, v6e, 8, vae_vmem_mib=8)
-    assert compiler_options(eight, "vae_decode") == {"xla_tpu_scoped_vmem_limit_kib": 8192}
+    assert compiler_options(eight, made["vae_decode"]) == {"xla_tpu_scoped_vmem_limit_kib": 8192}
     assert eight.key.folder_name().endswith("_vmem8")
     default = plan_build("tiny", PRESETS["tiny"], shape, v6e, 8, vae_vmem_mib=0)
-    assert default.key.vae_vmem_mib is None and compiler_options(default, "vae_decode") == {}
+    assert default.key.vae_vmem_mib is None and compiler_options(default, made["vae_decode"]) == {}
     assert "vmem" not in default.key.folder_name()
     with pytest.raises(BuildError, match="use 1-128 MiB"):
         plan_build("tiny", PRESETS["tiny"], shape, v6e, 8, vae_vmem_mib=512)
     cpu = plan_build("tiny", PRESETS["tiny"], shape, parse_target("cpu-8"), 8)
-    assert cpu.key.vae_vmem_mib is None and compiler_options(cpu, "vae_decode") == {}
+    assert cpu.key.vae_vmem_mib is None and compiler_options(cpu, made["vae_decode"]) == {}
 
 
 def test_compiler_options_are_part_of_a_programs_identity():
