@@ -22,24 +22,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 import safetensors.numpy
 
-from wan import weights
+from wan import kinds, weights
 from wan.atomic import atomic_folder, owned_files
 from wan.configs import CHECKPOINT_MARKER as MARKER
-from wan.configs import ModelConfig
+from wan.configs import ModelConfig, diffusers_component
 from wan.lora import ParamDelta
-from wan.weights import text_encoder as text_encoder_rules
-from wan.weights import transformer as transformer_rules
-from wan.weights import vae as vae_rules
 
 FORMAT_VERSION = 2  # 1: orbax (still read); 2: one safetensors file per component
 PARAMS = "params.safetensors"  # a component's parameters, named by their path joined with "/"
-# Component folder -> weight rule, named as in a diffusers WanPipeline folder.
-RULES: dict[str, weights.Rule] = {
-    "transformer": transformer_rules.rule,
-    "transformer_2": transformer_rules.rule,
-    "vae": vae_rules.rule,
-    "text_encoder": text_encoder_rules.rule,
-}
 Tree = dict[str, Any]
 
 
@@ -56,9 +46,11 @@ def save_checkpoint(
     """Write `components` (component name -> nested dict of arrays) atomically: the folder
     appears complete or not at all."""
     folder = Path(folder).absolute()
-    unknown = set(components) - set(RULES)
+    unknown = set(components) - set(kinds.FOLDERS)
     if unknown:
-        raise ValueError(f"unknown components {sorted(unknown)}; expected some of {sorted(RULES)}")
+        raise ValueError(
+            f"unknown components {sorted(unknown)}; expected some of {sorted(kinds.FOLDERS)}"
+        )
     tmp = folder.with_name(f".tmp-{folder.name}-{os.getpid()}")
     with atomic_folder(folder, tmp, lambda old: owned_files(old, _checkpoint_files())):
         # The project's own layout (transposed, layers stacked), uncompressed, as one
@@ -87,7 +79,8 @@ def _checkpoint_files() -> list[str]:
         "special_tokens_map.json",
         "spiece.model",
     )
-    return [MARKER, *(f"{c}/{PARAMS}" for c in RULES), *(f"tokenizer/{n}" for n in tokenizer)]
+    components = (f"{c}/{PARAMS}" for c in kinds.FOLDERS)
+    return [MARKER, *components, *(f"tokenizer/{n}" for n in tokenizer)]
 
 
 def load_component(
@@ -128,7 +121,9 @@ def load_component(
             f"{folder} has no {component}/ (expected a diffusers-format folder)"
         )
     expected = {p: (tuple(a.shape), np.dtype(a.dtype)) for p, a in flat_abstract.items()}
-    host = weights.import_folder(source, expected, RULES[component])
+    # The tensor names of a diffusers folder are its component kind's (config.json says which).
+    rule = kinds.of(diffusers_component(folder, component)).weight_rule
+    host = weights.import_folder(source, expected, rule)
     return _place_all(host, flat_abstract, deltas, abstract)
 
 

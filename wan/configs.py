@@ -12,8 +12,9 @@ import json
 import math
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
+from wan import kinds
 from wan.errors import InputError
 
 # Wan 2.1 VAE latent statistics (diffusers' AutoencoderKLWan defaults).
@@ -35,6 +36,41 @@ MAX_CONFIG_BYTES = 16 << 20  # a config.json is a few KiB; a bigger one is not a
 class WeightError(InputError):
     """A weights folder does not fit the model: names the file and the key or parameter.
     (Defined here, with no heavy import, so that reading a config stays light.)"""
+
+
+class ConfigKeyError(WeightError):
+    """A config key the project does not understand, or a value of it the project does not
+    implement: restoring the file would not help, so the message is whole as it is."""
+
+
+# The one list of config keys known not to change what is computed: read nowhere, so any value
+# passes. Every other key is either understood (a field, or a key with the values the project
+# implements, `ComponentConfig.fixed_values`) or refused: compiling a model whose config says
+# something the project cannot honour would silently compile another model. Read from the
+# configs of diffusers' Wan pipelines (Wan2.1-T2V-1.3B/14B, Wan2.2-T2V-A14B, the tests' tiny one).
+NO_OP_KEYS = frozenset(
+    {
+        # diffusers' and transformers' bookkeeping
+        "_class_name", "_diffusers_version", "_name_or_path", "_use_default_values",
+        "_commit_hash", "transformers_version", "architectures", "torch_dtype", "dtype",
+        "tokenizer_class", "id2label", "label2id", "problem_type", "return_dict",
+        "output_attentions", "output_hidden_states", "chunk_size_feed_forward",
+        # a UMT5 encoder's config: the decoder, generation and the LM head, not the encoder
+        "is_encoder_decoder", "is_decoder", "use_cache", "output_past", "num_decoder_layers",
+        "decoder_start_token_id", "eos_token_id", "pad_token_id", "bos_token_id",
+        "tie_word_embeddings", "scale_decoder_outputs",
+        "scalable_attention",  # a leftover of the T5X export that transformers never reads
+        # training only
+        "dropout", "dropout_rate", "classifier_dropout", "initializer_factor",
+        "gradient_checkpointing",
+        # a scheduler's options that only act with the flow sigmas off, thresholding on or
+        # dynamic shifting on (each refused: see SchedulerConfig.DIFFUSERS)
+        "beta_start", "beta_end", "beta_schedule", "trained_betas", "rescale_betas_zero_snr",
+        "timestep_spacing", "steps_offset", "sigma_min", "sigma_max", "time_shift_type",
+        "dynamic_thresholding_ratio", "sample_max_value", "base_shift", "max_shift",
+        "base_image_seq_len", "max_image_seq_len",
+    }
+)  # fmt: skip
 
 
 # Integer fields' (lowest, highest) values: the highest are far above every released model
@@ -97,8 +133,9 @@ def _problem(name: str, kind: str, value: Any) -> str | None:
 
 
 def _from_dict(cls, raw: Any):
-    """Build `cls` from a config.json dict: known fields only (each checked against its type
-    and range), lists become tuples."""
+    """Build `cls` from a config dict, strictly: each field checked against its type and range
+    (lists become tuples), the config validated, and every other key either one with a value the
+    config implements (`fixed_values`) or in NO_OP_KEYS; anything else is a ConfigKeyError."""
     if not isinstance(raw, dict):
         raise WeightError(f"the config is {excerpt(raw)}, expected a JSON object")
     fields = {f.name: f.type for f in dataclasses.fields(cls)}
@@ -106,7 +143,75 @@ def _from_dict(cls, raw: Any):
         if name in fields and (problem := _problem(name, fields[name], value)):
             raise WeightError(f"{name} is {excerpt(value)}, expected {problem}")
     kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items() if k in fields}
-    return cls(**kwargs)
+    config = cls(**kwargs)
+    config.validate()
+    fixed = config.fixed_values()
+    for name, value in raw.items():
+        if name in fields or name in NO_OP_KEYS:
+            continue
+        if name not in fixed:
+            raise ConfigKeyError(_unknown_key(name))
+        _check_value(name, value, fixed[name])
+    return config
+
+
+def _unknown_key(name: str) -> str:
+    return (
+        f"{name} is a key this project does not understand: it may change the model, so nothing "
+        "is built (a model of another kind, or a key to declare in wan.configs.NO_OP_KEYS)"
+    )
+
+
+def _check_value(name: str, value: Any, accepted: tuple[Any, ...]) -> None:
+    """A ConfigKeyError unless `value` is one of `accepted` (of the same JSON type)."""
+    if not any(type(value) is type(a) and value == a for a in accepted):
+        raise ConfigKeyError(
+            f"{name} is {excerpt(value)}, this project implements only "
+            f"{' or '.join(excerpt(a) for a in accepted)}: the model is of a kind it does not have"
+        )
+
+
+class StrictConfig:
+    """A config read strictly (`_from_dict`), with the keys it implements one value (or a few)
+    of."""
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> Self:
+        return _from_dict(cls, raw)
+
+    def validate(self) -> None:
+        """Raise a WeightError when the fields do not make a model (they are each valid)."""
+
+    def fixed_values(self) -> dict[str, tuple[Any, ...]]:
+        """Keys of a diffusers config that are no fields here, and the values this kind
+        implements: another value is another model."""
+        return {}
+
+
+class ComponentConfig(StrictConfig):
+    """The config of a component kind: its class names the component and the kind
+    (`wan.kinds`)."""
+
+    component: ClassVar[str]
+    kind: ClassVar[str]
+
+
+class VAEKindConfig(ComponentConfig):
+    """A VAE config: its latent geometry comes from its kind (`wan.kinds.ComponentKind.latent`)."""
+
+    component: ClassVar[str] = "vae"
+
+    @property
+    def geometry(self) -> kinds.LatentGeometry:
+        return kinds.lookup(self.component, self.kind).latent(self)
+
+    @property
+    def spatial_factor(self) -> int:
+        return self.geometry.spatial
+
+    @property
+    def temporal_factor(self) -> int:
+        return self.geometry.temporal
 
 
 def excerpt(value: Any) -> str:
@@ -124,8 +229,11 @@ def _require(condition: bool, message: str) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class TransformerConfig:
+class TransformerConfig(ComponentConfig):
     """diffusers `WanTransformer3DModel` config (text-to-video subset)."""
+
+    component: ClassVar[str] = "transformer"
+    kind: ClassVar[str] = "per_video"
 
     patch_size: tuple[int, int, int] = (1, 2, 2)
     num_attention_heads: int = 40
@@ -156,14 +264,23 @@ class TransformerConfig:
             raise InputError(f"patch grid {grid} exceeds rope_max_seq_len={self.rope_max_seq_len}")
         return grid  # type: ignore[return-value]
 
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> Self:
-        return _from_dict(cls, raw)
+    def validate(self) -> None:
+        _require(
+            self.qk_norm == "rms_norm_across_heads",
+            f"qk_norm is {excerpt(self.qk_norm)}; the {self.kind} transformer implements only "
+            '"rms_norm_across_heads"',
+        )
+
+    def fixed_values(self) -> dict[str, tuple[Any, ...]]:
+        # The image-to-video (image_dim, added_kv_proj_dim) and first-last-frame models.
+        return {"image_dim": (None,), "added_kv_proj_dim": (None,), "pos_embed_seq_len": (None,)}
 
 
 @dataclasses.dataclass(frozen=True)
-class VAEConfig:
+class VAEConfig(VAEKindConfig):
     """diffusers `AutoencoderKLWan` config (Wan 2.1 VAE)."""
+
+    kind: ClassVar[str] = "wan2.1"
 
     base_dim: int = 96
     z_dim: int = 16
@@ -176,37 +293,40 @@ class VAEConfig:
     in_channels: int = 3
     out_channels: int = 3
 
-    @property
-    def spatial_factor(self) -> int:
-        return 2 ** (len(self.dim_mult) - 1)
-
-    @property
-    def temporal_factor(self) -> int:
-        return 2 ** sum(self.temperal_downsample)
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> Self:
-        config = _from_dict(cls, raw)
+    def validate(self) -> None:
         _require(
-            1 <= len(config.dim_mult) <= 8,
-            f"dim_mult has {len(config.dim_mult)} levels, expected 1 to 8",
+            1 <= len(self.dim_mult) <= 8,
+            f"dim_mult has {len(self.dim_mult)} levels, expected 1 to 8",
         )
         _require(
-            len(config.temperal_downsample) == len(config.dim_mult) - 1,
-            f"temperal_downsample has {len(config.temperal_downsample)} entries, expected one "
-            f"per downsampling level ({len(config.dim_mult) - 1})",
+            len(self.temperal_downsample) == len(self.dim_mult) - 1,
+            f"temperal_downsample has {len(self.temperal_downsample)} entries, expected one "
+            f"per downsampling level ({len(self.dim_mult) - 1})",
         )
         for name in ("latents_mean", "latents_std"):
-            count = len(getattr(config, name))
+            count = len(getattr(self, name))
             _require(
-                count == config.z_dim, f"{name} has {count} values, expected z_dim's {config.z_dim}"
+                count == self.z_dim, f"{name} has {count} values, expected z_dim's {self.z_dim}"
             )
-        return config
+
+    def fixed_values(self) -> dict[str, tuple[Any, ...]]:
+        # Wan 2.2's VAE (TI2V-5B) is residual, patchified and decodes from a wider base.
+        return {
+            "is_residual": (False,),
+            "patch_size": (None,),
+            "decoder_base_dim": (None, self.base_dim),
+            "clip_output": (True,),  # the decoded frames are clipped to [-1, 1]
+            "scale_factor_spatial": (self.spatial_factor,),
+            "scale_factor_temporal": (self.temporal_factor,),
+        }
 
 
 @dataclasses.dataclass(frozen=True)
-class TextEncoderConfig:
+class TextEncoderConfig(ComponentConfig):
     """transformers `UMT5Config`, encoder side."""
+
+    component: ClassVar[str] = "text_encoder"
+    kind: ClassVar[str] = "umt5"
 
     vocab_size: int = 256384
     d_model: int = 4096
@@ -219,13 +339,19 @@ class TextEncoderConfig:
     layer_norm_epsilon: float = 1e-6
     max_length: int = 512  # diffusers' WanPipeline pads prompt embeddings to this
 
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> Self:
-        return _from_dict(cls, raw)
+    def fixed_values(self) -> dict[str, tuple[Any, ...]]:
+        # T5 shares one relative attention bias over its layers, UMT5 has one per layer; the
+        # feed-forward is gated, with tanh-approximated GELU.
+        return {
+            "model_type": ("umt5",),
+            "feed_forward_proj": ("gated-gelu",),
+            "dense_act_fn": ("gelu_new",),
+            "is_gated_act": (True,),
+        }
 
 
 @dataclasses.dataclass(frozen=True)
-class SchedulerConfig:
+class SchedulerConfig(StrictConfig):
     """Sampler settings. `kind` is 'unipc' (diffusers UniPCMultistepScheduler) or 'euler'."""
 
     kind: str = "unipc"
@@ -233,27 +359,63 @@ class SchedulerConfig:
     flow_shift: float = 5.0
     solver_order: int = 2
 
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> Self:
-        """Our own form (`ModelConfig.to_dict`'s), checked."""
-        config = _from_dict(cls, raw)
+    # diffusers scheduler class -> (our kind, the key of its shift, the keys it has that this
+    # project implements one value of: the flow-matching sampler WanPipeline configures).
+    DIFFUSERS: ClassVar[dict[str, tuple[str, str, dict[str, tuple[Any, ...]]]]] = {
+        "UniPCMultistepScheduler": (
+            "unipc",
+            "flow_shift",
+            {
+                "use_flow_sigmas": (True,), "prediction_type": ("flow_prediction",),
+                "predict_x0": (True,), "solver_type": ("bh2",), "lower_order_final": (True,),
+                "final_sigmas_type": ("zero",), "disable_corrector": ([],), "solver_p": (None,),
+                "thresholding": (False,), "use_dynamic_shifting": (False,),
+                "shift_terminal": (None,), "use_karras_sigmas": (False,),
+                "use_exponential_sigmas": (False,), "use_beta_sigmas": (False,),
+            },
+        ),
+        "FlowMatchEulerDiscreteScheduler": (
+            "euler",
+            "shift",
+            {
+                "use_dynamic_shifting": (False,), "invert_sigmas": (False,),
+                "shift_terminal": (None,), "stochastic_sampling": (False,),
+                "use_karras_sigmas": (False,), "use_exponential_sigmas": (False,),
+                "use_beta_sigmas": (False,),
+            },
+        ),
+    }  # fmt: skip
+
+    def validate(self) -> None:
         _require(
-            config.kind in ("unipc", "euler"),
-            f"kind is {excerpt(config.kind)}, expected unipc or euler",
+            self.kind in ("unipc", "euler"),
+            f"kind is {excerpt(self.kind)}, expected unipc or euler",
         )
-        return config
 
     @classmethod
-    def from_diffusers(cls, raw: dict[str, Any]) -> Self:
-        """A diffusers scheduler_config.json."""
+    def from_diffusers(cls, raw: Any) -> Self:
+        """A diffusers scheduler_config.json (none: {}), strictly: its class names the sampler,
+        every key is understood, implemented as configured, or in NO_OP_KEYS."""
         if not isinstance(raw, dict):
             raise WeightError(f"the config is {excerpt(raw)}, expected a JSON object")
-        kind = "euler" if raw.get("_class_name") == "FlowMatchEulerDiscreteScheduler" else "unipc"
-        shift = raw.get("flow_shift", raw.get("shift", 5.0))
+        class_name = raw.get("_class_name", "UniPCMultistepScheduler")
+        _require(
+            class_name in cls.DIFFUSERS,
+            f"_class_name is {excerpt(class_name)}, expected one of {', '.join(cls.DIFFUSERS)}",
+        )
+        kind, shift_key, fixed = cls.DIFFUSERS[class_name]
+        shift = raw.get(shift_key, 5.0)
         _require(
             _is_number(shift) or shift is None,
-            f"flow_shift is {excerpt(shift)}, expected a positive number",
+            f"{shift_key} is {excerpt(shift)}, expected a positive number",
         )
+        understood = {"_class_name", shift_key, "num_train_timesteps", "solver_order"}
+        for name, value in raw.items():
+            if name in understood or name in NO_OP_KEYS:
+                continue
+            if name not in fixed:
+                raise ConfigKeyError(_unknown_key(name))
+            _check_value(name, value, fixed[name])
         return cls.from_dict(
             {
                 "kind": kind,
@@ -271,7 +433,7 @@ class ModelConfig:
 
     name: str
     transformer: TransformerConfig
-    vae: VAEConfig
+    vae: VAEKindConfig
     text_encoder: TextEncoderConfig
     scheduler: SchedulerConfig
     boundary_ratio: float | None = None
@@ -282,7 +444,14 @@ class ModelConfig:
         return 1 if self.boundary_ratio is None else 2
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields, and each component's kind unless it is the component's first: a config
+        written before kinds existed reads the same, and hashes the same."""
+        raw = dataclasses.asdict(self)
+        for component in kinds.COMPONENTS:
+            kind = getattr(self, component).kind
+            if kind != kinds.default(component):
+                raw[component] = {"kind": kind, **raw[component]}
+        return raw
 
     def hash(self) -> str:
         """Identifies the architecture and numerics (not the name): builds and weights match on it."""
@@ -291,22 +460,27 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> Self:
-        """Inverse of `to_dict`; a value of the wrong type or range is a WeightError naming
-        its key."""
+        """Inverse of `to_dict`, strictly: a value of the wrong type or range, or a key it does
+        not understand, is a WeightError naming its key."""
         if not isinstance(raw, dict):
             raise WeightError(f"the model is {excerpt(raw)}, expected a JSON object")
-        parts = {"transformer": TransformerConfig, "vae": VAEConfig}
-        parts |= {"text_encoder": TextEncoderConfig, "scheduler": SchedulerConfig}
-        for key in ("name", *parts):
+        for key in ("name", *kinds.COMPONENTS, "scheduler"):
             _require(key in raw, f"{key} is missing")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        for key in raw:
+            if key not in fields and key not in NO_OP_KEYS:
+                raise ConfigKeyError(_unknown_key(key))
         _require(isinstance(raw["name"], str), f"name is {excerpt(raw['name'])}, expected a string")
-        config = {}
-        for key, part in parts.items():
+        parts = {}
+        for key in kinds.COMPONENTS:
             with _key_prefix(key):
-                config[key] = part.from_dict(raw[key])
+                parts[key] = _component(key, raw[key])
+        with _key_prefix("scheduler"):
+            scheduler = SchedulerConfig.from_dict(raw["scheduler"])
         return cls(
             name=raw["name"],
-            **config,
+            **parts,
+            scheduler=scheduler,
             boundary_ratio=_boundary_ratio(raw.get("boundary_ratio")),
             dtype=_dtype(raw.get("dtype", "bfloat16")),
         )
@@ -329,33 +503,84 @@ class ModelConfig:
         from wan.weights import stored_dtype
 
         root = Path(folder)
-
-        def read(sub: str, part: type) -> Any:
-            path = root / sub / "config.json"
-            if not path.is_file():
-                raise WeightError(f"{path} is missing: not a diffusers-format WAN folder")
-            with _in_file(path):
-                return part.from_dict(read_json(path))
-
         index = root / "model_index.json"
-        pipeline = read_json(index) if index.is_file() else {}
+        with _in_file(index):
+            boundary_ratio = _pipeline_index(read_json(index) if index.is_file() else {})
         sched_path = root / "scheduler" / "scheduler_config.json"
-        with _in_file(sched_path):
+        with _in_file(sched_path), _key_prefix("scheduler"):
             scheduler = SchedulerConfig.from_diffusers(
                 read_json(sched_path) if sched_path.is_file() else {}
             )
-        with _in_file(index):
-            _require(isinstance(pipeline, dict), f"is {excerpt(pipeline)}, expected a JSON object")
-            boundary_ratio = _boundary_ratio(pipeline.get("boundary_ratio"))
+        parts = {component: diffusers_component(root, component) for component in kinds.COMPONENTS}
+        if boundary_ratio is not None:  # two experts of one architecture
+            second = root / "transformer_2" / "config.json"
+            with _in_file(second):
+                _require(
+                    diffusers_component(root, "transformer_2") == parts["transformer"],
+                    "transformer_2 differs from transformer: experts of two architectures",
+                )
         return cls(
             name=root.name,
-            transformer=read("transformer", TransformerConfig),
-            vae=read("vae", VAEConfig),
-            text_encoder=read("text_encoder", TextEncoderConfig),
+            **parts,
             scheduler=scheduler,
             boundary_ratio=boundary_ratio,
             dtype=dtype or stored_dtype(root / "transformer"),
         )
+
+
+def diffusers_component(root: str | Path, folder: str) -> ComponentConfig:
+    """The config of weight folder `folder` ("transformer_2": the second expert) of a
+    diffusers-format model folder, read strictly."""
+    path = Path(root) / folder / "config.json"
+    if not path.is_file():
+        raise WeightError(f"{path} is missing: not a diffusers-format WAN folder")
+    with _in_file(path), _key_prefix(folder):
+        return _component(kinds.FOLDERS[folder], read_json(path))
+
+
+def _component(component: str, raw: Any) -> ComponentConfig:
+    """A component's config, of the kind it names (none: the component's first kind)."""
+    if not isinstance(raw, dict):
+        raise WeightError(f"the config is {excerpt(raw)}, expected a JSON object")
+    raw = dict(raw)
+    try:
+        kind = kinds.lookup(component, raw.pop("kind", kinds.default(component)))
+    except kinds.KindError as e:
+        raise ConfigKeyError(str(e)) from None
+    return kind.config_class.from_dict(raw)
+
+
+# model_index.json: the class this project reads each component folder as (transformer_2:
+# none in a one-expert model). The tokenizer is read from its files, whatever its class.
+PIPELINE_CLASSES: dict[str, tuple[str | None, ...]] = {
+    "transformer": ("WanTransformer3DModel",),
+    "transformer_2": ("WanTransformer3DModel", None),
+    "vae": ("AutoencoderKLWan",),
+    "text_encoder": ("UMT5EncoderModel",),
+    "scheduler": tuple(SchedulerConfig.DIFFUSERS),
+}
+
+
+def _pipeline_index(raw: Any) -> float | None:
+    """The boundary ratio of a diffusers model_index.json, read strictly: the component classes
+    this project reads, one timestep per video (`expand_timesteps` is Wan 2.2 TI2V's per-token
+    timestep), no other key that is not in NO_OP_KEYS."""
+    _require(isinstance(raw, dict), f"is {excerpt(raw)}, expected a JSON object")
+    for name, value in raw.items():
+        if name in ("boundary_ratio", "tokenizer") or name in NO_OP_KEYS:
+            continue
+        if name == "expand_timesteps":
+            _check_value(name, value, (False,))
+        elif name in PIPELINE_CLASSES:
+            library_class = value if isinstance(value, list) and len(value) == 2 else [None, "?"]
+            if library_class[1] not in PIPELINE_CLASSES[name]:
+                raise ConfigKeyError(
+                    f"{name} is {excerpt(value)}, this project reads a "
+                    f"{' or '.join(str(c) for c in PIPELINE_CLASSES[name])} only"
+                )
+        else:
+            raise ConfigKeyError(_unknown_key(name))
+    return _boundary_ratio(raw.get("boundary_ratio"))
 
 
 def read_json(path: Path) -> Any:
@@ -379,6 +604,8 @@ def _in_file(path: Path) -> Iterator[None]:
     except WeightError as e:
         if str(e).startswith(str(path)):
             raise
+        if isinstance(e, ConfigKeyError):  # says what it is; restoring the file would not help
+            raise ConfigKeyError(f"{path}: {e}") from None
         raise WeightError(f"{path}: {e}: restore the model's original file") from None
 
 
@@ -388,7 +615,7 @@ def _key_prefix(key: str) -> Iterator[None]:
     try:
         yield
     except WeightError as e:
-        raise WeightError(f"{key}: {e}") from None
+        raise type(e)(f"{key}: {e}") from None
 
 
 def _boundary_ratio(value: Any) -> float | None:
@@ -424,8 +651,8 @@ class VideoShape:
         return math.prod(config.transformer.patch_grid(self.latent_shape(config)[1:4]))
 
     def latent_shape(self, config: ModelConfig) -> tuple[int, int, int, int, int]:
-        """Channels-last latents (B, T, H/8, W/8, C)."""
-        vae = config.vae
-        frames = (self.frames - 1) // vae.temporal_factor + 1
-        s = vae.spatial_factor
-        return (self.batch, frames, self.height // s, self.width // s, vae.z_dim)
+        """Channels-last latents (B, T, H/s, W/s, C) of the VAE kind's geometry."""
+        geometry = config.vae.geometry
+        frames = (self.frames - 1) // geometry.temporal + 1
+        s = geometry.spatial
+        return (self.batch, frames, self.height // s, self.width // s, geometry.channels)

@@ -26,11 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from wan import axes, interface, schedulers, sharding
+from wan import axes, interface, kinds, schedulers, sharding
 from wan.configs import ModelConfig, VideoShape
 from wan.sharding import LATENTS, VIDEO
-from wan.text_encoder import UMT5Encoder, prompt_embeddings
-from wan.transformer import WanTransformer
+from wan.text_encoder import prompt_embeddings
 from wan.vae import WanVAE, denormalize_latents
 
 Tree = Any
@@ -48,23 +47,18 @@ def make_module(
     rngs: nnx.Rngs | None = None,
     context_parallel: str = "gather",
 ) -> nnx.Module:
-    """The module of a component with freshly initialised (random) weights."""
-    dtype = jnp.dtype(config.dtype)
-    rngs = rngs or nnx.Rngs(0)
-    if component in ("transformer", "transformer_2"):
-        return WanTransformer(
-            config.transformer,
-            attention=attention,
-            context_parallel=context_parallel,
-            dtype=dtype,
-            param_dtype=dtype,
-            rngs=rngs,
-        )
-    if component == "text_encoder":
-        return UMT5Encoder(config.text_encoder, dtype=dtype, param_dtype=dtype, rngs=rngs)
-    if component == "vae":
-        return WanVAE(config.vae, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
-    raise ValueError(f"unknown component {component!r}")
+    """The module of a component with freshly initialised (random) weights: the module of the
+    component's kind (`wan.kinds`), given the build options it takes."""
+    part = kinds.part(config, component)
+    kind = kinds.of(part)
+    options = {"attention": attention, "context_parallel": context_parallel}
+    return kind.module_factory(
+        part,
+        dtype=jnp.dtype(config.dtype),
+        param_dtype=jnp.dtype(kind.param_dtype or config.dtype),
+        rngs=rngs or nnx.Rngs(0),
+        **{name: options[name] for name in kind.module_options},
+    )
 
 
 def abstract_module(
