@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import signal
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,9 +28,6 @@ from runtime.artifact import (
 from runtime.loader import host_layout, installed_versions
 from wan import sharding
 from wan.atomic import atomic_folder, locked, owned_files
-
-# Test hook: kill the process right after this program's files are written.
-KILL_AFTER_ENV = "AOT_TEST_KILL_AFTER"
 
 
 @dataclasses.dataclass
@@ -193,8 +189,6 @@ def _compile_all(
         if reused and progress is not None:
             by_worker = statuses[program.name] == "compiled"
             progress(f"{label} {'compiled by a worker' if by_worker else 'reused'}")
-        if os.environ.get(KILL_AFTER_ENV) == program.name:
-            os.kill(os.getpid(), signal.SIGKILL)
     devs = devices(plan.target)  # both meshes lay the devices out in this order
     process_count, local_device_count = host_layout(devs)
     notes = []
@@ -258,6 +252,6 @@ def _make_program(
     """Compile `lowered` and write its files into `folder`: its manifest entry."""
     compiled, seconds, rss = compile_lowered(lowered, label, progress)
     entry = program_entry(folder, lowered, compiled, seconds, rss)
-    if lowered.program.name == "denoise_step":
+    if "attention_kernels" in lowered.program.analyses:
         entry.kernel_flops = kernel_flops(plan)
     return entry

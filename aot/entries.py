@@ -53,7 +53,9 @@ def program_entry(
         xla_flops=float(cost.get("flops", 0.0)),
         collectives=hlo.collective_summary(module),
         gathered_bytes_per_latent_frame=(
-            vae_gathers.gathers(module).per_latent_frame if program.name == "vae_decode" else None
+            vae_gathers.gathers(module).per_latent_frame
+            if "vae_gathers" in program.analyses
+            else None
         ),
     )
 

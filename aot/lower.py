@@ -4,6 +4,7 @@ target hardware) and compiling them, XLA's refusal turned into one line."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import time
 from collections.abc import Callable, Collection, Iterator
@@ -35,29 +36,45 @@ class LoweredProgram:
 def lower_plan(
     plan: BuildPlan, frames_dtype: str = "uint8", only: Collection[str] | None = None
 ) -> Iterator[LoweredProgram]:
-    """Lower the programs of `plan` (or those named in `only`) one by one."""
+    """Lower the programs of `plan` (or those named in `only`) one by one, each on the mesh it
+    names, its handed-over inputs placed as their producers leave them."""
     devs = devices(plan.target)
     layout = plan.sharding_plan
     meshes = layout.meshes(devs)
-    progs = wan_programs.programs(
-        plan.config,
-        plan.shape,
-        plan.attention,
-        frames_dtype,
-        layout.gather_latents,
-        plan.key.context_parallel,
+    options = wan_programs.ProgramOptions(
+        attention=plan.attention,
+        context_parallel=plan.key.context_parallel,
+        gather_latents=layout.gather_latents,
+        frames_dtype=frames_dtype,
     )
-    processes = host_layout(devs)[0]
-    for program in (p for p in progs if only is None or p.name in only):
+    progs = {
+        p.name: p
+        for p in wan_programs.programs(plan.config, plan.shape, options, plan.key.pipeline)
+    }
+    replicated = host_layout(devs)[0] > 1  # a multi-process job: host outputs whole everywhere
+
+    @functools.cache
+    def leaves(name: str) -> dict[str, Any]:
+        program = progs[name]
+        rules, _ = layout.rules(program.mesh)
+        return output_shardings(
+            program, meshes[program.mesh], rules, replicated and program.host_outputs
+        )
+
+    for program in (p for p in progs.values() if only is None or p.name in only):
         mesh = meshes[program.mesh]
+        placed = {
+            name: leaves(source.split(".")[0])[source.split(".")[1]]
+            for name, source in program.receives.items()
+        }
         lowered = lower_program(
             program,
             mesh,
             *layout.rules(program.mesh),
-            placed=layout.placed(program.name, meshes),
-            replicated_out=layout.replicated_outputs(program.name, processes),
+            placed=placed,
+            replicated_out=replicated and program.host_outputs,
         )
-        yield LoweredProgram(program, lowered, mesh, compiler_options(plan, program.name))
+        yield LoweredProgram(program, lowered, mesh, compiler_options(plan, program))
 
 
 def compile_plan(
@@ -134,13 +151,7 @@ def lower_program(
         else wan_programs.shardings(mesh, a, program.arg_axes[name], rules)
         for name, a in program.args.items()
     )
-    out_shapes = jax.eval_shape(program.fn, *program.args.values())
-    out_axes = (
-        jax.tree.map(lambda s: (None,) * len(s.shape), out_shapes)
-        if replicated_out
-        else program.out_axes
-    )
-    out_shardings = wan_programs.shardings(mesh, out_shapes, out_axes, rules)
+    out_shardings = output_shardings(program, mesh, rules, replicated_out)
     # keep_unused: every executable takes its whole parameter tree (kv_cache reads a few of the
     # transformer's weights), so all programs of a component share one placed copy.
     # A fresh function per call: the rules are read while tracing, and jax would reuse a trace
@@ -154,3 +165,15 @@ def lower_program(
     )
     with jax.set_mesh(mesh), sharding.axis_rules(rules, uneven):
         return jitted.lower(*program.args.values())
+
+
+def output_shardings(
+    program: wan_programs.Program, mesh: jax.sharding.Mesh, rules: sharding.Rules, whole: bool
+) -> dict[str, Any]:
+    """How `program` leaves its outputs on `mesh`, by name: by their logical axes, or `whole`
+    on every device."""
+    out_shapes = jax.eval_shape(program.fn, *program.args.values())
+    out_axes = (
+        jax.tree.map(lambda s: (None,) * len(s.shape), out_shapes) if whole else program.out_axes
+    )
+    return wan_programs.shardings(mesh, out_shapes, out_axes, rules)

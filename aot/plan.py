@@ -224,9 +224,10 @@ def choose_vae_vmem(requested: int | None, target: Target) -> int | None:
     return requested or None
 
 
-def compiler_options(plan: BuildPlan, program_name: str) -> dict[str, Any]:
-    """The XLA options one program of `plan` compiles with (part of its identity in the store)."""
-    if program_name == "vae_decode" and plan.key.vae_vmem_mib:
+def compiler_options(plan: BuildPlan, program: wan_programs.Program) -> dict[str, Any]:
+    """The XLA options one program of `plan` compiles with (part of its identity in the store):
+    the build's scoped VMEM for the programs that declare it."""
+    if program.scoped_vmem and plan.key.vae_vmem_mib:
         return {"xla_tpu_scoped_vmem_limit_kib": plan.key.vae_vmem_mib * 1024}
     return {}
 

@@ -34,7 +34,8 @@ def main() -> None:
     args = parser.parse_args()
     target = targets.parse_target(args.target)
     targets.prepare_environment(target)
-    from aot import build, lower, plan, store
+    from aot import build, lower, store
+    from aot import plan as planner
     from wan.configs import VideoShape
     from wan.presets import resolve_model
 
@@ -48,7 +49,9 @@ def main() -> None:
             for frames in args.frames:
                 for batch in args.batch:
                     shape = VideoShape(width, height, frames, batch)
-                    plan = plan.plan_build(model, resolve_model(model), shape, target, len(devices))
+                    plan = planner.plan_build(
+                        model, resolve_model(model), shape, target, len(devices)
+                    )
                     for lowered in lower.lower_plan(plan):
                         pid = store.program_id(lowered, fingerprint)
                         name = f"{plan.key.folder_name()}/{lowered.program.name}"

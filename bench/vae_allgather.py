@@ -76,13 +76,16 @@ def compile_decode(
 ) -> tuple[Any, Any, tuple[int, int]]:
     """(compiled vae_decode, its VaeLayout, vae mesh) for one video of `preset`, as `aot build
     --vae-spatial` compiles it."""
-    from aot import lower, plan, targets
+    from aot import lower, targets
+    from aot import plan as planner
     from wan.configs import VideoShape
     from wan.presets import PRESETS
 
     shape = VideoShape(width, height, 4 * (latent_frames - 1) + 1, batch=1)
     devices = targets.devices(target)
-    plan = plan.plan_build(preset, PRESETS[preset], shape, target, len(devices), None, vae_spatial)
+    plan = planner.plan_build(
+        preset, PRESETS[preset], shape, target, len(devices), None, vae_spatial
+    )
     (lowered,) = lower.lower_plan(plan, only={"vae_decode"})
     layout = plan.sharding_plan
     return lowered.compile(), layout.vae_layout, layout.vae_mesh

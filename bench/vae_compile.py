@@ -65,7 +65,8 @@ def measure(
 
     target = targets.parse_target(target_name)
     targets.prepare_environment(target)
-    from aot import hlo, lower, plan
+    from aot import hlo, lower
+    from aot import plan as planner
 
     try:
         from aot.vae_gathers import gathers
@@ -76,8 +77,8 @@ def measure(
 
     shape = programs.VideoShape(width, height, 4 * (latent_frames - 1) + 1, batch=batch)
     # --vae-vmem is only given to this tree (older ones may predate it)
-    vmem = {} if vae_vmem is None else {"vae_vmem_mib": plan.parse_vae_vmem(vae_vmem)}
-    plan = plan.plan_build(
+    vmem = {} if vae_vmem is None else {"vae_vmem_mib": planner.parse_vae_vmem(vae_vmem)}
+    plan = planner.plan_build(
         preset, PRESETS[preset], shape, target, len(targets.devices(target)), **vmem
     )
     (lowered,) = lower.lower_plan(plan, only={"vae_decode"})

@@ -42,7 +42,8 @@ def main() -> None:
     target = targets.parse_target(args.target)
     targets.prepare_environment(target)
 
-    from aot import entries, hlo, lower, plan, progress
+    from aot import entries, hlo, lower, progress
+    from aot import plan as planner
     from wan.configs import VideoShape
     from wan.presets import resolve_model
 
@@ -53,7 +54,7 @@ def main() -> None:
     for batch in args.batches:
         shape = VideoShape(width, height, args.frames, batch)
         for spatial in [1 if m == "N,1" else n for m in args.meshes]:
-            plan = plan.plan_build(args.model, config, shape, target, n, None, spatial)
+            plan = planner.plan_build(args.model, config, shape, target, n, None, spatial)
             layout, vae_mesh = plan.sharding_plan.vae_layout, plan.sharding_plan.vae_mesh
             (lowered,) = lower.lower_plan(plan, only={"vae_decode"})
             with progress.RssSampler() as rss:

@@ -31,14 +31,14 @@ from typing import Any, BinaryIO
 
 from wan.configs import VideoShape
 from wan.errors import InputError
-from wan.interface import PROGRAMS
+from wan.interface import DEFAULT_PIPELINE, PIPELINES, PROGRAMS
 
-SCHEMA_VERSION = 2  # 2: program inputs and outputs by name (wan.interface)
+SCHEMA_VERSION = 3  # 2: program inputs and outputs by name; 3: a pipeline variant of programs
 MANIFEST = "manifest.json"
 
 # Bounds on what a manifest may claim, far above any real build, so that a hostile value is
 # refused before it reaches a read, an allocation or XLA.
-MAX_MANIFEST_BYTES = 16 << 20  # real manifests: tens of KB (every array of four programs)
+MAX_MANIFEST_BYTES = 16 << 20  # real manifests: tens of KB (every array of every program)
 MAX_FILE_BYTES = 4 << 30  # one executable or HLO file (real 14B executables: tens of MB)
 MAX_PROCESSES = 4096  # hosts of a job (the largest TPU slices have a few thousand)
 MAX_LOCAL_DEVICES = 1024  # devices of one process (TPU hosts have 4 or 8; jax takes ~10 s to
@@ -241,6 +241,7 @@ class BuildKey:
     attention: str  # kernel and its largest blocks, e.g. "splash:3072:2048:1024"
     context_parallel: str = "gather"  # or "ulysses" (wan.attention)
     vae_vmem_mib: int | None = None  # TPU: scoped VMEM of the VAE decode's kernels; None: XLA's
+    pipeline: str = DEFAULT_PIPELINE  # the programs the build holds (wan.interface.PIPELINES)
 
     @property
     def shape(self) -> VideoShape:
@@ -253,9 +254,11 @@ class BuildKey:
         attention = self.attention.replace(":", "-")
         ulysses = "_ulysses" if self.context_parallel == "ulysses" else ""
         vmem = f"_vmem{self.vae_vmem_mib}" if self.vae_vmem_mib else ""
+        pipeline = "" if self.pipeline == DEFAULT_PIPELINE else f"_{self.pipeline}"
         return (
             f"{self.model}_{self.width}x{self.height}_f{self.frames}_b{self.batch}{cfg}"
             f"_{self.target.replace('/', '-host')}_{mesh}_{vae}_{attention}{ulysses}{vmem}"
+            f"{pipeline}"
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -284,6 +287,7 @@ _BUILD_KEY_FIELDS: dict[str, Check] = {
     "vae_axis": _one_of("width", "height"),
     "attention": _string,
     "context_parallel": _one_of("gather", "ulysses"),
+    "pipeline": _one_of(*PIPELINES),
     "vae_vmem_mib": _optional(_POSITIVE),
 }
 
@@ -377,11 +381,12 @@ _PROGRAM_FIELDS: dict[str, Check] = {
 
 
 def _programs(value: Any, where: str) -> dict[str, ProgramEntry]:
-    """Exactly the four programs (wan.interface.PROGRAMS), each entry named as its key."""
+    """Programs this runtime knows (wan.interface.PROGRAMS), each entry named as its key; which
+    ones a build must hold is its pipeline's (`_check_pipeline`)."""
     raw = _object(value, where)
-    if sorted(raw) != sorted(PROGRAMS):
-        raise _malformed(where, f"must name exactly the programs {', '.join(PROGRAMS)}")
-    programs = {name: ProgramEntry.from_json(raw[name], _at(where, name)) for name in PROGRAMS}
+    if unknown := sorted(set(raw) - set(PROGRAMS)):
+        raise _malformed(where, f"names unknown programs {', '.join(map(str, unknown))[:200]}")
+    programs = {name: ProgramEntry.from_json(raw[name], _at(where, name)) for name in raw}
     for name, entry in programs.items():
         if entry.name != name:
             raise _malformed(_at(_at(where, name), "name"), f"must be {name}")
@@ -433,7 +438,7 @@ class Manifest:
 
     @classmethod
     def from_json(cls, raw: Any) -> Manifest:
-        """The manifest from its JSON form, every field checked (types, ranges, the four
+        """The manifest from its JSON form, every field checked (types, ranges, its pipeline's
         programs, a device layout that adds up); ArtifactError naming the first wrong field."""
         version = _object(raw, "").get("schema_version")
         if isinstance(version, bool) or not isinstance(version, int) or version != SCHEMA_VERSION:
@@ -447,6 +452,7 @@ class Manifest:
             share = len(fields["device_ids"]) // fields["process_count"]
             fields["local_device_count"] = _LOCAL_DEVICES(share, "local_device_count")
         _check_device_layout(fields)
+        _check_pipeline(fields)
         return cls(**fields)
 
     def write(self, folder: Path) -> None:
@@ -483,6 +489,15 @@ _MANIFEST_DEFAULTS = {
     "peak_flops": None,
     "ulysses_all_to_alls": 0,
 }
+
+
+def _check_pipeline(fields: dict[str, Any]) -> None:
+    """The build holds exactly the programs of its pipeline variant."""
+    pipeline = fields["key"].pipeline
+    if set(fields["programs"]) != set(PIPELINES[pipeline]):
+        raise _malformed(
+            "programs", f"must be those of pipeline {pipeline}: {', '.join(PIPELINES[pipeline])}"
+        )
 
 
 def _check_device_layout(fields: dict[str, Any]) -> None:

@@ -23,7 +23,7 @@ from runtime.artifact import (
     verify_files,
 )
 from wan.configs import VideoShape
-from wan.interface import PROGRAMS, SIGNATURES
+from wan.interface import PIPELINES, SIGNATURES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,8 +224,8 @@ def ordered_devices(manifest: Manifest, devices: list[Any], blobs: dict[str, byt
 
 def check_signatures(folder: Path, manifest: Manifest) -> None:
     """The build's programs take and return what this runtime passes and reads, by name."""
-    for name, signature in SIGNATURES.items():
-        entry = manifest.programs[name]
+    for name in PIPELINES[manifest.key.pipeline]:
+        entry, signature = manifest.programs[name], SIGNATURES[name]
         if (tuple(entry.input_names), tuple(entry.output_names)) != (
             signature.inputs,
             signature.outputs,
@@ -243,7 +243,10 @@ def load_build(folder: Path, manifest: Manifest, devices: list[Any]) -> dict[str
     check_environment(manifest, devices)
     check_signatures(folder, manifest)
     # Read once and checked again: the bytes deserialised are the bytes hashed.
-    blobs = {name: read_verified(folder, manifest.programs[name].executable) for name in PROGRAMS}
+    blobs = {
+        name: read_verified(folder, manifest.programs[name].executable)
+        for name in PIPELINES[manifest.key.pipeline]
+    }
     ordered = ordered_devices(manifest, devices, blobs)
     loaded = {}
     for name, blob in blobs.items():

@@ -1,6 +1,6 @@
 """Generation from prebuilt executables: load once, generate many prompts, compile nothing.
 
-Host math is numpy (noise, sampler tables, CFG bookkeeping); the device runs only the four
+Host math is numpy (noise, sampler tables, CFG bookkeeping); the device runs only the
 deserialized executables. Arrays pass from one program to the next as they are: the build gave
 each consumer its producer's output sharding (a reshard here would compile). Under
 jax.distributed every process runs this same code on its own devices (SPMD).
@@ -407,7 +407,11 @@ class Pipeline:
 
     def _decode(self, latents: jax.Array) -> np.ndarray:
         """uint8 frames on the host (replicated in multi-process builds: local data)."""
-        x = handoff(latents, self._input_sharding("vae_decode", "latents"))
+        x = handoff(latents, self._input_sharding("latents_handoff", "latents"))
+        x = handoff(
+            self._run("latents_handoff", latents=x)["latents"],
+            self._input_sharding("vae_decode", "latents"),
+        )
         return np.asarray(self._run("vae_decode", params=self.params["vae"], latents=x)["frames"])
 
 

@@ -378,9 +378,10 @@ def _nested_config(m):
     ("edit", "message"),
     [
         (_set("programs", []), "`programs` must be a JSON object"),
-        (_set("programs", {}), "`programs` must name exactly the programs"),
-        (_drop("programs", "vae_decode"), "`programs` must name exactly the programs"),
-        (_set("programs", "evil", {}), "`programs` must name exactly the programs"),
+        (_set("programs", {}), "`programs` must be those of pipeline t2v"),
+        (_drop("programs", "vae_decode"), "`programs` must be those of pipeline t2v"),
+        (_set("programs", "evil", {}), "`programs` names unknown programs evil"),
+        (_set("key", "pipeline", "evil"), "`key.pipeline` must be one of"),
         (_set("process_count", 0), "`process_count` must be an integer in [1, 4096]"),
         (
             _set("local_device_count", 100000),
@@ -423,7 +424,7 @@ def _nested_config(m):
         (_set("key", "mesh", ["data", 2]), "`key.mesh` must be a JSON object"),
         (_set("key", "vae_mesh", [1, 2, 3]), "`key.vae_mesh` must have 2 items"),
         (_set("device_kind", "cpu\nError: forged"), "`device_kind` must be a one-line string"),
-        (_set("schema_version", "2"), "manifest schema '2' is not 2"),
+        (_set("schema_version", "3"), "manifest schema '3' is not 3"),
         (_set("surprise", 1), "`surprise` is not a field"),
         (_nested_config, "`model_config` is nested deeper than 16 levels"),
     ],
@@ -440,11 +441,11 @@ def test_malformed_manifest_names_the_field(build_copy, edit, message):
     ("content", "message"),
     [
         (b"\x00\xff\xfe binary", "is not valid JSON"),
-        ('{"schema_version": 2, "notes": ["caf\xe9"]}'.encode("latin-1"), "is not valid JSON"),
+        ('{"schema_version": 3, "notes": ["caf\xe9"]}'.encode("latin-1"), "is not valid JSON"),
         (b"[1, 2, 3]", "the manifest must be a JSON object"),
-        (b'{"schema_version": 2, "hbm_bytes": NaN}', "NaN is not a number JSON allows"),
+        (b'{"schema_version": 3, "hbm_bytes": NaN}', "NaN is not a number JSON allows"),
         (b"[" * 100_000 + b"]" * 100_000, "is not valid JSON"),
-        (b'{"schema_version": 2, "process_count": ' + b"9" * 5000 + b"}", "is not valid JSON"),
+        (b'{"schema_version": 3, "process_count": ' + b"9" * 5000 + b"}", "is not valid JSON"),
     ],
 )
 def test_unparsable_manifest_is_one_line(tmp_path, content, message):

@@ -22,8 +22,8 @@ from aot import store
 from aot.plan import BuildError, check_model_name
 from aot.targets import MAX_CPU_DEVICES, Target, TargetError, parse_target
 from runtime.artifact import read_manifest, verify_files
+from wan.interface import PROGRAMS
 
-PROGRAMS = ("text_encode", "kv_cache", "denoise_step", "vae_decode")
 TINY = ["--model", "tiny", *TINY_SHAPE, "--target", "cpu-8"]
 OTHER_RES = ["--model", "tiny", "--res", "320x192", "--frames", "9", "--batch", "1",
              "--target", "cpu-8"]  # fmt: skip

@@ -1,7 +1,7 @@
 """The pipeline's programs as the model, the build and the runtime agree on them: each program's
-named inputs and outputs, and the weight component its `params` input is. `wan.programs`
-defines the functions with these names, `aot build` records them in the manifest, and the
-runtime passes and reads every array by name.
+named inputs and outputs, the weight component its `params` input is, and the pipeline variants
+(the programs a build holds). `wan.programs` defines the functions with these names, `aot build`
+records them in the manifest, and the runtime passes and reads every array by name.
 
 Flax-free: the runtime imports it.
 """
@@ -17,7 +17,8 @@ from typing import Any
 class Signature:
     inputs: tuple[str, ...]  # in call order
     outputs: tuple[str, ...]  # the keys of the dict the program returns
-    weights: str  # the component whose parameters `params` holds (or its second expert's)
+    weights: str | None  # the component whose parameters `params` holds (or its second
+    # expert's); None: the program takes no weights
 
 
 SIGNATURES: dict[str, Signature] = {
@@ -26,9 +27,19 @@ SIGNATURES: dict[str, Signature] = {
     "denoise_step": Signature(
         ("params", "latents", "kv", "row", "state", "guidance"), ("latents", "state"), "transformer"
     ),
+    # The denoised latents from the transformer's layout to the decode's, on the devices: the
+    # decode then depends on the VAE's mesh only, and models with other transformer meshes
+    # share it.
+    "latents_handoff": Signature(("latents",), ("latents",), None),
     "vae_decode": Signature(("params", "latents"), ("frames",), "vae"),
 }
 PROGRAMS = tuple(SIGNATURES)
+# Pipeline variants: the programs a build of each holds, in the order a generation runs them.
+# A build key names its variant; the loader checks that its build holds exactly these.
+PIPELINES: dict[str, tuple[str, ...]] = {
+    "t2v": ("text_encode", "kv_cache", "denoise_step", "latents_handoff", "vae_decode"),
+}
+DEFAULT_PIPELINE = "t2v"
 
 
 def components(num_experts: int) -> tuple[str, ...]:
@@ -49,7 +60,8 @@ def named(program: str, values: Sequence[Any]) -> dict[str, Any]:
     return dict(zip(SIGNATURES[program].inputs, values, strict=True))
 
 
-def first_program_taking(component: str) -> str:
-    """The first program whose `params` are `component`'s (a second expert is a transformer)."""
+def first_program_taking(component: str, pipeline: str = DEFAULT_PIPELINE) -> str:
+    """The first program of `pipeline` whose `params` are `component`'s (a second expert is a
+    transformer)."""
     kind = "transformer" if component.startswith("transformer") else component
-    return next(name for name, s in SIGNATURES.items() if s.weights == kind)
+    return next(name for name in PIPELINES[pipeline] if SIGNATURES[name].weights == kind)

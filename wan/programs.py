@@ -1,4 +1,4 @@
-"""The four device programs of the pipeline, as pure functions plus their abstract inputs.
+"""The device programs of the pipeline, as pure functions plus their abstract inputs.
 
 Each program takes parameters as plain nested dicts (pure dicts of the NNX state) and plain
 dicts/tuples elsewhere, so a serialized executable's pytree definitions name no flax or wan
@@ -10,6 +10,7 @@ on any target and the runtime calls the resulting executables.
 | text_encode  | params, ids (S, L), mask (S, L)                        | embeddings (S, L, D)  |
 | kv_cache     | params, embeddings                                     | (k, v) per layer      |
 | denoise_step | params, latents, kv, sampler row, sampler state, scale | latents, state        |
+| latents_handoff | latents (transformer layout)                        | latents (VAE layout)  |
 | vae_decode   | params, latents                                        | uint8 frames          |
 
 S = 2B with classifier-free guidance (prompt rows first, then negative-prompt rows), else B.
@@ -108,6 +109,16 @@ class Program:
     # Inputs the program consumes (their buffers may hold its outputs): the caller must not use
     # them after the call.
     donate: tuple[str, ...] = ()
+    # Inputs that arrive as another program leaves them on the devices: name -> "program.output".
+    receives: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Outputs the host reads (frames): whole on every device in a multi-process job, where each
+    # process needs them on its own host.
+    host_outputs: bool = False
+    # Compiled for the build's scoped VMEM on TPU (--vae-vmem): convolution-heavy programs,
+    # whose compile time follows the tiles libtpu emits for it.
+    scoped_vmem: bool = False
+    # What `aot build` records of it besides memory, FLOPs and collectives (aot.entries).
+    analyses: tuple[str, ...] = ()
 
     def __post_init__(self):
         signature = interface.SIGNATURES[self.name]
@@ -240,6 +251,7 @@ def denoise_step_program(
         {"latents": LATENTS, "state": state_axes},
         "transformer",
         donate=("latents", "state"),  # a step holds one copy of each
+        analyses=("attention_kernels",),
     )  # fmt: skip
 
 
@@ -257,22 +269,41 @@ def decode_frames(vae: WanVAE, latents: jax.Array, config: ModelConfig) -> jax.A
     return jnp.clip(video.astype(jnp.float32) / 2 + 0.5, 0.0, 1.0)
 
 
-def vae_decode_program(
-    config: ModelConfig,
-    shape: VideoShape,
-    frames_dtype: str = "uint8",
-    gather_latents: bool = False,
+def latents_handoff_program(
+    config: ModelConfig, shape: VideoShape, gather_latents: bool = False
 ) -> Program:
-    """Frames as uint8 (what videos are made of), or as float32 in [0, 1] for comparisons.
-    `gather_latents`: the latents arrive batch-sharded; replicate them before the spatial layout
-    slices them (an all-gather of the small latents instead of an all-to-all)."""
+    """The denoised latents, as the last denoise step leaves them on the transformer mesh, laid
+    out as the decode takes them on the VAE mesh. `gather_latents`: they arrive batch-sharded;
+    replicate them before the spatial layout slices them (an all-gather of the small latents
+    instead of an all-to-all)."""
+    latents = _sds(shape.latent_shape(config), jnp.float32)
+
+    def latents_handoff(latents: jax.Array) -> dict[str, jax.Array]:
+        if gather_latents:
+            latents = sharding.constrain(latents, (None,) * latents.ndim)
+        return {"latents": sharding.constrain(latents, VIDEO)}
+
+    return Program(
+        "latents_handoff",
+        latents_handoff,
+        {"latents": latents},
+        {"latents": VIDEO},
+        {"latents": VIDEO},
+        "vae",
+        receives={"latents": "denoise_step.latents"},
+    )
+
+
+def vae_decode_program(
+    config: ModelConfig, shape: VideoShape, frames_dtype: str = "uint8"
+) -> Program:
+    """Frames as uint8 (what videos are made of), or as float32 in [0, 1] for comparisons; the
+    latents arrive in the VAE's layout (latents_handoff)."""
     graphdef, params, param_axes = split_abstract(abstract_module(config, "vae"))
     latents = _sds(shape.latent_shape(config), jnp.float32)
 
     def vae_decode(params: Tree, latents: jax.Array) -> jax.Array:
         vae = nnx.merge(graphdef, params)
-        if gather_latents:
-            latents = sharding.constrain(latents, (None,) * latents.ndim)
         frames = decode_frames(vae, sharding.constrain(latents, VIDEO), config)
         if frames_dtype == "uint8":
             frames = jnp.round(frames * 255).astype(jnp.uint8)
@@ -285,20 +316,42 @@ def vae_decode_program(
         {"params": param_axes, "latents": VIDEO},
         {"frames": VIDEO},
         "vae",
+        host_outputs=True,
+        scoped_vmem=True,
+        analyses=("vae_gathers",),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramOptions:
+    """The build's choices the programs are made with (aot.plan resolves them)."""
+
+    attention: str = "dot"
+    context_parallel: str = "gather"
+    gather_latents: bool = False  # ShardingPlan.gather_latents
+    frames_dtype: str = "uint8"  # float32: frames in [0, 1], for comparisons
+
+
+# The program of each name, made for a model, a video shape and the build's options: a new
+# program is one maker here, its Signature in wan.interface and its place in a pipeline there.
+MAKERS: dict[str, Callable[[ModelConfig, VideoShape, ProgramOptions], Program]] = {
+    "text_encode": lambda config, shape, o: text_encode_program(config, shape),
+    "kv_cache": lambda config, shape, o: kv_cache_program(config, shape, o.attention),
+    "denoise_step": lambda config, shape, o: denoise_step_program(
+        config, shape, o.attention, o.context_parallel
+    ),
+    "latents_handoff": lambda config, shape, o: latents_handoff_program(
+        config, shape, o.gather_latents
+    ),
+    "vae_decode": lambda config, shape, o: vae_decode_program(config, shape, o.frames_dtype),
+}
 
 
 def programs(
     config: ModelConfig,
     shape: VideoShape,
-    attention: str,
-    frames_dtype: str = "uint8",
-    gather_latents: bool = False,
-    context_parallel: str = "gather",
+    options: ProgramOptions,
+    pipeline: str = interface.DEFAULT_PIPELINE,
 ) -> list[Program]:
-    return [
-        text_encode_program(config, shape),
-        kv_cache_program(config, shape, attention),
-        denoise_step_program(config, shape, attention, context_parallel),
-        vae_decode_program(config, shape, frames_dtype, gather_latents),
-    ]
+    """The programs of `pipeline`, in the order a generation runs them."""
+    return [MAKERS[name](config, shape, options) for name in interface.PIPELINES[pipeline]]

@@ -253,8 +253,8 @@ def choose_vae_layout(latent_height: int, latent_width: int, vae_spatial: int) -
 @dataclasses.dataclass(frozen=True)
 class ShardingPlan:
     """Every sharding decision of one build. Each program runs on the mesh it names
-    ("transformer" or "vae"); the plan gives that mesh, its rules, the inputs that arrive as
-    another program leaves them, and which outputs are replicated."""
+    ("transformer" or "vae"); the plan gives that mesh and its rules, and whether the latents
+    are gathered whole on their way to the decode."""
 
     transformer: MeshShape
     vae_mesh: tuple[int, int]  # (redundant, vae_spatial)
@@ -293,23 +293,6 @@ class ShardingPlan:
 
     @property
     def gather_latents(self) -> bool:
-        """The decode replicates its latents before slicing them spatially: they arrive
-        batch-sharded, and an all-gather of the small latents beats an all-to-all."""
+        """The latents handoff replicates the latents before slicing them spatially: they
+        arrive batch-sharded, and an all-gather of the small latents beats an all-to-all."""
         return self.latents_spec()[0] is not None and self.vae_mesh[1] > 1
-
-    def placed(
-        self, program: str, meshes: dict[str, jax.sharding.Mesh]
-    ) -> dict[str, jax.sharding.Sharding]:
-        """The inputs of `program` (by name) that arrive with another program's sharding: the
-        decode takes the latents where the last denoise step leaves them (one SPMD handoff,
-        no trip through the host)."""
-        if program != "vae_decode":
-            return {}
-        return {"latents": jax.sharding.NamedSharding(meshes["transformer"], self.latents_spec())}
-
-    @staticmethod
-    def replicated_outputs(program: str, processes: int) -> bool:
-        """Whether `program` returns its outputs whole on every device: the decode's frames in
-        a multi-process job, where each process needs them on its host (np.asarray of an array
-        it cannot address fails)."""
-        return program == "vae_decode" and processes > 1
