@@ -131,10 +131,10 @@ def test_gc_removes_only_program_entries_it_can_identify(artifacts):
     shutil.rmtree(the_build(artifacts))
 
     dry = aot("gc", str(artifacts), "--dry-run")
-    assert dry.returncode == 0 and "would remove 3 unreferenced program(s)" in dry.stdout
+    assert dry.returncode == 0 and "would remove 4 unreferenced program(s)" in dry.stdout
     result = aot("gc", str(artifacts))
     assert result.returncode == 0, result.stderr
-    assert "removed 3 unreferenced program(s)" in result.stdout
+    assert "removed 4 unreferenced program(s)" in result.stdout
     for entry in entries[1:]:
         assert f"removed program {entry.name}" in result.stdout and not entry.exists()
     assert f"removed leftover of a killed build {ours.name}" in result.stdout

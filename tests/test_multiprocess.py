@@ -47,19 +47,26 @@ def read_manifests(artifacts) -> dict:
 
 def test_decode_handoff_as_designed(artifacts):
     """Batch 2 on 8 devices: the denoise step leaves the latents sharded over `data` and the
-    decode is spatial (vae_spatial = 8). The decode takes the latents as the step leaves them,
-    gathers them whole (small) rather than switching mesh through an all-to-all, and only a
-    multi-process job replicates its frames: one all-gather of the whole frames, nothing else
-    (one process keeps them where they were decoded)."""
+    decode is spatial (vae_spatial = 8). The handoff takes the latents as the step leaves them
+    and gathers them whole (small) rather than switching mesh through an all-to-all; the decode
+    takes them in its own spatial layout; only a multi-process job replicates its frames: one
+    all-gather of the whole frames, nothing else (one process keeps them where they were
+    decoded)."""
     manifests = read_manifests(artifacts)
     assert sorted(manifests) == ["cpu-2x4", "cpu-8"]
     for m in manifests.values():
         assert m.vae_mesh_axes == {"redundant": 1, "vae_spatial": 8}
-        step, decode = m.programs["denoise_step"], m.programs["vae_decode"]
+        step, handoff, decode = (
+            m.programs[n] for n in ("denoise_step", "latents_handoff", "vae_decode")
+        )
         (left,) = [o.sharding for o in step.outputs if o.path == "latents"]
+        (received,) = [i.sharding for i in handoff.inputs if i.path == "latents"]
+        (handed,) = [o.sharding for o in handoff.outputs if o.path == "latents"]
         (taken,) = [i.sharding for i in decode.inputs if i.path == "latents"]
-        assert left == taken == "P('data', None, None, None, None)", (left, taken)
+        assert left == received == "P('data', None, None, None, None)", (left, received)
+        assert handed == taken == "P(None, None, None, 'vae_spatial', None)", (handed, taken)
         assert "all-to-all" not in decode.collectives, decode.collectives
+        assert set(handoff.collectives) <= {"all-gather"}, handoff.collectives
 
     one, two = (manifests[t].programs["vae_decode"] for t in ("cpu-8", "cpu-2x4"))
     (frames,) = two.outputs
