@@ -83,7 +83,7 @@ from runtime.artifact import (
 )
 from runtime.loader import build_folders
 from wan.errors import InputError
-from wan.interface import PROGRAMS
+from wan.interface import SIGNATURES
 
 SCHEMA_VERSION = 1
 KINDS = frozenset(hlo.COLLECTIVES.values())
@@ -151,8 +151,8 @@ def parse_policy(text: str, source: str) -> Policy:
     programs = {}
     for name, rules in _subtable(raw, "programs", where).items():
         at = f"{where} [programs.{name}]"
-        if name not in PROGRAMS:
-            raise CheckInputError(f"{at}: unknown program (programs: {', '.join(PROGRAMS)})")
+        if name not in SIGNATURES:
+            raise CheckInputError(f"{at}: unknown program (programs: {', '.join(SIGNATURES)})")
         if not isinstance(rules, dict):
             raise CheckInputError(f"{at}: must be a table")
         _keys(rules, {"forbid", "max_count", "max_bytes"}, at)

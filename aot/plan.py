@@ -18,6 +18,7 @@ from wan import programs as wan_programs
 from wan import sharding
 from wan.configs import ModelConfig, VideoShape
 from wan.errors import InputError
+from wan.interface import DEFAULT_PIPELINE, PIPELINES
 
 BLOCKWISE_MIN_TOKENS = 8192  # above this, naive attention's temporaries dominate memory
 # Bounds of a request, far above any WAN use (720p, 81 frames: 75,600 tokens a video), so that
@@ -62,11 +63,15 @@ def plan_build(
     attention: str | None = None,
     context_parallel: str | None = None,
     vae_vmem_mib: int | None = None,
+    *,
+    pipeline: str = DEFAULT_PIPELINE,
 ) -> BuildPlan:
     """Validate a request and resolve its defaults (mesh, VAE mesh and axis, attention, context
-    parallelism, the VAE decode's scoped VMEM)."""
+    parallelism, the VAE decode's scoped VMEM); `pipeline`: the programs it holds."""
     check_model_name(model_name)
     check_shape(config, shape)
+    if pipeline not in PIPELINES:
+        raise BuildError(f"pipeline {pipeline!r}: use one of {', '.join(PIPELINES)}")
     default = sharding.default_mesh(
         num_devices, shape.step_batch, transformer_bytes(config), target.hbm_bytes
     )
@@ -100,6 +105,7 @@ def plan_build(
         attention=attention,
         context_parallel=context_parallel,
         vae_vmem_mib=choose_vae_vmem(vae_vmem_mib, target),
+        pipeline=pipeline,
     )
     return BuildPlan(config, shape, target, layout, attention, key, mesh == default)
 

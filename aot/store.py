@@ -54,10 +54,11 @@ def program_files(name: str) -> tuple[str, str]:
     return f"{name}.exec", f"{name}.hlo.txt.gz"
 
 
-# Every file name `aot build` writes into a build folder, a store entry or their temporaries.
-OUR_FILES = frozenset(
-    {MANIFEST, ENTRY, *(file for name in interface.SIGNATURES for file in program_files(name))}
-)
+def our_files() -> frozenset[str]:
+    """Every file name `aot build` writes into a build folder, a store entry or their
+    temporaries (of every registered program)."""
+    names = (file for name in interface.SIGNATURES for file in program_files(name))
+    return frozenset({MANIFEST, ENTRY, *names})
 
 
 def program_id(lowered: LoweredProgram, fingerprint: str) -> str:
@@ -105,10 +106,10 @@ def fetch_or_make(
                 except ArtifactError as e:
                     if damaged is not None:
                         damaged(str(e))
-            owned_files(folder, OUR_FILES)  # refused before compiling what could not replace it
+            owned_files(folder, our_files())  # refused before compiling what could not replace it
         remove_leftovers(folder.parent, pid)
         tmp = folder.parent / f".tmp-{pid}-{os.getpid()}"
-        with atomic_folder(folder, tmp, lambda old: owned_files(old, OUR_FILES)) as tmp:
+        with atomic_folder(folder, tmp, lambda old: owned_files(old, our_files())) as tmp:
             entry = make(tmp)
             (tmp / ENTRY).write_text(json.dumps(dataclasses.asdict(entry)))
         return entry, folder, False
@@ -171,7 +172,7 @@ def remove_leftovers(parent: Path, name: str | None = None) -> list[Path]:
     removed = []
     for folder in temporaries(parent, name):
         with contextlib.suppress(NotOurs):
-            if remove_owned(folder, owned_files(folder, OUR_FILES)):
+            if remove_owned(folder, owned_files(folder, our_files())):
                 removed.append(folder)
     return removed
 
@@ -194,7 +195,7 @@ def garbage(out_root: Path, manifests: Iterable[Manifest]) -> Garbage:
     leftovers, foreign, unused = {}, [], {}
     for folder in scratch:
         try:
-            leftovers[folder] = owned_files(folder, OUR_FILES)
+            leftovers[folder] = owned_files(folder, our_files())
         except (NotOurs, OSError):
             foreign.append(folder)
     for folder in sorted(store.iterdir()) if store.is_dir() else []:
@@ -215,7 +216,7 @@ def _entry_files(folder: Path) -> tuple[list[str], str]:
     a program id, holding a readable entry.json and only that entry's files."""
     if not _PROGRAM_ID.fullmatch(folder.name):
         raise NotOurs(f"{folder} is not named by a program id")
-    files = owned_files(folder, OUR_FILES)
+    files = owned_files(folder, our_files())
     entry = _load_entry(folder)
     if not set(files) <= {ENTRY, *program_files(entry.name)}:
         raise NotOurs(f"{folder} holds files its entry does not name")

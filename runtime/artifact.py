@@ -25,13 +25,13 @@ import pickle
 import re
 import stat
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from wan.configs import VideoShape
 from wan.errors import InputError
-from wan.interface import DEFAULT_PIPELINE, PIPELINES, PROGRAMS
+from wan.interface import DEFAULT_PIPELINE, PIPELINES, SIGNATURES
 
 SCHEMA_VERSION = 3  # 2: program inputs and outputs by name; 3: a pipeline variant of programs
 MANIFEST = "manifest.json"
@@ -115,6 +115,17 @@ def _number(value: Any, where: str) -> float | int:
 
 def _optional(check: Check) -> Check:
     return lambda value, where: None if value is None else check(value, where)
+
+
+def _key_of(registry: Mapping[str, Any]) -> Check:
+    """A name registered in `registry` when the value is checked (registries may grow)."""
+
+    def check(value: Any, where: str) -> str:
+        if not isinstance(value, str) or value not in registry:
+            raise _malformed(where, f"must be one of {', '.join(registry)}")
+        return value
+
+    return check
 
 
 def _one_of(*choices: str) -> Check:
@@ -287,7 +298,7 @@ _BUILD_KEY_FIELDS: dict[str, Check] = {
     "vae_axis": _one_of("width", "height"),
     "attention": _string,
     "context_parallel": _one_of("gather", "ulysses"),
-    "pipeline": _one_of(*PIPELINES),
+    "pipeline": _key_of(PIPELINES),
     "vae_vmem_mib": _optional(_POSITIVE),
 }
 
@@ -358,7 +369,7 @@ class ProgramEntry:
 
 
 _PROGRAM_FIELDS: dict[str, Check] = {
-    "name": _one_of(*PROGRAMS),
+    "name": _key_of(SIGNATURES),
     "executable": FileEntry.from_json,
     "hlo": FileEntry.from_json,
     "input_names": _list_of(_string),
@@ -381,10 +392,10 @@ _PROGRAM_FIELDS: dict[str, Check] = {
 
 
 def _programs(value: Any, where: str) -> dict[str, ProgramEntry]:
-    """Programs this runtime knows (wan.interface.PROGRAMS), each entry named as its key; which
-    ones a build must hold is its pipeline's (`_check_pipeline`)."""
+    """Programs this runtime knows (wan.interface.SIGNATURES), each entry named as its key;
+    which ones a build must hold is its pipeline's (`_check_pipeline`)."""
     raw = _object(value, where)
-    if unknown := sorted(set(raw) - set(PROGRAMS)):
+    if unknown := sorted(set(raw) - set(SIGNATURES)):
         raise _malformed(where, f"names unknown programs {', '.join(map(str, unknown))[:200]}")
     programs = {name: ProgramEntry.from_json(raw[name], _at(where, name)) for name in raw}
     for name, entry in programs.items():
