@@ -13,7 +13,8 @@ import jax
 
 from aot import hlo, hlo_cost, store, vae_gathers
 from aot.lower import LoweredProgram
-from runtime.artifact import ArraySpec, ProgramEntry, dump_executable, file_entry
+from runtime.artifact import ArraySpec, ProgramEntry, file_entry
+from runtime.executables import dump_executable
 from wan import interface
 
 

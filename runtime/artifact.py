@@ -7,8 +7,7 @@ ranges, program names, device layout); every file it names is a plain name insid
 not a symlink, and of its recorded size and sha256 before it is used; HLO text is
 decompressed with a bound. Executables are code, so loading is ordered for safety: sha256 of
 every file, then platform/devices/versions, then the device order, and only then
-deserialisation through unpicklers that resolve nothing but the exact globals jax's own
-executable payload names (`ALLOWED_GLOBALS`). Every refusal is one `ArtifactError` line.
+deserialisation (`runtime.executables`). Every refusal is one `ArtifactError` line.
 """
 
 from __future__ import annotations
@@ -16,12 +15,9 @@ from __future__ import annotations
 import dataclasses
 import errno
 import hashlib
-import importlib
-import io
 import json
 import math
 import os
-import pickle
 import re
 import stat
 import zlib
@@ -62,7 +58,7 @@ class ArtifactError(InputError):
 # dataclass wants a tuple); a wrong value raises ArtifactError naming the field by its path.
 
 Check = Callable[[Any, str], Any]
-_REBUILD = "rebuild with `aot build --force`"
+REBUILD = "rebuild with `aot build --force`"
 _PLAIN_KEY = re.compile(r"[\w.:*-]{1,64}")
 _PLAIN_FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}")  # no separators, not hidden
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -535,17 +531,17 @@ def _open_file(path: Path) -> BinaryIO:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise ArtifactError(f"{path} is missing: {_REBUILD}") from None
+        raise ArtifactError(f"{path} is missing: {REBUILD}") from None
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise ArtifactError(
-                f"{path} is a symbolic link: a build's files must be its own; {_REBUILD}"
+                f"{path} is a symbolic link: a build's files must be its own; {REBUILD}"
             ) from None
-        raise ArtifactError(f"{path} is unreadable ({e.strerror}): {_REBUILD}") from None
+        raise ArtifactError(f"{path} is unreadable ({e.strerror}): {REBUILD}") from None
     f = os.fdopen(fd, "rb")
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         f.close()
-        raise ArtifactError(f"{path} is not a regular file: {_REBUILD}")
+        raise ArtifactError(f"{path} is not a regular file: {REBUILD}")
     return f
 
 
@@ -554,12 +550,12 @@ def _read_json(path: Path, limit: int) -> Any:
     with _open_file(path) as f:
         data = f.read(limit + 1)
     if len(data) > limit:
-        raise ArtifactError(f"{path} is over {limit >> 20} MiB: not a manifest; {_REBUILD}")
+        raise ArtifactError(f"{path} is over {limit >> 20} MiB: not a manifest; {REBUILD}")
     try:
         return json.loads(data.decode("utf-8"), parse_constant=_no_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-        raise ArtifactError(f"{path} is not valid JSON ({reason}): {_REBUILD}") from None
+        raise ArtifactError(f"{path} is not valid JSON ({reason}): {REBUILD}") from None
 
 
 def _no_constant(name: str) -> None:
@@ -576,7 +572,7 @@ def read_manifest(folder: str | Path) -> Manifest:
     try:
         return Manifest.from_json(raw)
     except ArtifactError as e:
-        raise ArtifactError(f"{path}: {e}; {_REBUILD}") from None
+        raise ArtifactError(f"{path}: {e}; {REBUILD}") from None
 
 
 def sha256_file(path: Path) -> str:
@@ -607,7 +603,7 @@ def _read_checked(folder: Path, entry: FileEntry, keep: bool) -> bytes:
         size = os.fstat(f.fileno()).st_size
         if size != entry.size:
             raise ArtifactError(
-                f"{path} is {size} bytes, manifest says {entry.size} (truncated?): {_REBUILD}"
+                f"{path} is {size} bytes, manifest says {entry.size} (truncated?): {REBUILD}"
             )
         while chunk := f.read(min(1 << 20, entry.size + 1 - read)):
             read += len(chunk)
@@ -615,7 +611,7 @@ def _read_checked(folder: Path, entry: FileEntry, keep: bool) -> bytes:
             if keep:
                 kept.append(chunk)
     if read != entry.size or digest.hexdigest() != entry.sha256:
-        raise ArtifactError(f"{path} fails its sha256 check: {_REBUILD}")
+        raise ArtifactError(f"{path} fails its sha256 check: {REBUILD}")
     return b"".join(kept)
 
 
@@ -645,13 +641,13 @@ def read_hlo_text(folder: Path, entry: FileEntry) -> str:
     then decompressed to at most HLO_EXPANSION x its size (and MAX_HLO_TEXT_BYTES)."""
     path = folder / entry.path
     if entry.size > MAX_HLO_TEXT_BYTES:
-        raise ArtifactError(f"{path} is over {MAX_HLO_TEXT_BYTES >> 30} GiB: {_REBUILD}")
+        raise ArtifactError(f"{path} is over {MAX_HLO_TEXT_BYTES >> 30} GiB: {REBUILD}")
     compressed = read_verified(folder, entry)
     limit = min(HLO_EXPANSION * len(compressed) + (1 << 20), MAX_HLO_TEXT_BYTES)
     try:
         return _gunzip(compressed, limit, path).decode("utf-8")
     except (zlib.error, UnicodeDecodeError) as e:
-        raise ArtifactError(f"{path} is unreadable ({e}): {_REBUILD}") from None
+        raise ArtifactError(f"{path} is unreadable ({e}): {REBUILD}") from None
 
 
 def _gunzip(compressed: bytes, limit: int, path: Path) -> bytearray:
@@ -662,177 +658,14 @@ def _gunzip(compressed: bytes, limit: int, path: Path) -> bytearray:
     while not inflater.eof:
         chunk = inflater.decompress(pending, 1 << 20)
         if not chunk and not inflater.eof:
-            raise ArtifactError(f"{path} is truncated: {_REBUILD}")
+            raise ArtifactError(f"{path} is truncated: {REBUILD}")
         out += chunk
         if len(out) > limit:
             raise ArtifactError(
                 f"{path} expands past {limit >> 20} MiB ({HLO_EXPANSION}x its size): not an "
-                f"HLO this toolkit wrote; {_REBUILD}"
+                f"HLO this toolkit wrote; {REBUILD}"
             )
         pending = inflater.unconsumed_tail
     if inflater.unused_data:
-        raise ArtifactError(f"{path} has data after its gzip stream: {_REBUILD}")
+        raise ArtifactError(f"{path} has data after its gzip stream: {REBUILD}")
     return out
-
-
-# ----------------------------------------------------------------------------------------------
-# Executables: (payload, in_tree, out_tree, device_ids) pickled; the device ids ride inside the
-# checksummed file so that a tampered or mismatched manifest order is caught before XLA sees it.
-# `payload` is jax's own pickle of the unloaded executable (jax.experimental.serialize_executable)
-# whose persistent ids carry the XLA executable's bytes, the devices (by id) and the client.
-
-# The only globals each pickle may name. A name is matched here before anything is imported or
-# looked up, then resolved as a plain attribute of its imported module: no dotted names, no
-# builtins (the containers are pickle opcodes). Derived by recording every find_class call
-# while loading real builds made with jax 0.10.2: tiny cpu-1, cpu-4 (batch 2, no CFG), cpu-8
-# (dot; blockwise with Ulysses), cpu-2x4, a bf16 two-expert model (adds ml_dtypes.bfloat16) and
-# deviceless tpu-v6e-8 builds (dot; splash) all ask for this same set. After a jax upgrade,
-# tests/test_hostile_artifacts.py::test_allowed_globals_cover_a_real_build records the globals of
-# a fresh build and names any one missing here.
-ALLOWED_GLOBALS: dict[str, frozenset[tuple[str, str]]] = {
-    "executable": frozenset({
-        ("jax._src.tree_util", "default_registry"),
-        ("jax._src.tree_util", "tracing_registry"),
-        ("jaxlib._jax.pytree", "PyTreeDef"),
-    }),
-    "payload": frozenset({
-        ("jax", "P"),
-        ("jax._src.core", "ManualAxisType"),
-        ("jax._src.core", "MemorySpace"),
-        ("jax._src.core", "ShapedArray"),
-        ("jax._src.interpreters.pxla", "AllArgsInfo"),
-        ("jax._src.interpreters.pxla", "UnloadedMeshExecutable"),
-        ("jax._src.layout", "Layout"),
-        ("jax._src.linear_util", "DebugInfo"),
-        ("jax._src.mesh", "AbstractDevice"),
-        ("jax._src.mesh", "AbstractMesh"),
-        ("jax._src.mesh", "AxisType"),
-        ("jax._src.mesh", "Mesh"),
-        ("jax._src.named_sharding", "_unpickle_named_sharding"),
-        ("jax._src.stages", "ArgInfo"),
-        ("jaxlib._jax", "DeviceList"),
-        ("ml_dtypes", "bfloat16"),
-        ("numpy", "dtype"),
-        ("numpy", "ndarray"),
-        ("numpy._core.multiarray", "_reconstruct"),
-    }),
-}  # fmt: skip
-
-
-def _allowed_global(module: Any, name: Any, pickle_kind: str) -> Any:
-    """The global (module, name) if it is in ALLOWED_GLOBALS[pickle_kind]; checked before any
-    import or attribute lookup."""
-    if (module, name) not in ALLOWED_GLOBALS[pickle_kind]:
-        raise ArtifactError(
-            f"the {pickle_kind} pickle names {repr(module)[:80]}, {repr(name)[:80]}: not an allowed "
-            f"jax/jaxlib/numpy class or function of an executable; refusing to load it; {_REBUILD}"
-        )
-    return getattr(importlib.import_module(module), name)
-
-
-class _ExecutableUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        return _allowed_global(module, name, "executable")
-
-
-def dump_executable(compiled: Any, device_ids: Sequence[int]) -> bytes:
-    from jax.experimental import serialize_executable
-
-    payload, in_tree, out_tree = serialize_executable.serialize(compiled)
-    return pickle.dumps((payload, in_tree, out_tree, list(device_ids)), protocol=5)
-
-
-def _unpickled(load: Callable[[], Any], what: str) -> Any:
-    """What `load` unpickles; any failure of a damaged pickle is an ArtifactError."""
-    try:
-        return load()
-    except ArtifactError:
-        raise
-    except Exception as e:  # pickle and jax raise anything on hostile bytes
-        reason = (str(e).splitlines() or [type(e).__name__])[0][:200]
-        raise ArtifactError(f"cannot deserialize the {what} ({reason}): {_REBUILD}") from None
-
-
-def _executable_parts(blob: bytes) -> tuple[bytes, Any, Any, list[int]]:
-    """(payload, in_tree, out_tree, device_ids) of an executable file, each of its type."""
-    from jax.tree_util import PyTreeDef
-
-    parts = _unpickled(lambda: _ExecutableUnpickler(io.BytesIO(blob)).load(), "executable")
-    if not (
-        isinstance(parts, tuple)
-        and len(parts) == 4
-        and isinstance(parts[0], bytes)
-        and isinstance(parts[1], PyTreeDef)
-        and isinstance(parts[2], PyTreeDef)
-        and isinstance(parts[3], list)
-        and all(type(i) is int for i in parts[3])
-    ):
-        raise ArtifactError(
-            "executable is not (payload, in_tree, out_tree, device_ids): refusing to load it; "
-            + _REBUILD
-        )
-    return parts
-
-
-def executable_device_ids(blob: bytes) -> list[int]:
-    return _executable_parts(blob)[3]
-
-
-def _payload_parts(payload: bytes, devices: Sequence[Any]) -> tuple[Any, list[Any], bool]:
-    """(unloaded executable, flat argument infos, no_kwargs) of jax's payload, unpickled onto
-    `devices` with only the payload's allowed globals and jax's three persistent ids."""
-    from jax._src.interpreters.pxla import UnloadedMeshExecutable
-    from jax._src.stages import ArgInfo
-    from jax.experimental import serialize_executable
-
-    class PayloadUnpickler(serialize_executable._JaxPjrtUnpickler):
-        def find_class(self, module: str, name: str) -> Any:
-            return _allowed_global(module, name, "payload")
-
-        def persistent_load(self, pid: Any) -> Any:
-            match pid:
-                case ("exec", bytes()) | ("client",):
-                    return super().persistent_load(pid)
-                case ("device", int() as i) if i in self.devices_by_id and type(i) is int:
-                    return super().persistent_load(pid)
-            raise ArtifactError(
-                f"the payload pickle names the persistent id {repr(pid)[:80]}, not jax's exec, "
-                f"device of this job or client: refusing to load it; {_REBUILD}"
-            )
-
-    parts = _unpickled(
-        lambda: PayloadUnpickler(io.BytesIO(payload), devices[0].client, devices).load(),
-        "executable's payload",
-    )
-    if not (
-        isinstance(parts, tuple)
-        and len(parts) == 3
-        and type(parts[0]) is UnloadedMeshExecutable
-        and isinstance(parts[1], list)
-        and all(type(a) is ArgInfo for a in parts[1])
-        and isinstance(parts[2], bool)
-    ):
-        raise ArtifactError(
-            "executable's payload is not jax's (executable, argument infos, no_kwargs): "
-            f"refusing to load it; {_REBUILD}"
-        )
-    return parts
-
-
-def load_executable(blob: bytes, devices: Sequence[Any]) -> Any:
-    """Deserialize onto `devices` (in the recorded mesh order) with the allow-listed
-    unpicklers; ArtifactError for anything but a sound executable for these devices."""
-    import jax
-
-    payload, in_tree, out_tree, device_ids = _executable_parts(blob)
-    if [d.id for d in devices] != device_ids:
-        raise ArtifactError(
-            f"devices {[d.id for d in devices]} are not in the executable's order {device_ids}"
-        )
-    unloaded, args_info_flat, no_kwargs = _payload_parts(payload, devices)
-
-    def load() -> Any:
-        args_info = in_tree.unflatten(args_info_flat)
-        return jax.stages.Compiled(unloaded.load(), [], args_info, out_tree, no_kwargs=no_kwargs)
-
-    return _unpickled(load, "executable")

@@ -16,12 +16,11 @@ from runtime.artifact import (
     MANIFEST,
     ArtifactError,
     Manifest,
-    executable_device_ids,
-    load_executable,
     read_manifest,
     read_verified,
     verify_files,
 )
+from runtime.executables import executable_device_ids, load_executable
 from wan.configs import VideoShape
 from wan.interface import PIPELINES, SIGNATURES
 

@@ -26,18 +26,17 @@ from jax.experimental import serialize_executable
 
 from aot import check, report
 from runtime.artifact import (
-    ALLOWED_GLOBALS,
     MANIFEST,
     ArtifactError,
     FileEntry,
     Manifest,
-    load_executable,
     read_hlo_text,
     read_manifest,
     sha256_file,
     verify_file,
     verify_files,
 )
+from runtime.executables import ALLOWED_GLOBALS, load_executable
 from runtime.loader import Present, Request, match_build, passed_over
 from wan.configs import VideoShape
 
@@ -225,7 +224,7 @@ def test_gadget_in_a_build_is_refused_by_runtime_run(build_copy, tiny_weights, t
 def test_allowed_globals_cover_a_real_build(tiny_build):
     """Record every global the tiny build's executables name (outer pickle and jax's payload)
     with unrestricted unpicklers (our own fresh build: trusted here). When a jax upgrade needs
-    another global, this fails naming it: add it to runtime.artifact.ALLOWED_GLOBALS."""
+    another global, this fails naming it: add it to runtime.executables.ALLOWED_GLOBALS."""
     asked: dict[str, set[tuple[str, str]]] = {"executable": set(), "payload": set()}
 
     class Outer(pickle.Unpickler):
@@ -247,7 +246,7 @@ def test_allowed_globals_cover_a_real_build(tiny_build):
         missing = sorted(names - ALLOWED_GLOBALS[kind])
         assert not missing, (
             f"jax's executables now name {missing} in the {kind} pickle: review each and add it "
-            f'to runtime.artifact.ALLOWED_GLOBALS["{kind}"]'
+            f'to runtime.executables.ALLOWED_GLOBALS["{kind}"]'
         )
     assert asked["payload"], "the recording saw no globals: the test no longer records"
 
