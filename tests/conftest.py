@@ -126,3 +126,21 @@ def compile_program(*args, **kwargs):
     from aot.lower import lower_program
 
     return lower_program(*args, **kwargs).compile()
+
+
+def deviceless_tpu_devices(monkeypatch, target) -> list:
+    """`aot.targets.devices(target)` for a TPU target, with libtpu's deviceless settings as
+    `prepare_environment` makes them (skipped only where libtpu is not installed)."""
+    from aot import targets
+
+    pytest.importorskip("libtpu", reason="needs the tpu extra")
+    for key, value in dict(
+        TPU_SKIP_MDS_QUERY="1",
+        TPU_ACCELERATOR_TYPE=f"{target.generation}-8",
+        TPU_WORKER_HOSTNAMES="localhost",
+        ALLOW_MULTIPLE_LIBTPU_LOAD="1",  # pytest -n 2: another worker may have libtpu loaded
+        TPU_MIN_LOG_LEVEL="3",
+        TPU_STDERR_LOG_LEVEL="3",
+    ).items():
+        monkeypatch.setenv(key, value)
+    return targets.devices(target)

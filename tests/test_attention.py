@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import deviceless_tpu_devices
 
 from wan import sharding
 from wan.attention import (
@@ -159,18 +160,8 @@ def test_splash_blocks_fit_each_generations_vmem(generation, monkeypatch):
     the kernel's scratch fits its scoped VMEM."""
     from aot import targets
 
-    pytest.importorskip("libtpu", reason="needs the tpu extra")
     target = targets.parse_target(_generation_targets()[generation])
-    for key, value in dict(
-        TPU_SKIP_MDS_QUERY="1",
-        TPU_ACCELERATOR_TYPE=f"{generation}-8",
-        TPU_WORKER_HOSTNAMES="localhost",
-        ALLOW_MULTIPLE_LIBTPU_LOAD="1",  # pytest -n 2: another worker may have libtpu loaded
-        TPU_MIN_LOG_LEVEL="3",
-        TPU_STDERR_LOG_LEVEL="3",
-    ).items():
-        monkeypatch.setenv(key, value)
-    device = targets.devices(target)[0]
+    device = deviceless_tpu_devices(monkeypatch, target)[0]
     blocks = SplashBlocks(*targets.SPLASH_BLOCKS[generation])
     on_chip = jax.sharding.SingleDeviceSharding(device)
     q = jax.ShapeDtypeStruct((2, 2 * blocks.q, 2, 128), jnp.bfloat16, sharding=on_chip)

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import compile_program
+from conftest import compile_program, deviceless_tpu_devices
 
 from aot import hlo, targets, vae_gathers
 from wan import axes, interface, programs, schedulers, sharding
@@ -67,20 +67,8 @@ def pyramid(latent: int, config: VAEConfig) -> list[int]:
 @pytest.fixture(scope="module")
 def tpu_devices():
     """The 8 devices of a deviceless v6e:2x4 slice (libtpu's topology description)."""
-    pytest.importorskip("libtpu", reason="needs the tpu extra")
-    target = targets.parse_target("tpu-v6e-8")
-    settings = dict(
-        TPU_SKIP_MDS_QUERY="1",
-        TPU_ACCELERATOR_TYPE="v6e-8",
-        # pytest -n 2: another worker may have libtpu loaded already.
-        ALLOW_MULTIPLE_LIBTPU_LOAD="1",
-        TPU_MIN_LOG_LEVEL="3",
-        TPU_STDERR_LOG_LEVEL="3",
-    )
     with pytest.MonkeyPatch.context() as mp:
-        for key, value in settings.items():
-            mp.setenv(key, value)
-        return targets.devices(target)
+        return deviceless_tpu_devices(mp, targets.parse_target("tpu-v6e-8"))
 
 
 # ----------------------------------------------------------------------------------------------

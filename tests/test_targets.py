@@ -8,6 +8,7 @@ import dataclasses
 import math
 
 import pytest
+from conftest import deviceless_tpu_devices
 
 from aot import targets
 
@@ -18,20 +19,7 @@ GiB = 1 << 30
 def deviceless(monkeypatch):
     """`targets.devices` for one generation at a time, as prepare_environment sets it up."""
     pytest.importorskip("libtpu", reason="needs the tpu extra")
-
-    def query(target: targets.Target) -> list:
-        for key, value in dict(
-            TPU_SKIP_MDS_QUERY="1",
-            TPU_ACCELERATOR_TYPE=f"{target.generation}-8",
-            TPU_WORKER_HOSTNAMES="localhost",
-            ALLOW_MULTIPLE_LIBTPU_LOAD="1",  # pytest -n 2: another worker may have libtpu loaded
-            TPU_MIN_LOG_LEVEL="3",
-            TPU_STDERR_LOG_LEVEL="3",
-        ).items():
-            monkeypatch.setenv(key, value)
-        return targets.devices(target)
-
-    return query
+    return lambda target: deviceless_tpu_devices(monkeypatch, target)
 
 
 @pytest.mark.parametrize("generation", sorted(targets.GENERATIONS))

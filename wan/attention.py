@@ -183,7 +183,6 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     return jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
 
 
-KERNELS = ("dot", "blockwise", "splash", "cudnn")
 CONTEXT_PARALLEL = ("gather", "ulysses")
 # Kernels XLA's SPMD partitioner can split by itself; the others run inside shard_map.
 PARTITIONABLE = ("dot", "blockwise")

@@ -436,9 +436,3 @@ def denormalize_latents(latents: jax.Array, cfg: VAEConfig) -> jax.Array:
     """Diffusion latents -> raw VAE latents (channels-last): latents / (1/std) + mean."""
     mean, inv_std = _stats(cfg)
     return (latents.astype(jnp.float32) / inv_std + mean).astype(latents.dtype)
-
-
-def normalize_latents(z: jax.Array, cfg: VAEConfig) -> jax.Array:
-    """Raw VAE latents -> diffusion latents: (z - mean) * (1/std)."""
-    mean, inv_std = _stats(cfg)
-    return ((z.astype(jnp.float32) - mean) * inv_std).astype(z.dtype)
