@@ -22,6 +22,7 @@ from runtime.artifact import (
     ArtifactError,
     Manifest,
     ProgramEntry,
+    listed_files,
     read_manifest,
     verify_files,
 )
@@ -149,17 +150,17 @@ def check_replaceable(folder: Path) -> None:
 
 
 def build_files(folder: Path) -> list[str]:
-    """The files of build folder `folder` when aot build wrote it: a manifest that reads and
-    nothing but the files it lists; else an error that says what to move away."""
+    """The files of build folder `folder` when aot build wrote it (this version or an older one):
+    a manifest that reads and nothing but the files it lists; else an error that says what to
+    move away."""
     try:
-        manifest = read_manifest(folder)
+        files = listed_files(folder)
     except ArtifactError:
         raise BuildError(
             f"{folder} exists but is not a build (no readable {MANIFEST}): move it away, or "
             "choose another --out"
         ) from None
-    files = (f.path for p in manifest.programs.values() for f in (p.executable, p.hlo))
-    return owned_files(folder, {MANIFEST, *(f for f in files if isinstance(f, str))})
+    return owned_files(folder, {MANIFEST, *files})
 
 
 def _compile_all(

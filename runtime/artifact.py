@@ -545,6 +545,17 @@ def _open_file(path: Path) -> BinaryIO:
     return f
 
 
+def listed_files(folder: Path) -> list[str]:
+    """The plain file names the manifest in `folder` lists for its programs, whatever its schema
+    (a build an older aot made is still aot's to replace); ArtifactError if it does not read."""
+    raw = _read_json(Path(folder) / MANIFEST, MAX_MANIFEST_BYTES)
+    programs = raw.get("programs") if isinstance(raw, dict) else None
+    entries = programs.values() if isinstance(programs, dict) else []
+    files = (e.get(kind) for e in entries if isinstance(e, dict) for kind in ("executable", "hlo"))
+    names = (f.get("path") for f in files if isinstance(f, dict))
+    return [n for n in names if isinstance(n, str) and _PLAIN_FILE_NAME.fullmatch(n)]
+
+
 def _read_json(path: Path, limit: int) -> Any:
     """The JSON value in the file `path` of at most `limit` bytes (NaN and Infinity refused)."""
     with _open_file(path) as f:

@@ -96,6 +96,20 @@ def test_a_users_file_in_a_build_folder_is_never_removed(artifacts):
     assert temporaries_under(artifacts) == []
 
 
+def test_a_build_an_older_aot_made_is_replaced_but_not_a_users_file(artifacts):
+    """A build folder whose manifest an older aot wrote (another schema) is still aot's: it is
+    rebuilt in place; with a user's file in it, it is refused like any other."""
+    build = the_build(artifacts)
+    manifest = json.loads((build / "manifest.json").read_text())
+    (build / "manifest.json").write_text(json.dumps({**manifest, "schema_version": 2}))
+    (build / "notes.txt").write_text("mine")
+    assert_one_line_error(aot("build", *TINY, "--out", str(artifacts)), "notes.txt", "move it")
+    (build / "notes.txt").unlink()
+    result = aot("build", *TINY, "--out", str(artifacts))
+    assert result.returncode == 0 and "1 built" in result.stdout, result.stderr
+    assert read_manifest(build).schema_version != 2
+
+
 @pytest.mark.parametrize("force", [[], ["--force"]])
 def test_a_folder_without_a_manifest_is_not_replaced(tmp_path, template, force):
     """A folder with a build's name that aot did not write (no manifest) is refused before
