@@ -16,6 +16,7 @@ from pathlib import Path
 import click
 
 from aot import targets
+from runtime.build_options import OPTIONS
 from runtime.cli_args import CliError, OneLineErrors, os_error_text, parse_resolution
 
 POLICY_OPTION = click.option(
@@ -56,47 +57,6 @@ _MATRIX = [
         ),
     ),
     click.option(
-        "--mesh",
-        "mesh_text",
-        default=None,
-        help="data=..,fsdp=..,context=..,tensor=.. (default: per target and batch).",
-    ),
-    click.option(
-        "--vae-spatial",
-        default="auto",
-        show_default=True,
-        help="auto or N (must divide the device count).",
-    ),
-    click.option(
-        "--attention",
-        default="auto",
-        show_default=True,
-        help=(
-            "auto, dot, blockwise[:<q>:<kv>], splash[:<q>:<kv>:<kv_compute>] (TPU) or cudnn (GPU). "
-            "auto: dot up to 8192 tokens, else splash on TPU, cudnn on GPU, blockwise on CPU."
-        ),
-    ),
-    click.option(
-        "--context-parallel",
-        type=click.Choice(["auto", "gather", "ulysses"]),
-        default="auto",
-        show_default=True,
-        help=(
-            "How sequence-sharded self-attention meets its keys: gather them, or all-to-all to "
-            "head sharding (ulysses). auto: ulysses when the heads divide over the sequence shards."
-        ),
-    ),
-    click.option(
-        "--vae-vmem",
-        default="auto",
-        show_default=True,
-        help=(
-            "MiB of scoped VMEM the VAE decode is compiled for (TPU): auto "
-            f"({targets.VAE_VMEM_MIB}: compiles several times faster than the compiler's default), "
-            "N, or default (the compiler's own)."
-        ),
-    ),
-    click.option(
         "--no-cfg",
         is_flag=True,
         help="Build without classifier-free guidance (the step runs B, not 2B).",
@@ -104,9 +64,23 @@ _MATRIX = [
 ]
 
 
+# The build options, made from their one declaration (runtime.build_options).
+_BUILD_OPTIONS = [
+    click.option(
+        option.flag,
+        option.name,
+        default=option.default,
+        show_default=True,
+        type=click.Choice(option.choices) if option.choices else str,
+        help=option.help.format(vae_vmem_mib=targets.VAE_VMEM_MIB),
+    )
+    for option in OPTIONS
+]
+
+
 def _matrix_options(command: Callable) -> Callable:
     """The options that describe a build matrix, shared by `aot build` and `aot plan`."""
-    for option in reversed(_MATRIX):
+    for option in reversed(_MATRIX + _BUILD_OPTIONS):
         command = option(command)
     return command
 
@@ -187,17 +161,13 @@ def build_cmd(out, force, strict, policy_path, as_json, jobs, **matrix) -> None:
             raise click.exceptions.Exit(1)
 
 
-def _plans(
-    model, resolutions, frames_list, batches, target, mesh_text, vae_spatial, attention,
-    context_parallel, vae_vmem, no_cfg,
-) -> list:  # fmt: skip
+def _plans(model, resolutions, frames_list, batches, target, no_cfg, **options) -> list:
     """The BuildPlans of a matrix, in --res, --frames, --batch order; bad input is a CliError."""
     from aot import plan as planner
     from aot.local_job import local_job
     from runtime.processes import JobError
     from wan.configs import VideoShape
     from wan.presets import resolve_model
-    from wan.sharding import MeshShape
 
     try:
         name = Path(model).name if Path(model).is_dir() else model
@@ -213,22 +183,14 @@ def _plans(
         # Checked before any device starts: a mistyped size never reaches jax.
         for shape in shapes:
             planner.check_shape(config, shape)
-        mesh = MeshShape.parse(mesh_text) if mesh_text else None
-        if vae_spatial != "auto" and not (vae_spatial.isdigit() and len(vae_spatial) <= 6):
-            raise ValueError(f"--vae-spatial {vae_spatial}: use auto or a positive integer")
-        spatial = None if vae_spatial == "auto" else int(vae_spatial)
-        vmem = planner.parse_vae_vmem(vae_vmem)
+        requested = planner.resolve_options(options)
         # cpu-PxN: this process joins a local multi-process job until the command is done.
         click.get_current_context().with_resource(local_job(tgt))
         num_devices = len(targets.devices(tgt))
         return [
-            planner.plan_build(
-                name, config, shape, tgt, num_devices, mesh, spatial,
-                None if attention == "auto" else attention,
-                None if context_parallel == "auto" else context_parallel, vmem,
-            )
+            planner.plan_build(name, config, shape, tgt, num_devices, **requested)
             for shape in shapes
-        ]  # fmt: skip
+        ]
     except (ValueError, OSError, targets.TargetError, JobError, planner.BuildError) as e:
         raise CliError(str(e)) from None
 
@@ -255,16 +217,13 @@ def plan_cmd(out, as_json, **matrix) -> None:
 
 
 def _plan_entry(plan, model: str, out: Path) -> dict:
-    """One build of a plan: its key, folder name and the command that makes it (every default
+    """One build of a plan: its key, folder name and the command that makes it (every option
     resolved, so the worker builds this key whatever its own defaults)."""
     key = plan.key
     args = [
         "aot", "build", "--model", model, "--res", f"{key.width}x{key.height}",
         "--frames", str(key.frames), "--batch", str(key.batch), "--target", key.target,
-        "--mesh", ",".join(f"{a}={n}" for a, n in key.mesh),
-        "--vae-spatial", str(key.vae_mesh[1]), "--attention", key.attention,
-        "--context-parallel", key.context_parallel, *([] if key.cfg else ["--no-cfg"]),
-        *(["--vae-vmem", str(key.vae_vmem_mib or "default")] if key.target.startswith("tpu") else []),
+        *([] if key.cfg else ["--no-cfg"]), *(arg for o in OPTIONS for arg in o.argv(key)),
         "--out", str(out),
     ]  # fmt: skip
     return {"key": key.to_json(), "folder": key.folder_name(), "command": shlex.join(args)}

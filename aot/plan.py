@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -210,6 +211,36 @@ def parse_vae_vmem(text: str) -> int | None:
     if not (text.isdigit() and len(text) <= 6):
         raise BuildError(f"--vae-vmem {text}: use auto, default or a number of MiB")
     return int(text)
+
+
+def parse_vae_spatial(text: str) -> int | None:
+    """`--vae-spatial` as plan_build takes it: auto -> None, N -> N."""
+    if text == "auto":
+        return None
+    if not (text.isdigit() and len(text) <= 6):
+        raise BuildError(f"--vae-spatial {text}: use auto or a positive integer")
+    return int(text)
+
+
+def _auto_or(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    return lambda text: None if text == "auto" else parse(text)
+
+
+# How each build option's flag text (runtime.build_options.OPTIONS, by name) becomes the
+# plan_build argument of that name: None (auto) leaves the choice to plan_build.
+RESOLVERS: dict[str, Callable[[str], Any]] = {
+    "mesh": _auto_or(sharding.MeshShape.parse),
+    "vae_spatial": parse_vae_spatial,
+    "attention": _auto_or(str),
+    "context_parallel": _auto_or(str),
+    "vae_vmem_mib": parse_vae_vmem,
+    "pipeline": str,
+}
+
+
+def resolve_options(texts: dict[str, str]) -> dict[str, Any]:
+    """plan_build's keyword arguments from the build options' flag texts, by name."""
+    return {name: RESOLVERS[name](text) for name, text in texts.items()}
 
 
 def choose_vae_vmem(requested: int | None, target: Target) -> int | None:

@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from runtime.build_options import OPTIONS
 from wan.configs import VideoShape
 from wan.errors import InputError
 from wan.interface import DEFAULT_PIPELINE, PIPELINES, SIGNATURES
@@ -255,18 +256,11 @@ class BuildKey:
         return VideoShape(self.width, self.height, self.frames, self.batch, self.cfg)
 
     def folder_name(self) -> str:
-        mesh = "-".join(f"{name[0]}{size}" for name, size in self.mesh)
-        vae = f"vae{self.vae_mesh[0]}x{self.vae_mesh[1]}{self.vae_axis[0]}"
+        """The shape and target, then each build option's token (runtime.build_options)."""
         cfg = "" if self.cfg else "_nocfg"
-        attention = self.attention.replace(":", "-")
-        ulysses = "_ulysses" if self.context_parallel == "ulysses" else ""
-        vmem = f"_vmem{self.vae_vmem_mib}" if self.vae_vmem_mib else ""
-        pipeline = "" if self.pipeline == DEFAULT_PIPELINE else f"_{self.pipeline}"
-        return (
-            f"{self.model}_{self.width}x{self.height}_f{self.frames}_b{self.batch}{cfg}"
-            f"_{self.target.replace('/', '-host')}_{mesh}_{vae}_{attention}{ulysses}{vmem}"
-            f"{pipeline}"
-        )
+        head = f"{self.model}_{self.width}x{self.height}_f{self.frames}_b{self.batch}{cfg}"
+        target = self.target.replace("/", "-host")
+        return f"{head}_{target}" + "".join(option.token(self) for option in OPTIONS)
 
     def to_json(self) -> dict[str, Any]:
         raw = dataclasses.asdict(self)

@@ -1,0 +1,76 @@
+"""The options of a build that its key records, each declared once: the `aot build` / `aot plan`
+flag (its help and default), its part of the build folder's name, and the flag that asks for
+exactly a key's value (`aot plan`'s commands). No jax and no aot here: the runtime names builds
+with it, `aot.cli` makes its click options from it, and `aot.plan.RESOLVERS` turns each flag's
+text into what `plan_build` takes, by the same name."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from wan.interface import DEFAULT_PIPELINE, PIPELINES
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildOption:
+    name: str  # the plan_build parameter it sets, and its resolver in aot.plan.RESOLVERS
+    flag: str
+    help: str  # may name {vae_vmem_mib} (aot.targets.VAE_VMEM_MIB), filled in by aot.cli
+    token: Callable[[Any], str]  # build key -> its part of the folder name ("": left out)
+    argv: Callable[[Any], list[str]]  # build key -> the flag and value asking for exactly it
+    default: str = "auto"
+    choices: tuple[str, ...] | None = None
+
+
+def _mesh_text(key: Any, separator: str) -> str:
+    return separator.join(f"{axis}={size}" for axis, size in key.mesh)
+
+
+OPTIONS: tuple[BuildOption, ...] = (
+    BuildOption(
+        "mesh", "--mesh",
+        "data=..,fsdp=..,context=..,tensor=.. (auto: per target and batch).",
+        token=lambda k: "_" + "-".join(f"{axis[0]}{size}" for axis, size in k.mesh),
+        argv=lambda k: ["--mesh", _mesh_text(k, ",")],
+    ),
+    BuildOption(
+        "vae_spatial", "--vae-spatial", "auto or N (must divide the device count).",
+        token=lambda k: f"_vae{k.vae_mesh[0]}x{k.vae_mesh[1]}{k.vae_axis[0]}",
+        argv=lambda k: ["--vae-spatial", str(k.vae_mesh[1])],
+    ),
+    BuildOption(
+        "attention", "--attention",
+        "auto, dot, blockwise[:<q>:<kv>], splash[:<q>:<kv>:<kv_compute>] (TPU) or cudnn (GPU). "
+        "auto: dot up to 8192 tokens, else splash on TPU, cudnn on GPU, blockwise on CPU.",
+        token=lambda k: "_" + k.attention.replace(":", "-"),
+        argv=lambda k: ["--attention", k.attention],
+    ),
+    BuildOption(
+        "context_parallel", "--context-parallel",
+        "How sequence-sharded self-attention meets its keys: gather them, or all-to-all to head "
+        "sharding (ulysses). auto: ulysses when the heads divide over the sequence shards.",
+        token=lambda k: "_ulysses" if k.context_parallel == "ulysses" else "",
+        argv=lambda k: ["--context-parallel", k.context_parallel],
+        choices=("auto", "gather", "ulysses"),
+    ),
+    BuildOption(
+        "vae_vmem_mib", "--vae-vmem",
+        "MiB of scoped VMEM the VAE decode is compiled for (TPU): auto ({vae_vmem_mib}: "
+        "compiles several times faster than the compiler's default), N, or default (the "
+        "compiler's own).",
+        token=lambda k: f"_vmem{k.vae_vmem_mib}" if k.vae_vmem_mib else "",
+        argv=lambda k: (
+            ["--vae-vmem", str(k.vae_vmem_mib or "default")] if k.target.startswith("tpu") else []
+        ),
+    ),
+    BuildOption(
+        "pipeline", "--pipeline",
+        "The programs the build holds (wan.interface.PIPELINES): t2v, text to video.",
+        token=lambda k: "" if k.pipeline == DEFAULT_PIPELINE else f"_{k.pipeline}",
+        argv=lambda k: ["--pipeline", k.pipeline],
+        default=DEFAULT_PIPELINE,
+        choices=tuple(PIPELINES),
+    ),
+)  # fmt: skip
