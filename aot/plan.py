@@ -59,12 +59,12 @@ def plan_build(
     shape: VideoShape,
     target: Target,
     num_devices: int,
+    *,
     mesh: sharding.MeshShape | None = None,
     vae_spatial: int | None = None,
     attention: str | None = None,
     context_parallel: str | None = None,
     vae_vmem_mib: int | None = None,
-    *,
     pipeline: str = DEFAULT_PIPELINE,
 ) -> BuildPlan:
     """Validate a request and resolve its defaults (mesh, VAE mesh and axis, attention, context

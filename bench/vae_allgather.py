@@ -84,7 +84,7 @@ def compile_decode(
     shape = VideoShape(width, height, 4 * (latent_frames - 1) + 1, batch=1)
     devices = targets.devices(target)
     plan = planner.plan_build(
-        preset, PRESETS[preset], shape, target, len(devices), None, vae_spatial
+        preset, PRESETS[preset], shape, target, len(devices), vae_spatial=vae_spatial
     )
     (lowered,) = lower.lower_plan(plan, only={"vae_decode"})
     layout = plan.sharding_plan

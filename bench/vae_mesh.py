@@ -54,7 +54,7 @@ def main() -> None:
     for batch in args.batches:
         shape = VideoShape(width, height, args.frames, batch)
         for spatial in [1 if m == "N,1" else n for m in args.meshes]:
-            plan = planner.plan_build(args.model, config, shape, target, n, None, spatial)
+            plan = planner.plan_build(args.model, config, shape, target, n, vae_spatial=spatial)
             layout, vae_mesh = plan.sharding_plan.vae_layout, plan.sharding_plan.vae_mesh
             (lowered,) = lower.lower_plan(plan, only={"vae_decode"})
             with progress.RssSampler() as rss:

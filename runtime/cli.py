@@ -187,8 +187,10 @@ def run_cmd(
         noise = read_init_noise(init_noise, latent_shape(manifest)) if init_noise else None
         pipe = Pipeline.from_build(folder, manifest, weights, config, loras, loras_2)
         with _step_bar(steps) as on_step:
-            videos, report = pipe.generate(prompt, negative_prompt, steps, guidance, guidance_2,
-                                           seed, noise, on_step, sampler=sampler, shift=shift)  # fmt: skip
+            videos, report = pipe.generate(
+                prompt, negative_prompt, steps=steps, guidance=guidance, guidance_2=guidance_2,
+                seed=seed, init_noise=noise, on_step=on_step, sampler=sampler, shift=shift,
+            )  # fmt: skip
     except (ArtifactError, lora.LoraError, WeightError, TokenizerError, ValueError, OSError) as e:
         raise CliError(str(e)) from None
     import jax

@@ -242,6 +242,7 @@ class Pipeline:
         self,
         prompt: str | list[str],
         negative_prompt: str | list[str] = "",
+        *,
         steps: int = 50,
         guidance: float = 5.0,
         guidance_2: float | None = None,

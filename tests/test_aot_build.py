@@ -328,10 +328,10 @@ def test_attention_the_target_cannot_run_is_refused():
         )
     # 2 heads over context=4: Ulysses cannot split them; auto gathers.
     mesh = sharding.MeshShape(data=2, context=4)
-    plan = plan_build("tiny", PRESETS["tiny"], shape, cpu8, 8, mesh)
+    plan = plan_build("tiny", PRESETS["tiny"], shape, cpu8, 8, mesh=mesh)
     assert plan.key.context_parallel == "gather"
     with pytest.raises(BuildError, match="2 heads per device do not divide over 4 sequence shards"):
-        plan_build("tiny", PRESETS["tiny"], shape, cpu8, 8, mesh, context_parallel="ulysses")
+        plan_build("tiny", PRESETS["tiny"], shape, cpu8, 8, mesh=mesh, context_parallel="ulysses")
 
 
 def test_vae_vmem_is_part_of_the_build_and_the_program():
@@ -380,7 +380,7 @@ def test_replicated_weights_are_reported(tiny_build):
         total = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in weights)
         assert p.replicated_param_bytes == total and (total > 0) == (name != "latents_handoff")
     shape, cpu8 = VideoShape(64, 96, 9, 1), parse_target("cpu-8")
-    plan = plan_build("tiny", PRESETS["tiny"], shape, cpu8, 8, sharding.MeshShape(fsdp=8))
+    plan = plan_build("tiny", PRESETS["tiny"], shape, cpu8, 8, mesh=sharding.MeshShape(fsdp=8))
     (lowered,) = lower_plan(plan, only={"denoise_step"})
     compiled = lowered.compile()
     replicated = replicated_param_bytes("denoise_step", compiled)

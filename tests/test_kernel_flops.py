@@ -33,7 +33,9 @@ def by_hand(batch_rows: int, tokens: int, shards: int) -> float:
 
 def tiny_plan(mesh: sharding.MeshShape, attention: str, batch: int = 1):
     shape = VideoShape(192, 320, 9, batch)
-    return plan_build("tiny", TINY, shape, parse_target("tpu-v6e-8"), 8, mesh, attention=attention)
+    return plan_build(
+        "tiny", TINY, shape, parse_target("tpu-v6e-8"), 8, mesh=mesh, attention=attention
+    )
 
 
 @pytest.mark.parametrize(
