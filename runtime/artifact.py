@@ -447,11 +447,7 @@ class Manifest:
                 f"manifest schema {repr(version)[:20]} is not {SCHEMA_VERSION} (made by another "
                 "version of aot)"
             )
-        fields = _fields(raw, "", _MANIFEST_FIELDS, _MANIFEST_DEFAULTS)
-        # Manifests older than the field: every process held an equal share of the devices.
-        if fields["local_device_count"] is None:
-            share = len(fields["device_ids"]) // fields["process_count"]
-            fields["local_device_count"] = _LOCAL_DEVICES(share, "local_device_count")
+        fields = _fields(raw, "", _MANIFEST_FIELDS, {})
         _check_device_layout(fields)
         _check_pipeline(fields)
         return cls(**fields)
@@ -473,7 +469,7 @@ _MANIFEST_FIELDS: dict[str, Check] = {
     "device_kind": _string,
     "device_ids": _list_of(_DEVICE_ID),
     "process_count": _integer(1, MAX_PROCESSES),
-    "local_device_count": _optional(_LOCAL_DEVICES),
+    "local_device_count": _LOCAL_DEVICES,
     "mesh_axes": _dict_of(_POSITIVE),
     "default_mesh": _boolean,
     "vae_mesh_axes": _dict_of(_POSITIVE),
@@ -482,13 +478,6 @@ _MANIFEST_FIELDS: dict[str, Check] = {
     "ulysses_all_to_alls": _BYTES,
     "notes": _list_of(_string),
     "programs": _programs,
-}
-# Fields added after schema 2 began (None: worked out from the others).
-_MANIFEST_DEFAULTS = {
-    "local_device_count": None,
-    "default_mesh": False,
-    "peak_flops": None,
-    "ulysses_all_to_alls": 0,
 }
 
 
