@@ -16,18 +16,16 @@ import dataclasses
 import errno
 import hashlib
 import json
-import math
 import os
-import re
 import stat
 import zlib
-from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from runtime import json_checks as jc
 from runtime.build_options import OPTIONS
+from runtime.json_checks import MAX_DIM, REBUILD, ArtifactError, Check
 from wan.configs import VideoShape
-from wan.errors import InputError
 from wan.interface import DEFAULT_PIPELINE, PIPELINES, SIGNATURES
 
 SCHEMA_VERSION = 3  # 2: program inputs and outputs by name; 3: a pipeline variant of programs
@@ -40,196 +38,10 @@ MAX_FILE_BYTES = 4 << 30  # one executable or HLO file (real 14B executables: te
 MAX_PROCESSES = 4096  # hosts of a job (the largest TPU slices have a few thousand)
 MAX_LOCAL_DEVICES = 1024  # devices of one process (TPU hosts have 4 or 8; jax takes ~10 s to
 # start 4096 host CPU devices)
-MAX_DIM = (1 << 31) - 1  # one dimension of an array, a video or a mesh
-MAX_BYTES = (1 << 63) - 1  # byte counts (memory, traffic)
-MAX_STRING = 4096  # characters of one string field
-MAX_CONFIG_DEPTH = 16  # nesting of the recorded model config
 # Decompressed HLO text: HLO text compresses 6-16x in real builds (tiny to 14B), a gzip bomb
 # ~1000x, so at most 64x the compressed file, and never over 1 GiB.
 HLO_EXPANSION = 64
 MAX_HLO_TEXT_BYTES = 1 << 30
-
-
-class ArtifactError(InputError):
-    """An artifact cannot be used here; the message says why and what to do."""
-
-
-# ----------------------------------------------------------------------------------------------
-# Strict JSON fields: each check takes (value, where) and returns the value (converted where the
-# dataclass wants a tuple); a wrong value raises ArtifactError naming the field by its path.
-
-Check = Callable[[Any, str], Any]
-REBUILD = "rebuild with `aot build --force`"
-_PLAIN_KEY = re.compile(r"[\w.:*-]{1,64}")
-_PLAIN_FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}")  # no separators, not hidden
-_SHA256 = re.compile(r"[0-9a-f]{64}")
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-
-
-def _at(where: str, key: Any) -> str:
-    """The path of `key` in the object at `where`, printable on one line."""
-    name = key if isinstance(key, str) and _PLAIN_KEY.fullmatch(key) else repr(key)[:40]
-    return f"{where}.{name}" if where else name
-
-
-def _malformed(where: str, what: str) -> ArtifactError:
-    return ArtifactError(f"`{where}` {what}" if where else f"the manifest {what}")
-
-
-def _string(value: Any, where: str) -> str:
-    if not isinstance(value, str) or len(value) > MAX_STRING or _CONTROL.search(value):
-        raise _malformed(where, f"must be a one-line string of at most {MAX_STRING} characters")
-    return value
-
-
-def _boolean(value: Any, where: str) -> bool:
-    if not isinstance(value, bool):
-        raise _malformed(where, "must be true or false")
-    return value
-
-
-def _integer(low: int, high: int) -> Check:
-    def check(value: Any, where: str) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            raise _malformed(where, f"must be an integer in [{low}, {high}]")
-        return value
-
-    return check
-
-
-_BYTES = _integer(0, MAX_BYTES)
-_POSITIVE = _integer(1, MAX_DIM)
-
-
-def _number(value: Any, where: str) -> float | int:
-    """A finite non-negative number (seconds, FLOPs, FLOP/s)."""
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_BYTES:
-        return value
-    if isinstance(value, float) and math.isfinite(value) and value >= 0:
-        return value
-    raise _malformed(where, "must be a finite non-negative number")
-
-
-def _optional(check: Check) -> Check:
-    return lambda value, where: None if value is None else check(value, where)
-
-
-def _key_of(registry: Mapping[str, Any]) -> Check:
-    """A name registered in `registry` when the value is checked (registries may grow)."""
-
-    def check(value: Any, where: str) -> str:
-        if not isinstance(value, str) or value not in registry:
-            raise _malformed(where, f"must be one of {', '.join(registry)}")
-        return value
-
-    return check
-
-
-def _one_of(*choices: str) -> Check:
-    def check(value: Any, where: str) -> str:
-        if value not in choices or not isinstance(value, str):
-            raise _malformed(where, f"must be one of {', '.join(choices)}")
-        return value
-
-    return check
-
-
-def _matching(pattern: re.Pattern[str], what: str) -> Check:
-    def check(value: Any, where: str) -> str:
-        if not isinstance(value, str) or not pattern.fullmatch(value):
-            raise _malformed(where, f"must be {what}")
-        return value
-
-    return check
-
-
-def _list(value: Any, where: str) -> list[Any]:
-    if not isinstance(value, list):
-        raise _malformed(where, "must be a list")
-    return value
-
-
-def _list_of(check: Check) -> Check:
-    return lambda value, where: [
-        check(v, f"{where}[{i}]") for i, v in enumerate(_list(value, where))
-    ]
-
-
-def _tuple_of(check: Check, length: int | None = None) -> Check:
-    def tuple_check(value: Any, where: str) -> tuple[Any, ...]:
-        items = tuple(_list_of(check)(value, where))
-        if length is not None and len(items) != length:
-            raise _malformed(where, f"must have {length} items")
-        return items
-
-    return tuple_check
-
-
-def _object(value: Any, where: str) -> dict[str, Any]:
-    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-        raise _malformed(where, "must be a JSON object")
-    return value
-
-
-def _dict_of(check: Check, required: Sequence[str] = ()) -> Check:
-    """An object of plain keys (names of axes, programs, collectives, options) to values."""
-
-    def dict_check(value: Any, where: str) -> dict[str, Any]:
-        for key in _object(value, where):
-            if not _PLAIN_KEY.fullmatch(key):
-                raise _malformed(_at(where, key), "is not a plain key name")
-        out = {k: check(v, _at(where, k)) for k, v in value.items()}
-        if missing := [k for k in required if k not in out]:
-            raise _malformed(_at(where, missing[0]), "is missing")
-        return out
-
-    return dict_check
-
-
-def _config(value: Any, where: str) -> dict[str, Any]:
-    """A JSON object recorded for people (the model config), nested at most MAX_CONFIG_DEPTH."""
-    level = [_object(value, where)]
-    for _ in range(MAX_CONFIG_DEPTH):
-        level = [
-            v
-            for item in level
-            for v in (item.values() if isinstance(item, dict) else item)
-            if isinstance(v, dict | list)
-        ]
-    if level:
-        raise _malformed(where, f"is nested deeper than {MAX_CONFIG_DEPTH} levels")
-    return value
-
-
-def _option(value: Any, where: str) -> str | int | float | bool:
-    """An XLA compiler option's value."""
-    if isinstance(value, str):
-        return _string(value, where)
-    if isinstance(value, bool | int) or (isinstance(value, float) and math.isfinite(value)):
-        return value
-    raise _malformed(where, "must be a string, number or boolean")
-
-
-def _fields(raw: Any, where: str, checks: dict[str, Check], defaults: dict[str, Any]) -> dict:
-    """The fields of the JSON object `raw` at `where`, each checked; an absent field takes its
-    default, or is an error when it has none; a field not in `checks` is an error."""
-    _object(raw, where)
-    if unknown := sorted(set(raw) - set(checks)):
-        raise _malformed(_at(where, unknown[0]), "is not a field of this schema")
-    if missing := [k for k in checks if k not in raw and k not in defaults]:
-        raise _malformed(_at(where, missing[0]), "is missing")
-    return {k: checks[k](raw[k], _at(where, k)) if k in raw else defaults[k] for k in checks}
-
-
-def _defaults(cls: type) -> dict[str, Any]:
-    """The defaults of a dataclass's fields (fresh ones from each default_factory)."""
-    out = {}
-    for field in dataclasses.fields(cls):
-        if field.default is not dataclasses.MISSING:
-            out[field.name] = field.default
-        elif field.default_factory is not dataclasses.MISSING:
-            out[field.name] = field.default_factory()
-    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,25 +83,25 @@ class BuildKey:
     @classmethod
     def from_json(cls, raw: Any, where: str = "key") -> BuildKey:
         """The key from its JSON form; ArtifactError naming the first wrong field."""
-        fields = _fields(raw, where, _BUILD_KEY_FIELDS, _defaults(cls))
+        fields = jc.fields(raw, where, _BUILD_KEY_FIELDS, jc.defaults(cls))
         return cls(**{**fields, "mesh": tuple(fields["mesh"].items())})
 
 
 _BUILD_KEY_FIELDS: dict[str, Check] = {
-    "model": _string,
-    "width": _POSITIVE,
-    "height": _POSITIVE,
-    "frames": _POSITIVE,
-    "batch": _POSITIVE,
-    "cfg": _boolean,
-    "target": _string,
-    "mesh": _dict_of(_POSITIVE),
-    "vae_mesh": _tuple_of(_POSITIVE, length=2),
-    "vae_axis": _one_of("width", "height"),
-    "attention": _string,
-    "context_parallel": _one_of("gather", "ulysses"),
-    "pipeline": _key_of(PIPELINES),
-    "vae_vmem_mib": _optional(_POSITIVE),
+    "model": jc.string,
+    "width": jc.POSITIVE,
+    "height": jc.POSITIVE,
+    "frames": jc.POSITIVE,
+    "batch": jc.POSITIVE,
+    "cfg": jc.boolean,
+    "target": jc.string,
+    "mesh": jc.dict_of(jc.POSITIVE),
+    "vae_mesh": jc.tuple_of(jc.POSITIVE, length=2),
+    "vae_axis": jc.one_of("width", "height"),
+    "attention": jc.string,
+    "context_parallel": jc.one_of("gather", "ulysses"),
+    "pipeline": jc.key_of(PIPELINES),
+    "vae_vmem_mib": jc.optional(jc.POSITIVE),
 }
 
 
@@ -302,11 +114,11 @@ class FileEntry:
     @classmethod
     def from_json(cls, raw: Any, where: str) -> FileEntry:
         checks = {
-            "path": _matching(_PLAIN_FILE_NAME, "a plain file name inside the build folder"),
-            "sha256": _matching(_SHA256, "64 lowercase hex digits"),
-            "size": _integer(0, MAX_FILE_BYTES),
+            "path": jc.matching(jc.PLAIN_FILE_NAME, "a plain file name inside the build folder"),
+            "sha256": jc.matching(jc.SHA256, "64 lowercase hex digits"),
+            "size": jc.integer(0, MAX_FILE_BYTES),
         }
-        return cls(**_fields(raw, where, checks, {}))
+        return cls(**jc.fields(raw, where, checks, {}))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,12 +133,12 @@ class ArraySpec:
     @classmethod
     def from_json(cls, raw: Any, where: str) -> ArraySpec:
         checks = {
-            "path": _string,
-            "shape": _tuple_of(_integer(0, MAX_DIM)),
-            "dtype": _string,
-            "sharding": _string,
+            "path": jc.string,
+            "shape": jc.tuple_of(jc.integer(0, MAX_DIM)),
+            "dtype": jc.string,
+            "sharding": jc.string,
         }
-        return cls(**_fields(raw, where, checks, {}))
+        return cls(**jc.fields(raw, where, checks, {}))
 
 
 @dataclasses.dataclass
@@ -355,42 +167,42 @@ class ProgramEntry:
     @classmethod
     def from_json(cls, raw: Any, where: str = "program") -> ProgramEntry:
         """The entry from its JSON form; ArtifactError naming the first wrong field."""
-        return cls(**_fields(raw, where, _PROGRAM_FIELDS, _defaults(cls)))
+        return cls(**jc.fields(raw, where, _PROGRAM_FIELDS, jc.defaults(cls)))
 
 
 _PROGRAM_FIELDS: dict[str, Check] = {
-    "name": _key_of(SIGNATURES),
+    "name": jc.key_of(SIGNATURES),
     "executable": FileEntry.from_json,
     "hlo": FileEntry.from_json,
-    "input_names": _list_of(_string),
-    "output_names": _list_of(_string),
-    "inputs": _list_of(ArraySpec.from_json),
-    "outputs": _list_of(ArraySpec.from_json),
-    "compile_seconds": _number,
-    "peak_rss_bytes": _BYTES,
+    "input_names": jc.list_of(jc.string),
+    "output_names": jc.list_of(jc.string),
+    "inputs": jc.list_of(ArraySpec.from_json),
+    "outputs": jc.list_of(ArraySpec.from_json),
+    "compile_seconds": jc.number,
+    "peak_rss_bytes": jc.BYTES,
     # what the reports read: aot inspect, aot check
-    "memory": _dict_of(_BYTES, required=("argument", "output", "temp", "peak")),
-    "flops": _number,
-    "xla_flops": _number,
-    "collectives": _dict_of(_dict_of(_BYTES, required=("count", "bytes"))),
-    "gathered_bytes_per_latent_frame": _optional(_BYTES),
-    "kernel_flops": _number,
-    "compiler_options": _dict_of(_option),
-    "replicated_param_bytes": _BYTES,
-    "program_id": _string,
+    "memory": jc.dict_of(jc.BYTES, required=("argument", "output", "temp", "peak")),
+    "flops": jc.number,
+    "xla_flops": jc.number,
+    "collectives": jc.dict_of(jc.dict_of(jc.BYTES, required=("count", "bytes"))),
+    "gathered_bytes_per_latent_frame": jc.optional(jc.BYTES),
+    "kernel_flops": jc.number,
+    "compiler_options": jc.dict_of(jc.option),
+    "replicated_param_bytes": jc.BYTES,
+    "program_id": jc.string,
 }
 
 
 def _programs(value: Any, where: str) -> dict[str, ProgramEntry]:
     """Programs this runtime knows (wan.interface.SIGNATURES), each entry named as its key;
     which ones a build must hold is its pipeline's (`_check_pipeline`)."""
-    raw = _object(value, where)
+    raw = jc.as_object(value, where)
     if unknown := sorted(set(raw) - set(SIGNATURES)):
-        raise _malformed(where, f"names unknown programs {', '.join(map(str, unknown))[:200]}")
-    programs = {name: ProgramEntry.from_json(raw[name], _at(where, name)) for name in raw}
+        raise jc.malformed(where, f"names unknown programs {', '.join(map(str, unknown))[:200]}")
+    programs = {name: ProgramEntry.from_json(raw[name], jc.at(where, name)) for name in raw}
     for name, entry in programs.items():
         if entry.name != name:
-            raise _malformed(_at(_at(where, name), "name"), f"must be {name}")
+            raise jc.malformed(jc.at(jc.at(where, name), "name"), f"must be {name}")
     return programs
 
 
@@ -441,13 +253,13 @@ class Manifest:
     def from_json(cls, raw: Any) -> Manifest:
         """The manifest from its JSON form, every field checked (types, ranges, its pipeline's
         programs, a device layout that adds up); ArtifactError naming the first wrong field."""
-        version = _object(raw, "").get("schema_version")
+        version = jc.as_object(raw, "").get("schema_version")
         if isinstance(version, bool) or not isinstance(version, int) or version != SCHEMA_VERSION:
             raise ArtifactError(
                 f"manifest schema {repr(version)[:20]} is not {SCHEMA_VERSION} (made by another "
                 "version of aot)"
             )
-        fields = _fields(raw, "", _MANIFEST_FIELDS, {})
+        fields = jc.fields(raw, "", _MANIFEST_FIELDS, {})
         _check_device_layout(fields)
         _check_pipeline(fields)
         return cls(**fields)
@@ -456,27 +268,27 @@ class Manifest:
         (folder / MANIFEST).write_text(json.dumps(self.to_json(), indent=1))
 
 
-_DEVICE_ID = _integer(0, MAX_DIM)
-_LOCAL_DEVICES = _integer(1, MAX_LOCAL_DEVICES)
+_DEVICE_ID = jc.integer(0, MAX_DIM)
+_LOCAL_DEVICES = jc.integer(1, MAX_LOCAL_DEVICES)
 _MANIFEST_FIELDS: dict[str, Check] = {
-    "schema_version": _integer(SCHEMA_VERSION, SCHEMA_VERSION),
+    "schema_version": jc.integer(SCHEMA_VERSION, SCHEMA_VERSION),
     "key": BuildKey.from_json,
-    "model_config": _config,
-    "model_hash": _string,
-    "versions": _dict_of(_string),
-    "compiler_fingerprint": _string,
-    "platform": _string,
-    "device_kind": _string,
-    "device_ids": _list_of(_DEVICE_ID),
-    "process_count": _integer(1, MAX_PROCESSES),
+    "model_config": jc.config,
+    "model_hash": jc.string,
+    "versions": jc.dict_of(jc.string),
+    "compiler_fingerprint": jc.string,
+    "platform": jc.string,
+    "device_kind": jc.string,
+    "device_ids": jc.list_of(_DEVICE_ID),
+    "process_count": jc.integer(1, MAX_PROCESSES),
     "local_device_count": _LOCAL_DEVICES,
-    "mesh_axes": _dict_of(_POSITIVE),
-    "default_mesh": _boolean,
-    "vae_mesh_axes": _dict_of(_POSITIVE),
-    "hbm_bytes": _optional(_BYTES),
-    "peak_flops": _optional(_number),
-    "ulysses_all_to_alls": _BYTES,
-    "notes": _list_of(_string),
+    "mesh_axes": jc.dict_of(jc.POSITIVE),
+    "default_mesh": jc.boolean,
+    "vae_mesh_axes": jc.dict_of(jc.POSITIVE),
+    "hbm_bytes": jc.optional(jc.BYTES),
+    "peak_flops": jc.optional(jc.number),
+    "ulysses_all_to_alls": jc.BYTES,
+    "notes": jc.list_of(jc.string),
     "programs": _programs,
 }
 
@@ -485,7 +297,7 @@ def _check_pipeline(fields: dict[str, Any]) -> None:
     """The build holds exactly the programs of its pipeline variant."""
     pipeline = fields["key"].pipeline
     if set(fields["programs"]) != set(PIPELINES[pipeline]):
-        raise _malformed(
+        raise jc.malformed(
             "programs", f"must be those of pipeline {pipeline}: {', '.join(PIPELINES[pipeline])}"
         )
 
@@ -495,9 +307,9 @@ def _check_device_layout(fields: dict[str, Any]) -> None:
     ids = fields["device_ids"]
     devices = fields["process_count"] * fields["local_device_count"]
     if len(set(ids)) != len(ids):
-        raise _malformed("device_ids", "must be distinct")
+        raise jc.malformed("device_ids", "must be distinct")
     if len(ids) != devices:
-        raise _malformed(
+        raise jc.malformed(
             "device_ids",
             f"has {len(ids)} ids, process_count x local_device_count is {devices}",
         )
@@ -536,7 +348,7 @@ def listed_files(folder: Path) -> list[str]:
     entries = programs.values() if isinstance(programs, dict) else []
     files = (e.get(kind) for e in entries if isinstance(e, dict) for kind in ("executable", "hlo"))
     names = (f.get("path") for f in files if isinstance(f, dict))
-    return [n for n in names if isinstance(n, str) and _PLAIN_FILE_NAME.fullmatch(n)]
+    return [n for n in names if isinstance(n, str) and jc.PLAIN_FILE_NAME.fullmatch(n)]
 
 
 def _read_json(path: Path, limit: int) -> Any:
@@ -586,7 +398,7 @@ def _read_checked(folder: Path, entry: FileEntry, keep: bool) -> bytes:
     """The file `entry` names in `folder`, read once and checked: a plain name inside the
     folder, a regular file (not a symlink) of the entry's size (before any byte is read), and
     the bytes read hash to the entry's sha256. The bytes when `keep`, else b""."""
-    if not isinstance(entry.path, str) or not _PLAIN_FILE_NAME.fullmatch(entry.path):
+    if not isinstance(entry.path, str) or not jc.PLAIN_FILE_NAME.fullmatch(entry.path):
         raise ArtifactError(
             f"{folder}: file {repr(entry.path)[:80]} must be a plain file name inside the build "
             "folder: refusing it"
