@@ -8,19 +8,30 @@ nested loops compound), and from that lists the collectives with their per-devic
 source location (`collectives`, `collective_summary`). `aot.hlo_cost` counts FLOPs and
 `aot.vae_gathers` accounts a chunked decode's all-gathers over the module parsed here.
 
-The parser is written against real CPU and TPU output: long `backend_config` JSON with braces
-and quoted strings, tiled layouts (`{1,0:T(8,128)(2,1)S(1)}`), tuple shapes with
-`/*index=5*/` comments, new-style `replica_groups=mesh[...] {...}`, and source locations either
-inline (`source_file=`, `source_line=`) or through the module's `StackFrames` tables.
+The parser (over the lexical layer, `aot.hlo_text`) is written against real CPU and TPU
+output: long `backend_config` JSON with braces and quoted strings, tiled layouts
+(`{1,0:T(8,128)(2,1)S(1)}`), tuple shapes with `/*index=5*/` comments, new-style
+`replica_groups=mesh[...] {...}`, and source locations either inline (`source_file=`,
+`source_line=`) or through the module's `StackFrames` tables.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 import re
 from collections.abc import Iterable
+
+from aot.hlo_text import (
+    Shape,
+    close_bracket,
+    ints,
+    names,
+    open_brackets,
+    parse_shape,
+    split_top,
+    strip_comments,
+    unquote,
+)
 
 # Collective opcodes -> normalised kind. Async pairs are counted at their -start.
 COLLECTIVES = {
@@ -50,47 +61,11 @@ _CALL_ATTRS = (
     "called_computations",
 )
 
-# A quoted string (with escapes), a comment, or a bracket/comma: the tokens the scanners need.
-_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|/\*.*?\*/|[(){}\[\],]')
-_OPEN = {"(": ")", "{": "}", "[": "]"}
 _METADATA_FIELD = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|[^\s}]+)')
 _KNOWN_TRIP_COUNT = re.compile(r'known_trip_count\\?"\s*:\s*\{\s*\\?"n\\?"\s*:\s*\\?"?(\d+)')
 _TABLE_ROW = re.compile(r"^(\d+)\s+(.*)$")
-_ARRAY_SHAPE = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
 _OPCODE = re.compile(r"\s*([\w-]+)\(")
 _HEADER = re.compile(r"(ENTRY\s+)?%?([^\s(]+)")
-
-
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    """An array shape (`dtype`, `dims`) or a tuple (`dtype == "tuple"`, `tuple_shapes`)."""
-
-    dtype: str
-    dims: tuple[int, ...] = ()
-    tuple_shapes: tuple[Shape, ...] = ()
-
-    @property
-    def is_tuple(self) -> bool:
-        return self.dtype == "tuple"
-
-    @property
-    def elements(self) -> int:
-        """Elements of an array; of a tuple, summed over its arrays."""
-        if self.is_tuple:
-            return sum(s.elements for s in self.tuple_shapes)
-        return math.prod(self.dims)
-
-    @property
-    def bytes(self) -> int:
-        """Bytes of an array (dynamic dims at their bound); of a tuple, summed over its arrays."""
-        if self.is_tuple:
-            return sum(s.bytes for s in self.tuple_shapes)
-        return -(-self.elements * _bits(self.dtype) // 8)  # packed sub-byte types round up
-
-    def __str__(self) -> str:
-        if self.is_tuple:
-            return "(" + ", ".join(map(str, self.tuple_shapes)) + ")"
-        return f"{self.dtype}[{','.join(map(str, self.dims))}]"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,97 +145,6 @@ class Collective:
     source_line: int | None
 
 
-def _bits(dtype: str) -> int:
-    """Bits per element: the width in the type's name (s32, bf16, f8e4m3fn, c64); pred 8;
-    token and opaque 0."""
-    if dtype == "pred":
-        return 8
-    width = re.match(r"[a-z]+(\d+)", dtype)
-    return int(width.group(1)) if width else 0
-
-
-# ---------------------------------------------------------------------------- text scanning
-
-
-def _strip_comments(s: str) -> str:
-    if "/*" not in s:
-        return s
-    return _TOKEN.sub(lambda m: "" if m.group().startswith("/*") else m.group(), s)
-
-
-def _close(s: str, i: int) -> int:
-    """Index of the bracket that closes the one at s[i] (strings skipped)."""
-    depth = 0
-    for m in _TOKEN.finditer(s, i):
-        t = m.group()
-        if t in _OPEN:
-            depth += 1
-        elif t in ")}]":
-            depth -= 1
-            if depth == 0:
-                return m.start()
-    raise ValueError(f"unbalanced brackets in HLO: {s[i : i + 80]!r}")
-
-
-def _split_top(s: str) -> list[str]:
-    """Split at commas outside brackets and strings."""
-    parts, depth, start = [], 0, 0
-    for m in _TOKEN.finditer(s):
-        t = m.group()
-        if t in _OPEN:
-            depth += 1
-        elif t in ")}]":
-            depth -= 1
-        elif t == "," and depth == 0:
-            parts.append(s[start : m.start()])
-            start = m.end()
-    parts.append(s[start:])
-    return [p.strip() for p in parts if p.strip()]
-
-
-def _parse_shape(s: str, i: int) -> tuple[Shape, int]:
-    """Parse a shape starting at s[i]; return it and the index after it (layouts skipped)."""
-    while s[i] == " ":
-        i += 1
-    if s[i] == "(":
-        end = _close(s, i)
-        elements, j = [], i + 1
-        while j < end:
-            if s[j] in ", ":
-                j += 1
-                continue
-            shape, j = _parse_shape(s, j)
-            elements.append(shape)
-        return Shape("tuple", tuple_shapes=tuple(elements)), end + 1
-    m = _ARRAY_SHAPE.match(s, i)
-    if m is None:
-        raise ValueError(f"cannot parse HLO shape at {s[i : i + 80]!r}")
-    dims = tuple(int(d.strip().lstrip("<=")) for d in m.group(2).split(",") if d.strip())
-    j = m.end()
-    if j < len(s) and s[j] == "{":
-        j = _close(s, j) + 1
-    return Shape(m.group(1), dims), j
-
-
-def unquote(v: str) -> str:
-    """An attribute's value without its quotes, JSON escapes decoded (unquoted: unchanged)."""
-    if not v.startswith('"'):
-        return v
-    try:
-        return json.loads(v)
-    except ValueError:
-        return v[1:-1]
-
-
-def _names(value: str) -> tuple[str, ...]:
-    return tuple(n.lstrip("%") for n in re.findall(r"[^\s,{}]+", value))
-
-
-def ints(value: str) -> tuple[int, ...]:
-    """The integers in an attribute's value, in order (`{0,2}` -> (0, 2))."""
-    return tuple(int(x) for x in re.findall(r"-?\d+", value))
-
-
 # ---------------------------------------------------------------------------- parsing
 
 
@@ -292,28 +176,28 @@ class _StackTables:
 
 
 def _parse_instruction(line: str, computation: str, tables: _StackTables) -> Instruction:
-    s = _strip_comments(line.strip())
+    s = strip_comments(line.strip())
     s = s.removeprefix("ROOT ")
     eq = s.index("=")
     name = s[:eq].strip().lstrip("%")
-    shape, i = _parse_shape(s, eq + 1)
+    shape, i = parse_shape(s, eq + 1)
     m = _OPCODE.match(s, i)
     if m is None:
         raise ValueError(f"cannot parse HLO instruction: {line.strip()[:120]!r}")
     opcode, open_paren = m.group(1), m.end() - 1
-    close = _close(s, open_paren)
+    close = close_bracket(s, open_paren)
     inside = s[open_paren + 1 : close]
     literal, operands = None, ()
     if opcode in ("constant", "parameter"):
         literal = inside.strip()
     else:
-        operands = tuple(op.split()[-1].lstrip("%") for op in _split_top(inside))
+        operands = tuple(op.split()[-1].lstrip("%") for op in split_top(inside))
     attrs = {}
-    for part in _split_top(s[close + 1 :]):
+    for part in split_top(s[close + 1 :]):
         key, _, value = part.partition("=")
         attrs[key.strip()] = value.strip()
     calls = tuple(
-        (key, callee) for key in _CALL_ATTRS if key in attrs for callee in _names(attrs[key])
+        (key, callee) for key in _CALL_ATTRS if key in attrs for callee in names(attrs[key])
     )
     meta = dict(_METADATA_FIELD.findall(attrs.get("metadata", "")))
     source_file = unquote(meta["source_file"]) if "source_file" in meta else None
@@ -335,22 +219,6 @@ def _parse_instruction(line: str, computation: str, tables: _StackTables) -> Ins
     )
 
 
-def _open_brackets(text: str) -> int:
-    """Brackets opened and not closed in `text`, outside string literals."""
-    depth, quoted, escaped = 0, False, False
-    for ch in text:
-        if quoted:
-            quoted = escaped or ch != '"'
-            escaped = not escaped and ch == "\\"
-        elif ch == '"':
-            quoted = True
-        elif ch in "({[":
-            depth += 1
-        elif ch in ")}]":
-            depth -= 1
-    return depth
-
-
 def parse(hlo_text: str) -> Module:
     """Parse the text of one HLO module (as printed by `compiled.as_text()`)."""
     module_name, entry = "", None
@@ -363,7 +231,7 @@ def parse(hlo_text: str) -> Module:
         stripped = line.strip()
         if current is not None and (pending or (stripped.endswith("{") and "=" in stripped)):
             pending = f"{pending} {stripped}" if pending else stripped
-            if _open_brackets(pending) > 0:
+            if open_brackets(pending) > 0:
                 continue
             stripped, pending = pending, ""
         if current is not None:

@@ -13,7 +13,8 @@ import dataclasses
 import math
 from collections.abc import Callable
 
-from aot.hlo import Instruction, Module, ints, unquote
+from aot.hlo import Instruction, Module
+from aot.hlo_text import ints, unquote
 
 # Elementwise ops: HloCostAnalysis counts one op per output element, as a transcendental for
 # the ops below and as a FLOP for the others.

@@ -16,6 +16,17 @@ from typing import Any, ClassVar, Self
 
 from wan import kinds
 from wan.errors import InputError
+from wan.strict_config import (
+    NO_OP_KEYS,
+    ConfigKeyError,
+    StrictConfig,
+    WeightError,
+    check_value,
+    excerpt,
+    is_number,
+    require,
+    unknown_key,
+)
 
 # Wan 2.1 VAE latent statistics (diffusers' AutoencoderKLWan defaults).
 WAN21_LATENTS_MEAN = (
@@ -31,161 +42,6 @@ WAN21_LATENTS_STD = (
 CHECKPOINT_MARKER = "wan_checkpoint.json"  # a project checkpoint's metadata (wan.checkpoint)
 DTYPES = ("float32", "bfloat16", "float16")  # what a model's weights and activations may use
 MAX_CONFIG_BYTES = 16 << 20  # a config.json is a few KiB; a bigger one is not a config
-
-
-class WeightError(InputError):
-    """A weights folder does not fit the model: names the file and the key or parameter.
-    (Defined here, with no heavy import, so that reading a config stays light.)"""
-
-
-class ConfigKeyError(WeightError):
-    """A config key the project does not understand, or a value of it the project does not
-    implement: restoring the file would not help, so the message is whole as it is."""
-
-
-# The one list of config keys known not to change what is computed: read nowhere, so any value
-# passes. Every other key is either understood (a field, or a key with the values the project
-# implements, `ComponentConfig.fixed_values`) or refused: compiling a model whose config says
-# something the project cannot honour would silently compile another model. Read from the
-# configs of diffusers' Wan pipelines (Wan2.1-T2V-1.3B/14B, Wan2.2-T2V-A14B, the tests' tiny one).
-NO_OP_KEYS = frozenset(
-    {
-        # diffusers' and transformers' bookkeeping
-        "_class_name", "_diffusers_version", "_name_or_path", "_use_default_values",
-        "_commit_hash", "transformers_version", "architectures", "torch_dtype", "dtype",
-        "tokenizer_class", "id2label", "label2id", "problem_type", "return_dict",
-        "output_attentions", "output_hidden_states", "chunk_size_feed_forward",
-        # a UMT5 encoder's config: the decoder, generation and the LM head, not the encoder
-        "is_encoder_decoder", "is_decoder", "use_cache", "output_past", "num_decoder_layers",
-        "decoder_start_token_id", "eos_token_id", "pad_token_id", "bos_token_id",
-        "tie_word_embeddings", "scale_decoder_outputs",
-        "scalable_attention",  # a leftover of the T5X export that transformers never reads
-        # training only
-        "dropout", "dropout_rate", "classifier_dropout", "initializer_factor",
-        "gradient_checkpointing",
-        # a scheduler's options that only act with the flow sigmas off, thresholding on or
-        # dynamic shifting on (each refused: see SchedulerConfig.DIFFUSERS)
-        "beta_start", "beta_end", "beta_schedule", "trained_betas", "rescale_betas_zero_snr",
-        "timestep_spacing", "steps_offset", "sigma_min", "sigma_max", "time_shift_type",
-        "dynamic_thresholding_ratio", "sample_max_value", "base_shift", "max_shift",
-        "base_image_seq_len", "max_image_seq_len",
-    }
-)  # fmt: skip
-
-
-# Integer fields' (lowest, highest) values: the highest are far above every released model
-# (the 14B: 5120 wide, 40 layers, a 256384-token vocabulary) and keep a lying config from
-# describing a model no memory can hold.
-_WIDTH = (1, 1 << 16)
-_INT_RANGES = {
-    "patch_size": (1, 64),
-    "num_attention_heads": (1, 1024),
-    "attention_head_dim": (1, 4096),
-    "num_layers": (1, 1024),
-    "vocab_size": (1, 1 << 22),
-    "rope_max_seq_len": (1, 1 << 16),
-    "max_length": (1, 1 << 16),
-    "dim_mult": (1, 64),
-    "num_res_blocks": (1, 64),
-    "in_channels": (1, 1024),
-    "out_channels": (1, 1024),
-    "z_dim": (1, 1024),
-    "relative_attention_num_buckets": (1, 1 << 16),
-    "relative_attention_max_distance": (1, 1 << 20),
-    "num_train_timesteps": (1, 1 << 20),
-    "solver_order": (1, 3),
-}
-# Float fields that must be positive (all must be finite).
-_POSITIVE = {"eps", "layer_norm_epsilon", "latents_std", "flow_shift"}
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
-
-
-def _problem(name: str, kind: str, value: Any) -> str | None:
-    """Why `value` does not fit field `name` of annotation `kind` (None when it fits)."""
-    if kind.endswith(" | None"):
-        return None if value is None else _problem(name, kind.removesuffix(" | None"), value)
-    if kind.startswith("tuple["):
-        item, _, rest = kind[len("tuple[") : -1].partition(", ")
-        length = None if rest == "..." else kind.count(",") + 1
-        fits = isinstance(value, list | tuple) and length in (None, len(value))
-        if fits and not any(_problem(name, item, v) for v in value):
-            return None
-        return f"a list of {f'{length} ' if length else ''}items, each {_problem(name, item, None)}"
-    if kind == "int":
-        low, high = _INT_RANGES.get(name, _WIDTH)
-        return None if _is_int(value) and low <= value <= high else f"an integer in [{low}, {high}]"
-    if kind == "float":
-        if not _is_number(value):
-            return "a finite number"
-        return "a positive number" if name in _POSITIVE and value <= 0 else None
-    if kind == "bool":
-        return None if isinstance(value, bool) else "true or false"
-    if kind == "str":
-        return None if isinstance(value, str) else "a string"
-    raise AssertionError(f"no check for {kind}")  # a field added without one
-
-
-def _from_dict(cls, raw: Any):
-    """Build `cls` from a config dict, strictly: each field checked against its type and range
-    (lists become tuples), the config validated, and every other key either one with a value the
-    config implements (`fixed_values`) or in NO_OP_KEYS; anything else is a ConfigKeyError."""
-    if not isinstance(raw, dict):
-        raise WeightError(f"the config is {excerpt(raw)}, expected a JSON object")
-    fields = {f.name: f.type for f in dataclasses.fields(cls)}
-    for name, value in raw.items():
-        if name in fields and (problem := _problem(name, fields[name], value)):
-            raise WeightError(f"{name} is {excerpt(value)}, expected {problem}")
-    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items() if k in fields}
-    config = cls(**kwargs)
-    config.validate()
-    fixed = config.fixed_values()
-    for name, value in raw.items():
-        if name in fields or name in NO_OP_KEYS:
-            continue
-        if name not in fixed:
-            raise ConfigKeyError(_unknown_key(name))
-        _check_value(name, value, fixed[name])
-    return config
-
-
-def _unknown_key(name: str) -> str:
-    return (
-        f"{name} is a key this project does not understand: it may change the model, so nothing "
-        "is built (a model of another kind, or a key to declare in wan.configs.NO_OP_KEYS)"
-    )
-
-
-def _check_value(name: str, value: Any, accepted: tuple[Any, ...]) -> None:
-    """A ConfigKeyError unless `value` is one of `accepted` (of the same JSON type)."""
-    if not any(type(value) is type(a) and value == a for a in accepted):
-        raise ConfigKeyError(
-            f"{name} is {excerpt(value)}, this project implements only "
-            f"{' or '.join(excerpt(a) for a in accepted)}: the model is of a kind it does not have"
-        )
-
-
-class StrictConfig:
-    """A config read strictly (`_from_dict`), with the keys it implements one value (or a few)
-    of."""
-
-    @classmethod
-    def from_dict(cls, raw: Any) -> Self:
-        return _from_dict(cls, raw)
-
-    def validate(self) -> None:
-        """Raise a WeightError when the fields do not make a model (they are each valid)."""
-
-    def fixed_values(self) -> dict[str, tuple[Any, ...]]:
-        """Keys of a diffusers config that are no fields here, and the values this kind
-        implements: another value is another model."""
-        return {}
 
 
 class ComponentConfig(StrictConfig):
@@ -212,20 +68,6 @@ class VAEKindConfig(ComponentConfig):
     @property
     def temporal_factor(self) -> int:
         return self.geometry.temporal
-
-
-def excerpt(value: Any) -> str:
-    """`value` of a config or header as JSON, cut short: a message stays one line."""
-    try:
-        text = json.dumps(value, default=repr)
-    except RecursionError:  # nested as deep as the parser allowed
-        text = f"a deeply nested {type(value).__name__}"
-    return text if len(text) <= 60 else f"{text[:57]}..."
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise WeightError(message)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,7 +107,7 @@ class TransformerConfig(ComponentConfig):
         return grid  # type: ignore[return-value]
 
     def validate(self) -> None:
-        _require(
+        require(
             self.qk_norm == "rms_norm_across_heads",
             f"qk_norm is {excerpt(self.qk_norm)}; the {self.kind} transformer implements only "
             '"rms_norm_across_heads"',
@@ -294,18 +136,18 @@ class VAEConfig(VAEKindConfig):
     out_channels: int = 3
 
     def validate(self) -> None:
-        _require(
+        require(
             1 <= len(self.dim_mult) <= 8,
             f"dim_mult has {len(self.dim_mult)} levels, expected 1 to 8",
         )
-        _require(
+        require(
             len(self.temperal_downsample) == len(self.dim_mult) - 1,
             f"temperal_downsample has {len(self.temperal_downsample)} entries, expected one "
             f"per downsampling level ({len(self.dim_mult) - 1})",
         )
         for name in ("latents_mean", "latents_std"):
             count = len(getattr(self, name))
-            _require(
+            require(
                 count == self.z_dim, f"{name} has {count} values, expected z_dim's {self.z_dim}"
             )
 
@@ -387,7 +229,7 @@ class SchedulerConfig(StrictConfig):
     }  # fmt: skip
 
     def validate(self) -> None:
-        _require(
+        require(
             self.kind in ("unipc", "euler"),
             f"kind is {excerpt(self.kind)}, expected unipc or euler",
         )
@@ -399,14 +241,14 @@ class SchedulerConfig(StrictConfig):
         if not isinstance(raw, dict):
             raise WeightError(f"the config is {excerpt(raw)}, expected a JSON object")
         class_name = raw.get("_class_name", "UniPCMultistepScheduler")
-        _require(
+        require(
             class_name in cls.DIFFUSERS,
             f"_class_name is {excerpt(class_name)}, expected one of {', '.join(cls.DIFFUSERS)}",
         )
         kind, shift_key, fixed = cls.DIFFUSERS[class_name]
         shift = raw.get(shift_key, 5.0)
-        _require(
-            _is_number(shift) or shift is None,
+        require(
+            is_number(shift) or shift is None,
             f"{shift_key} is {excerpt(shift)}, expected a positive number",
         )
         understood = {"_class_name", shift_key, "num_train_timesteps", "solver_order"}
@@ -414,8 +256,8 @@ class SchedulerConfig(StrictConfig):
             if name in understood or name in NO_OP_KEYS:
                 continue
             if name not in fixed:
-                raise ConfigKeyError(_unknown_key(name))
-            _check_value(name, value, fixed[name])
+                raise ConfigKeyError(unknown_key(name))
+            check_value(name, value, fixed[name])
         return cls.from_dict(
             {
                 "kind": kind,
@@ -465,12 +307,12 @@ class ModelConfig:
         if not isinstance(raw, dict):
             raise WeightError(f"the model is {excerpt(raw)}, expected a JSON object")
         for key in ("name", *kinds.COMPONENTS, "scheduler"):
-            _require(key in raw, f"{key} is missing")
+            require(key in raw, f"{key} is missing")
         fields = {f.name for f in dataclasses.fields(cls)}
         for key in raw:
             if key not in fields and key not in NO_OP_KEYS:
-                raise ConfigKeyError(_unknown_key(key))
-        _require(isinstance(raw["name"], str), f"name is {excerpt(raw['name'])}, expected a string")
+                raise ConfigKeyError(unknown_key(key))
+        require(isinstance(raw["name"], str), f"name is {excerpt(raw['name'])}, expected a string")
         parts = {}
         for key in kinds.COMPONENTS:
             with _key_prefix(key):
@@ -492,7 +334,7 @@ class ModelConfig:
         if marker.is_file():
             meta = read_json(marker)
             with _in_file(marker):
-                _require(isinstance(meta, dict) and "model" in meta, "has no model")
+                require(isinstance(meta, dict) and "model" in meta, "has no model")
                 return cls.from_dict(meta["model"])
         return cls.from_diffusers(folder)
 
@@ -515,7 +357,7 @@ class ModelConfig:
         if boundary_ratio is not None:  # two experts of one architecture
             second = root / "transformer_2" / "config.json"
             with _in_file(second):
-                _require(
+                require(
                     diffusers_component(root, "transformer_2") == parts["transformer"],
                     "transformer_2 differs from transformer: experts of two architectures",
                 )
@@ -565,12 +407,12 @@ def _pipeline_index(raw: Any) -> float | None:
     """The boundary ratio of a diffusers model_index.json, read strictly: the component classes
     this project reads, one timestep per video (`expand_timesteps` is Wan 2.2 TI2V's per-token
     timestep), no other key that is not in NO_OP_KEYS."""
-    _require(isinstance(raw, dict), f"is {excerpt(raw)}, expected a JSON object")
+    require(isinstance(raw, dict), f"is {excerpt(raw)}, expected a JSON object")
     for name, value in raw.items():
         if name in ("boundary_ratio", "tokenizer") or name in NO_OP_KEYS:
             continue
         if name == "expand_timesteps":
-            _check_value(name, value, (False,))
+            check_value(name, value, (False,))
         elif name in PIPELINE_CLASSES:
             library_class = value if isinstance(value, list) and len(value) == 2 else [None, "?"]
             if library_class[1] not in PIPELINE_CLASSES[name]:
@@ -579,7 +421,7 @@ def _pipeline_index(raw: Any) -> float | None:
                     f"{' or '.join(str(c) for c in PIPELINE_CLASSES[name])} only"
                 )
         else:
-            raise ConfigKeyError(_unknown_key(name))
+            raise ConfigKeyError(unknown_key(name))
     return _boundary_ratio(raw.get("boundary_ratio"))
 
 
@@ -619,15 +461,15 @@ def _key_prefix(key: str) -> Iterator[None]:
 
 
 def _boundary_ratio(value: Any) -> float | None:
-    _require(
-        value is None or (_is_number(value) and 0 < value < 1),
+    require(
+        value is None or (is_number(value) and 0 < value < 1),
         f"boundary_ratio is {excerpt(value)}, expected a number between 0 and 1 (or none)",
     )
     return value
 
 
 def _dtype(value: Any) -> str:
-    _require(value in DTYPES, f"dtype is {excerpt(value)}, expected one of {', '.join(DTYPES)}")
+    require(value in DTYPES, f"dtype is {excerpt(value)}, expected one of {', '.join(DTYPES)}")
     return value
 
 

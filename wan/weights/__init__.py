@@ -22,7 +22,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from wan.configs import WeightError, excerpt
+from wan.strict_config import WeightError, excerpt
 
 Path_ = tuple[str, ...]
 
