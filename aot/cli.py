@@ -70,9 +70,13 @@ _BUILD_OPTIONS = [
         option.flag,
         option.name,
         default=option.default,
-        show_default=True,
-        type=click.Choice(option.choices) if option.choices else str,
+        show_default=not option.is_flag,
         help=option.help.format(vae_vmem_mib=targets.VAE_VMEM_MIB),
+        **(
+            {"is_flag": True}
+            if option.is_flag
+            else {"type": click.Choice(option.choices) if option.choices else str}
+        ),
     )
     for option in OPTIONS
 ]
@@ -220,12 +224,7 @@ def _plan_entry(plan, model: str, out: Path) -> dict:
     """One build of a plan: its key, folder name and the command that makes it (every option
     resolved, so the worker builds this key whatever its own defaults)."""
     key = plan.key
-    args = [
-        "aot", "build", "--model", model, "--res", f"{key.width}x{key.height}",
-        "--frames", str(key.frames), "--batch", str(key.batch), "--target", key.target,
-        *([] if key.cfg else ["--no-cfg"]), *(arg for o in OPTIONS for arg in o.argv(key)),
-        "--out", str(out),
-    ]  # fmt: skip
+    args = key.build_argv(model, out)
     return {"key": key.to_json(), "folder": key.folder_name(), "command": shlex.join(args)}
 
 

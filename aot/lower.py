@@ -16,8 +16,8 @@ from aot.plan import BuildError, BuildPlan, compiler_options
 from aot.progress import RssSampler, Ticker
 from aot.targets import devices
 from runtime.loader import host_layout
+from wan import interface, sharding
 from wan import programs as wan_programs
-from wan import sharding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +49,9 @@ def lower_plan(
     )
     progs = {
         p.name: p
-        for p in wan_programs.programs(plan.config, plan.shape, options, plan.key.pipeline)
+        for p in wan_programs.programs(
+            plan.config, plan.shape, options, plan.key.pipeline, plan.key.step_cache
+        )
     }
     replicated = host_layout(devs)[0] > 1  # a multi-process job: host outputs whole everywhere
 
@@ -63,10 +65,10 @@ def lower_plan(
 
     for program in (p for p in progs.values() if only is None or p.name in only):
         mesh = meshes[program.mesh]
-        placed = {
-            name: leaves(source.split(".")[0])[source.split(".")[1]]
-            for name, source in program.receives.items()
-        }
+        placed = {}
+        for name, source in program.receives.items():
+            producer, output = interface.producer(source, tuple(progs))
+            placed[name] = leaves(producer)[output]
         lowered = lower_program(
             program,
             mesh,
@@ -111,7 +113,10 @@ def compile_lowered(
 # What to change when a program does not fit the target's on-chip memory (VMEM).
 _VMEM_HINTS = {
     "vae_decode": "a smaller --vae-vmem",
-    "denoise_step": "smaller --attention splash blocks (e.g. splash:1024:1024:512)",
+    **dict.fromkeys(
+        ("denoise_step", "cache_step", "cached_step"),
+        "smaller --attention splash blocks (e.g. splash:1024:1024:512)",
+    ),
 }
 
 

@@ -66,9 +66,11 @@ def plan_build(
     context_parallel: str | None = None,
     vae_vmem_mib: int | None = None,
     pipeline: str = DEFAULT_PIPELINE,
+    step_cache: bool = False,
 ) -> BuildPlan:
     """Validate a request and resolve its defaults (mesh, VAE mesh and axis, attention, context
-    parallelism, the VAE decode's scoped VMEM); `pipeline`: the programs it holds."""
+    parallelism, the VAE decode's scoped VMEM); `pipeline`: the programs it holds, and
+    `step_cache` step caching's (wan.interface.STEP_CACHE_PROGRAMS)."""
     check_model_name(model_name)
     check_shape(config, shape)
     if pipeline not in PIPELINES:
@@ -107,6 +109,7 @@ def plan_build(
         context_parallel=context_parallel,
         vae_vmem_mib=choose_vae_vmem(vae_vmem_mib, target),
         pipeline=pipeline,
+        step_cache=step_cache,
     )
     return BuildPlan(config, shape, target, layout, attention, key, mesh == default)
 
@@ -235,6 +238,7 @@ RESOLVERS: dict[str, Callable[[str], Any]] = {
     "context_parallel": _auto_or(str),
     "vae_vmem_mib": parse_vae_vmem,
     "pipeline": str,
+    "step_cache": bool,
 }
 
 

@@ -53,7 +53,7 @@ def _all_collectives(manifest: Manifest) -> dict[str, dict[str, int]]:
 
 
 def _step_flops(manifest: Manifest) -> float:
-    step = manifest.programs["denoise_step"]
+    step = manifest.programs[manifest.key.step_program]
     return step.flops + step.kernel_flops
 
 
@@ -143,7 +143,7 @@ def inspect_text(m: Manifest) -> str:
                 f"roofline   step lower bound {_lower_bound_text(m)}: {_step_flops(m) / 1e12:.3f} "
                 f"TFLOP per device at {m.peak_flops / 1e12:.0f} TFLOP/s bf16"
             ]
-            if m.peak_flops and "denoise_step" in m.programs
+            if m.peak_flops
             else []
         ),
         f"versions   {', '.join(f'{n} {v}' for n, v in m.versions.items())}",

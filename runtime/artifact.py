@@ -26,7 +26,7 @@ from runtime import json_checks as jc
 from runtime.build_options import OPTIONS
 from runtime.json_checks import MAX_DIM, REBUILD, ArtifactError, Check
 from wan.configs import VideoShape
-from wan.interface import DEFAULT_PIPELINE, PIPELINES, SIGNATURES
+from wan.interface import DEFAULT_PIPELINE, PIPELINES, SIGNATURES, full_step, pipeline_programs
 
 SCHEMA_VERSION = 3  # 2: program inputs and outputs by name; 3: a pipeline variant of programs
 MANIFEST = "manifest.json"
@@ -62,6 +62,17 @@ class BuildKey:
     context_parallel: str = "gather"  # or "ulysses" (wan.attention)
     vae_vmem_mib: int | None = None  # TPU: scoped VMEM of the VAE decode's kernels; None: XLA's
     pipeline: str = DEFAULT_PIPELINE  # the programs the build holds (wan.interface.PIPELINES)
+    step_cache: bool = False  # and step caching's programs (wan.interface.STEP_CACHE_PROGRAMS)
+
+    @property
+    def programs(self) -> tuple[str, ...]:
+        """The programs the build holds, in the order a generation runs them."""
+        return pipeline_programs(self.pipeline, self.step_cache)
+
+    @property
+    def step_program(self) -> str:
+        """The program that runs a whole denoise step."""
+        return full_step(self.programs)
 
     @property
     def shape(self) -> VideoShape:
@@ -73,6 +84,16 @@ class BuildKey:
         head = f"{self.model}_{self.width}x{self.height}_f{self.frames}_b{self.batch}{cfg}"
         target = self.target.replace("/", "-host")
         return f"{head}_{target}" + "".join(option.token(self) for option in OPTIONS)
+
+    def build_argv(self, model: str, out: str | Path) -> list[str]:
+        """The `aot build` command that makes exactly this key (every option resolved, so any
+        defaults of the building version give this key)."""
+        return [
+            "aot", "build", "--model", model, "--res", f"{self.width}x{self.height}",
+            "--frames", str(self.frames), "--batch", str(self.batch), "--target", self.target,
+            *([] if self.cfg else ["--no-cfg"]), *(arg for o in OPTIONS for arg in o.argv(self)),
+            "--out", str(out),
+        ]  # fmt: skip
 
     def to_json(self) -> dict[str, Any]:
         raw = dataclasses.asdict(self)
@@ -101,6 +122,7 @@ _BUILD_KEY_FIELDS: dict[str, Check] = {
     "attention": jc.string,
     "context_parallel": jc.one_of("gather", "ulysses"),
     "pipeline": jc.key_of(PIPELINES),
+    "step_cache": jc.boolean,
     "vae_vmem_mib": jc.optional(jc.POSITIVE),
 }
 
@@ -231,7 +253,7 @@ class Manifest:
     def step_lower_bound(self) -> float | None:
         """Seconds a denoise step takes at the device's peak bf16 rate (the roofline): a
         measured step over it is the step's MFU."""
-        step = self.programs.get("denoise_step")
+        step = self.programs.get(self.key.step_program)
         if step is None or not self.peak_flops:
             return None
         return (step.flops + step.kernel_flops) / self.peak_flops
@@ -295,10 +317,12 @@ _MANIFEST_FIELDS: dict[str, Check] = {
 
 def _check_pipeline(fields: dict[str, Any]) -> None:
     """The build holds exactly the programs of its pipeline variant."""
-    pipeline = fields["key"].pipeline
-    if set(fields["programs"]) != set(PIPELINES[pipeline]):
+    key = fields["key"]
+    if set(fields["programs"]) != set(key.programs):
         raise jc.malformed(
-            "programs", f"must be those of pipeline {pipeline}: {', '.join(PIPELINES[pipeline])}"
+            "programs",
+            f"must be those of pipeline {key.pipeline}"
+            f"{' with step caching' if key.step_cache else ''}: {', '.join(key.programs)}",
         )
 
 

@@ -20,8 +20,9 @@ class BuildOption:
     help: str  # may name {vae_vmem_mib} (aot.targets.VAE_VMEM_MIB), filled in by aot.cli
     token: Callable[[Any], str]  # build key -> its part of the folder name ("": left out)
     argv: Callable[[Any], list[str]]  # build key -> the flag and value asking for exactly it
-    default: str = "auto"
+    default: str | bool = "auto"
     choices: tuple[str, ...] | None = None
+    is_flag: bool = False  # a switch: its value is True when given
 
 
 def _mesh_text(key: Any, separator: str) -> str:
@@ -72,5 +73,15 @@ OPTIONS: tuple[BuildOption, ...] = (
         argv=lambda k: ["--pipeline", k.pipeline],
         default=DEFAULT_PIPELINE,
         choices=tuple(PIPELINES),
+    ),
+    BuildOption(
+        "step_cache", "--step-cache",
+        "Also build step caching's programs (wan.interface.STEP_CACHE_PROGRAMS), which "
+        "`runtime run --cache magcache|fbcache` runs: a step that keeps the transformer "
+        "blocks' residual on the devices, and one that reuses it instead of running the blocks.",
+        token=lambda k: "_stepcache" if k.step_cache else "",
+        argv=lambda k: ["--step-cache"] if k.step_cache else [],
+        default=False,
+        is_flag=True,
     ),
 )  # fmt: skip

@@ -22,11 +22,14 @@ from tqdm import tqdm
 
 from runtime import clock, processes
 from runtime.artifact import ArtifactError, Manifest
+from runtime.cache_request import DEFAULT_THRESHOLDS, CacheRequest, check_cache
 from runtime.cli_args import CliError, OneLineErrors, parse_resolution
 from runtime.loader import Present, Request, match_build
 from runtime.outputs import OutputError, check_outputs, npy_path, staged, write_npy
 from runtime.request import check_finite, check_text, latent_shape, read_init_noise
+from runtime.step_cache import read_mag_ratios, write_mag_ratios
 from runtime.video import video_paths
+from wan import interface
 from wan.configs import ModelConfig, VideoShape
 from wan.presets import model_spec
 
@@ -132,6 +135,45 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float | None) -> 
     "--coordinator",
     help="Multi-process builds: host:port of process 0; run one `runtime run` per process.",
 )
+@click.option(
+    "--cache",
+    type=click.Choice(["magcache", "fbcache"]),
+    help="Step caching (a build with --step-cache): skip the transformer blocks on steps where "
+    "their residual is predicted (MagCache) or the first block's barely changed (fbcache).",
+)
+@click.option(
+    "--cache-threshold",
+    type=float,
+    callback=_finite,
+    help="MagCache: accumulated error allowed (default 0.06); fbcache: the first block's "
+    "relative change under which a step reuses the other blocks (default 0.05).",
+)
+@click.option(
+    "--cache-max-skip",
+    default=3,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="MagCache: most consecutive skipped steps.",
+)
+@click.option(
+    "--cache-retention",
+    default=0.2,
+    show_default=True,
+    type=click.FloatRange(0, 1),
+    help="MagCache: fraction of the first steps never skipped.",
+)
+@click.option(
+    "--mag-ratios",
+    type=click.Path(path_type=Path, exists=True, dir_okay=False),
+    help="MagCache: this model's ratios, a JSON list (two-expert models: an object per "
+    "transformer), e.g. from --calibrate-mag-ratios (default: the shipped ones of the preset).",
+)
+@click.option(
+    "--calibrate-mag-ratios",
+    "calibrate_path",
+    type=click.Path(path_type=Path),
+    help="MagCache: skip nothing and write this model's ratios to this JSON file.",
+)
 @click.option("--num-processes", default=1, show_default=True, type=click.IntRange(min=1))
 @click.option("--process-id", default=0, show_default=True, type=click.IntRange(min=0))
 @click.option(
@@ -144,7 +186,8 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float | None) -> 
 def run_cmd(
     artifacts, weights, prompt, negative_prompt, resolution, frames, batch, steps, guidance,
     guidance_2, seed, sampler, shift, lora_args, lora_2_args, init_noise, save_frames, report_path,
-    out, build_name, coordinator, num_processes, process_id, join_timeout,
+    out, build_name, cache, cache_threshold, cache_max_skip, cache_retention, mag_ratios,
+    calibrate_path, coordinator, num_processes, process_id, join_timeout,
 ) -> None:  # fmt: skip
     """Generate a video with the build that matches --res/--frames/--batch.
 
@@ -152,7 +195,7 @@ def run_cmd(
     process loads the same build and runs it SPMD; process 0 writes the files."""
     width, height = parse_resolution(resolution)
     _check_arguments(weights, coordinator, num_processes, process_id)
-    _check_outputs(_outputs(out, batch, save_frames, report_path))
+    _check_outputs(_outputs(out, batch, save_frames, report_path, calibrate_path))
     # Imported once the paths are known good: wan.lora brings ml_dtypes (a second or more).
     from wan import lora
 
@@ -161,6 +204,10 @@ def run_cmd(
         config = ModelConfig.from_folder(weights)
         request = Request(VideoShape(width, height, frames, batch, guidance > 1.0), config.hash())
         lora.check_experts(config.num_experts, loras_2)
+        cache_request = _cache_request(
+            cache, cache_threshold, cache_max_skip, cache_retention, mag_ratios, calibrate_path,
+            config.num_experts,
+        )  # fmt: skip
     except (ValueError, OSError) as e:  # LoraError is a ValueError
         raise CliError(str(e)) from None
 
@@ -178,6 +225,12 @@ def run_cmd(
             raise CliError(str(e)) from None
 
     folder, manifest = _start(match, coordinator, num_processes, process_id, join_timeout)
+    # Before any weight loads: a build without step caching, or a model without ratios.
+    ratios = check_cache(
+        manifest.key, cache_request, config.num_experts, model_spec(config, weights), str(artifacts)
+    )
+    if ratios is not None:
+        cache_request = dataclasses.replace(cache_request, mag_ratios=ratios)
     from runtime.pipeline import Pipeline
     from wan.tokenizer import TokenizerError
     from wan.weights import WeightError
@@ -190,13 +243,14 @@ def run_cmd(
             videos, report = pipe.generate(
                 prompt, negative_prompt, steps=steps, guidance=guidance, guidance_2=guidance_2,
                 seed=seed, init_noise=noise, on_step=on_step, sampler=sampler, shift=shift,
+                cache=cache_request,
             )  # fmt: skip
     except (ArtifactError, lora.LoraError, WeightError, TokenizerError, ValueError, OSError) as e:
         raise CliError(str(e)) from None
     import jax
 
     if jax.process_index() == 0:
-        _write(videos, report, imports, out, save_frames, report_path)
+        _write(videos, report, imports, out, save_frames, report_path, calibrate_path)
 
 
 @contextlib.contextmanager
@@ -227,15 +281,55 @@ def _check_arguments(
 
 
 def _outputs(
-    out: Path, batch: int, save_frames: Path | None, report_path: Path | None
+    out: Path,
+    batch: int,
+    save_frames: Path | None,
+    report_path: Path | None,
+    calibrate_path: Path | None,
 ) -> list[tuple[Path, str]]:
-    """Every file the run writes, with its option: the videos, the frames' .npy, the report."""
+    """Every file the run writes, with its option: the videos, the frames' .npy, the report,
+    the calibrated MagCache ratios."""
     outputs = [(p, "--out") for p in video_paths(out, batch)]
     if save_frames is not None:
         outputs.append((npy_path(save_frames), "--save-frames"))
     if report_path is not None:
         outputs.append((report_path, "--report"))
+    if calibrate_path is not None:
+        outputs.append((calibrate_path, "--calibrate-mag-ratios"))
     return outputs
+
+
+def _cache_request(
+    cache: str | None,
+    threshold: float | None,
+    max_skip: int,
+    retention: float,
+    mag_ratios: Path | None,
+    calibrate_path: Path | None,
+    num_experts: int,
+) -> CacheRequest | None:
+    """The step caching asked for, its ratios file read and checked."""
+    if cache is None:
+        if threshold is not None or mag_ratios or calibrate_path:
+            raise CliError(
+                "--cache-threshold, --mag-ratios and --calibrate-mag-ratios need --cache"
+            )
+        return None
+    if cache != "magcache" and (mag_ratios or calibrate_path):
+        raise CliError(
+            "--mag-ratios and --calibrate-mag-ratios are MagCache's: use --cache magcache"
+        )
+    if mag_ratios and calibrate_path:
+        raise CliError("--calibrate-mag-ratios measures the ratios: leave out --mag-ratios")
+    experts = interface.components(num_experts)[1:-1]
+    return CacheRequest(
+        kind=cache,
+        threshold=DEFAULT_THRESHOLDS[cache] if threshold is None else threshold,
+        max_skip=max_skip,
+        retention=retention,
+        mag_ratios=read_mag_ratios(mag_ratios, experts) if mag_ratios else None,
+        calibrate=calibrate_path is not None,
+    )
 
 
 def _check_outputs(outputs: list[tuple[Path, str]]) -> None:
@@ -281,13 +375,15 @@ def _write(
     out: Path,
     save_frames: Path | None,
     report_path: Path | None,
+    calibrate_path: Path | None,
 ) -> None:
-    """The videos, the frames and the report, with the write and the whole run timed: all staged
-    and then renamed into place together, or none of them on a failure (runtime.outputs)."""
+    """The videos, the frames, the report and the calibrated ratios, with the write and the
+    whole run timed: all staged and then renamed into place together, or none of them on a
+    failure (runtime.outputs)."""
     from runtime.video import write_mp4
 
     written = time.time()
-    outputs = [p for p, _ in _outputs(out, len(videos), save_frames, report_path)]
+    outputs = [p for p, _ in _outputs(out, len(videos), save_frames, report_path, calibrate_path)]
     with staged(outputs) as temporaries:
         staging = dict(zip(outputs, temporaries, strict=True))
         video_files = video_paths(out, len(videos))
@@ -306,6 +402,9 @@ def _write(
                 "write": round(time.time() - written, 4),
             },
         )
+        if calibrate_path:
+            with _writing(calibrate_path):
+                write_mag_ratios(staging[calibrate_path], report.cache.mag_ratios)
         if report_path:
             with _writing(report_path):
                 staging[report_path].write_text(json.dumps(dataclasses.asdict(report), indent=1))

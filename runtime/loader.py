@@ -22,7 +22,7 @@ from runtime.artifact import (
 )
 from runtime.executables import executable_device_ids, load_executable
 from wan.configs import VideoShape
-from wan.interface import PIPELINES, SIGNATURES
+from wan.interface import SIGNATURES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,7 +223,7 @@ def ordered_devices(manifest: Manifest, devices: list[Any], blobs: dict[str, byt
 
 def check_signatures(folder: Path, manifest: Manifest) -> None:
     """The build's programs take and return what this runtime passes and reads, by name."""
-    for name in PIPELINES[manifest.key.pipeline]:
+    for name in manifest.key.programs:
         entry, signature = manifest.programs[name], SIGNATURES[name]
         if (tuple(entry.input_names), tuple(entry.output_names)) != (
             signature.inputs,
@@ -244,7 +244,7 @@ def load_build(folder: Path, manifest: Manifest, devices: list[Any]) -> dict[str
     # Read once and checked again: the bytes deserialised are the bytes hashed.
     blobs = {
         name: read_verified(folder, manifest.programs[name].executable)
-        for name in PIPELINES[manifest.key.pipeline]
+        for name in manifest.key.programs
     }
     ordered = ordered_devices(manifest, devices, blobs)
     loaded = {}

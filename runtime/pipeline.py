@@ -21,6 +21,8 @@ import numpy as np
 
 from runtime import clock
 from runtime.artifact import ArtifactError, BuildKey, Manifest
+from runtime.cache_request import CacheOutcome, CacheRequest, check_cache
+from runtime.denoise import Denoiser, place
 from runtime.loader import Present, Request, load_build, match_build
 from runtime.request import RequestError, check_settings, check_text, initial_latents
 from wan import checkpoint, interface, lora, schedulers, tokenizer
@@ -75,12 +77,6 @@ def no_compilation() -> Iterator[CompileCounter]:
         raise ArtifactError(f"{counter.count} compilation(s) happened during generation")
 
 
-def place(value: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
-    """Host array -> device array with `sharding`, each device receiving only its shards."""
-    value = np.asarray(value)
-    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
-
-
 def handoff(x: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
     """`x` for a program whose input sharding is `sharding` (equal by construction)."""
     if not x.sharding.is_equivalent_to(sharding, x.ndim):
@@ -119,6 +115,7 @@ class GenerationReport:
     sampler: str  # the sampler and flow shift the step tables were made for
     shift: float
     loras: list[lora.AppliedLora]  # merged into the weights at load
+    cache: CacheOutcome  # step caching: what it skipped (`cache` None: off)
 
 
 LoraSpecs = Sequence[tuple[str | Path, float]]  # (file, scale) pairs
@@ -205,7 +202,7 @@ class Pipeline:
         # a component the same parameter shardings.
         abstracts = {}
         for component in interface.components(config.num_experts):
-            program = interface.first_program_taking(component)
+            program = interface.first_program_taking(component, key.programs)
             info, shardings = (
                 interface.named(program, inputs)["params"]
                 for inputs in (
@@ -251,17 +248,22 @@ class Pipeline:
         on_step: Callable[[int, int], None] | None = None,
         sampler: str | None = None,
         shift: float | None = None,
+        cache: CacheRequest | None = None,
     ) -> tuple[np.ndarray, GenerationReport]:
         """uint8 frames (B, F, H, W, 3). `init_noise` in the diffusers layout (B, C, T, h, w).
 
         `sampler` ('unipc' or 'euler') and the flow `shift` default to the model's scheduler;
         both only change the host-side step tables, so any build serves any choice (the
-        solver order, which sizes the sampler state, is the build's)."""
+        solver order, which sizes the sampler state, is the build's). `cache`: step caching
+        (a build with `--step-cache`); its report is the report's `cache`."""
         started_at, start = time.time(), time.perf_counter()
         check_settings(guidance, guidance_2, shift)
+        ratios = check_cache(
+            self.key, cache, self.config.num_experts, model_spec(self.config, self.key.model)
+        )
         texts = self._texts(prompt, negative_prompt)
-        step_args = interface.named("denoise_step", self.exe["denoise_step"].args_info[0])
-        latent_shape = tuple(step_args["latents"].shape)
+        step = self.key.step_program
+        latent_shape = tuple(interface.named(step, self.exe[step].args_info[0])["latents"].shape)
         latents = initial_latents(latent_shape, seed, init_noise)
         scheduler = dataclasses.replace(
             self.config.scheduler,
@@ -271,17 +273,22 @@ class Pipeline:
         tables = schedulers.make_tables(scheduler, steps)
         state = schedulers.init_state(scheduler, latent_shape)
         experts, expert_at = self._experts(tables, guidance, guidance_2)
+        denoiser = Denoiser(
+            self._run, self.exe, step, self.config.transformer.num_layers, self.key.cfg, cache,
+            ratios,
+        )  # fmt: skip
         marks = {}  # phase -> seconds from start to its end
         with no_compilation() as counter:
             emb = self._encode(texts)
             marks["text_encode"] = time.perf_counter() - start
             kv = self._kv_caches(emb, experts)
             marks["kv_cache"] = time.perf_counter() - start
-            x = self._denoise(latents, state, tables, kv, expert_at, on_step)
+            x = self._denoise(latents, state, tables, kv, expert_at, on_step, denoiser)
             marks["denoise"] = time.perf_counter() - start
             frames = self._decode(x)
             marks["vae_decode"] = time.perf_counter() - start
-        return frames, self._report(counter.count, started_at, marks, steps, scheduler)
+        report = self._report(counter.count, started_at, marks, steps, scheduler)
+        return frames, dataclasses.replace(report, cache=denoiser.outcome(steps))
 
     def _report(
         self,
@@ -315,6 +322,7 @@ class Pipeline:
             sampler=scheduler.kind,
             shift=scheduler.flow_shift,
             loras=list(self.loras),
+            cache=CacheOutcome(None, {}, [], 0, 0),
         )
 
     def _experts(
@@ -373,9 +381,10 @@ class Pipeline:
         kv: dict[str, Any],
         expert_at: Callable[[int], tuple[str, float]],
         on_step: Callable[[int, int], None] | None,
+        denoiser: Denoiser,
     ) -> jax.Array:
         """The latents after every step; `expert_at(i)`: step i's transformer and guidance."""
-        step_in = interface.named("denoise_step", self.exe["denoise_step"].input_shardings[0])
+        step_in = denoiser.inputs
         out = {
             "latents": place(latents, step_in["latents"]),
             "state": {
@@ -386,14 +395,18 @@ class Pipeline:
         steps = tables.num_steps
         for i in range(steps):
             expert, scale = expert_at(i)
-            out = self._run(
-                "denoise_step",
-                params=self.params[expert],
-                latents=out["latents"],
-                kv=tuple(handoff(a, s) for a, s in zip(kv[expert], step_in["kv"], strict=True)),
-                row={k: place(v, step_in["row"][k]) for k, v in tables.row(i).items()},
-                state=out["state"],
-                guidance=place(np.float32(scale), step_in["guidance"]),
+            out = denoiser.step(
+                i,
+                steps,
+                expert,
+                dict(
+                    params=self.params[expert],
+                    latents=out["latents"],
+                    kv=tuple(handoff(a, s) for a, s in zip(kv[expert], step_in["kv"], strict=True)),
+                    row={k: place(v, step_in["row"][k]) for k, v in tables.row(i).items()},
+                    state=out["state"],
+                    guidance=place(np.float32(scale), step_in["guidance"]),
+                ),
             )
             # Waiting for each step costs little next to a step (dispatch overlaps the next
             # step's host work only), and it lets a NaN be named by the step that made it.

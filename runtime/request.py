@@ -57,7 +57,9 @@ def check_text(name: str, text: str) -> None:
 
 def latent_shape(manifest: Manifest) -> tuple[int, ...]:
     """The build's latents, channels-last (B, T, h, w, C): the denoise step's input."""
-    (spec,) = (s for s in manifest.programs["denoise_step"].inputs if s.path == "latents")
+    (spec,) = (
+        s for s in manifest.programs[manifest.key.step_program].inputs if s.path == "latents"
+    )
     return tuple(spec.shape)
 
 

@@ -27,6 +27,29 @@ SIGNATURES: dict[str, Signature] = {
     "denoise_step": Signature(
         ("params", "latents", "kv", "row", "state", "guidance"), ("latents", "state"), "transformer"
     ),
+    # Step caching (`aot build --step-cache`): a full step that also leaves the blocks'
+    # residuals on the devices (and reuses them after the first block when the first-block
+    # cache's `threshold` allows), and MagCache's step that runs no block.
+    "cache_step": Signature(
+        (
+            "params",
+            "latents",
+            "kv",
+            "row",
+            "state",
+            "guidance",
+            "first_residual",
+            "residual",
+            "threshold",
+        ),
+        ("latents", "state", "first_residual", "residual", "residual_norm", "skipped"),
+        "transformer",
+    ),
+    "cached_step": Signature(
+        ("params", "latents", "kv", "row", "state", "guidance", "first_residual", "residual"),
+        ("latents", "state"),
+        "transformer",
+    ),
     # The denoised latents from the transformer's layout to the decode's, on the devices: the
     # decode then depends on the VAE's mesh only, and models with other transformer meshes
     # share it.
@@ -40,6 +63,30 @@ PIPELINES: dict[str, tuple[str, ...]] = {
     "t2v": ("text_encode", "kv_cache", "denoise_step", "latents_handoff", "vae_decode"),
 }
 DEFAULT_PIPELINE = "t2v"
+# What a build with step caching holds in place of a program.
+STEP_CACHE_PROGRAMS: dict[str, tuple[str, ...]] = {"denoise_step": ("cache_step", "cached_step")}
+
+
+def pipeline_programs(pipeline: str, step_cache: bool = False) -> tuple[str, ...]:
+    """The programs a build of `pipeline` holds (with step caching: see STEP_CACHE_PROGRAMS)."""
+    names = PIPELINES[pipeline]
+    if not step_cache:
+        return names
+    return tuple(p for name in names for p in STEP_CACHE_PROGRAMS.get(name, (name,)))
+
+
+def producer(source: str, programs: Sequence[str]) -> tuple[str, str]:
+    """(program, output) of `source` ("program.output") in a build holding `programs`: a
+    program replaced by step caching's is replaced by the first of them, which has its outputs."""
+    program, output = source.split(".")
+    if program not in programs:
+        program = STEP_CACHE_PROGRAMS[program][0]
+    return program, output
+
+
+def full_step(programs: Sequence[str]) -> str:
+    """The program that runs a whole denoise step in a build holding `programs`."""
+    return producer("denoise_step.latents", programs)[0]
 
 
 def components(num_experts: int) -> tuple[str, ...]:
@@ -60,8 +107,10 @@ def named(program: str, values: Sequence[Any]) -> dict[str, Any]:
     return dict(zip(SIGNATURES[program].inputs, values, strict=True))
 
 
-def first_program_taking(component: str, pipeline: str = DEFAULT_PIPELINE) -> str:
-    """The first program of `pipeline` whose `params` are `component`'s (a second expert is a
+def first_program_taking(
+    component: str, programs: Sequence[str] = PIPELINES[DEFAULT_PIPELINE]
+) -> str:
+    """The first of `programs` whose `params` are `component`'s (a second expert is a
     transformer)."""
     kind = "transformer" if component.startswith("transformer") else component
-    return next(name for name in PIPELINES[pipeline] if SIGNATURES[name].weights == kind)
+    return next(name for name in programs if SIGNATURES[name].weights == kind)

@@ -31,6 +31,7 @@ from wan import axes, interface, kinds, schedulers, sharding
 from wan.configs import ModelConfig, VideoShape
 from wan.sharding import LATENTS, VIDEO
 from wan.text_encoder import prompt_embeddings
+from wan.transformer import HIDDEN, Embedded, WanTransformer
 from wan.vae import WanVAE, denormalize_latents
 
 Tree = Any
@@ -208,9 +209,29 @@ def sampler_row_shapes(config: ModelConfig) -> dict[str, jax.ShapeDtypeStruct]:
     return {k: _sds(np.shape(v), np.float32) for k, v in row.items()}
 
 
-def denoise_step_program(
-    config: ModelConfig, shape: VideoShape, attention: str, context_parallel: str = "gather"
+# A transformer pass of a denoise step: (model, embedded step inputs, KV cache, the program's
+# extra inputs by name) -> (the blocks' output tokens, the program's extra outputs by name).
+TransformerPass = Callable[[WanTransformer, Embedded, Any, dict[str, Any]], tuple[jax.Array, dict]]
+
+
+def _all_blocks(model: WanTransformer, embedded: Embedded, kv: Any, extra: dict) -> tuple:
+    return model.run_blocks(embedded, kv), {}
+
+
+def _step_program(
+    name: str,
+    config: ModelConfig,
+    shape: VideoShape,
+    attention: str,
+    context_parallel: str,
+    transformer_pass: TransformerPass = _all_blocks,
+    extra_args: dict[str, Tree] | None = None,
+    extra_axes: dict[str, Tree] | None = None,
+    extra_out_axes: dict[str, Tree] | None = None,
+    donate: tuple[str, ...] = (),
 ) -> Program:
+    """A denoise step: the transformer on the latents (both CFG passes at once), guidance and
+    the sampler's update; `transformer_pass` runs the blocks (or stands in for them)."""
     graphdef, params, param_axes = split_abstract(
         abstract_module(config, "transformer", attention, context_parallel)
     )
@@ -220,8 +241,13 @@ def denoise_step_program(
     row = sampler_row_shapes(config)
     state = state_shapes(config, shape)
     state_axes = {"last_sample": LATENTS, "x0_history": (None, *LATENTS)}
+    extra_args, extra_axes, extra_out_axes = (
+        extra_args or {},
+        extra_axes or {},
+        extra_out_axes or {},
+    )
 
-    def denoise_step(params, latents, kv, row, state, guidance):
+    def step(params, latents, kv, row, state, guidance, *extra):
         model = nnx.merge(graphdef, params)
         x = latents.astype(config.dtype)
         if shape.cfg:
@@ -229,7 +255,11 @@ def denoise_step_program(
             # a video's latents holds both of its passes, so guidance needs no collective.
             x = jnp.repeat(x, 2, axis=0)
         t = jnp.broadcast_to(row["timestep"], (x.shape[0],))
-        flow = model(x, t, kv_cache=kv).astype(jnp.float32)
+        embedded = model.embed(x, t)
+        tokens, extra_out = transformer_pass(
+            model, embedded, kv, dict(zip(extra_args, extra, strict=True))
+        )
+        flow = model.head(tokens, embedded).astype(jnp.float32)
         if shape.cfg:
             pairs = flow.reshape(-1, 2, *flow.shape[1:])
             cond, uncond = pairs[:, 0], pairs[:, 1]
@@ -238,20 +268,120 @@ def denoise_step_program(
             row, schedulers.SamplerState(**state), flow, latents.astype(jnp.float32)
         )
         new_state = {"last_sample": new_state.last_sample, "x0_history": new_state.x0_history}
-        return {"latents": sharding.constrain(new, LATENTS), "state": new_state}
+        return {"latents": sharding.constrain(new, LATENTS), "state": new_state, **extra_out}
 
     return Program(
-        "denoise_step",
-        denoise_step,
+        name,
+        step,
         {"params": params, "latents": latents, "kv": (kv, kv), "row": row, "state": state,
-         "guidance": _sds((), jnp.float32)},
+         "guidance": _sds((), jnp.float32), **extra_args},
         {"params": param_axes, "latents": LATENTS, "kv": (kv_axes, kv_axes),
          "row": {k: (None,) * len(s.shape) for k, s in row.items()}, "state": state_axes,
-         "guidance": ()},
-        {"latents": LATENTS, "state": state_axes},
+         "guidance": (), **extra_axes},
+        {"latents": LATENTS, "state": state_axes, **extra_out_axes},
         "transformer",
-        donate=("latents", "state"),  # a step holds one copy of each
+        donate=("latents", "state", *donate),  # a step holds one copy of each
         analyses=("attention_kernels",),
+    )  # fmt: skip
+
+
+def denoise_step_program(
+    config: ModelConfig, shape: VideoShape, attention: str = "dot", context_parallel: str = "gather"
+) -> Program:
+    return _step_program("denoise_step", config, shape, attention, context_parallel)
+
+
+# ----------------------------------------------------------------------------------------------
+# Step caching (`aot build --step-cache`). Two residuals of the tokens, carried on the devices
+# from the last computed step: the first block's (its output minus its input) and the other
+# blocks' (the last block's output minus the first's). MagCache's residual of all the blocks is
+# their sum; the first-block cache compares the first and reuses the second.
+
+RESIDUAL_AXES: Axes = HIDDEN
+
+
+def _residual_shape(config: ModelConfig, shape: VideoShape) -> jax.ShapeDtypeStruct:
+    tokens = shape.tokens(config) // shape.batch
+    return _sds((shape.step_batch, tokens, config.transformer.inner_dim), config.dtype)
+
+
+def _first_block_change(first: jax.Array, previous: jax.Array, cfg: bool) -> jax.Array:
+    """The first block residual's relative change since the last computed step (diffusers'
+    FirstBlockCache: mean |r - r_prev| / mean |r_prev|), per cache context: with CFG the prompt
+    rows and the negative-prompt rows each make one, as diffusers' two passes do."""
+    change = jnp.abs(first.astype(jnp.float32) - previous.astype(jnp.float32)).sum(axis=(1, 2))
+    size = jnp.abs(previous.astype(jnp.float32)).sum(axis=(1, 2))
+    if cfg:
+        change, size = change.reshape(-1, 2).sum(0), size.reshape(-1, 2).sum(0)
+    else:
+        change, size = change.sum(keepdims=True), size.sum(keepdims=True)
+    return change / size
+
+
+def _cache_pass(cfg: bool) -> TransformerPass:
+    """The first block, then the others unless the first's residual changed by at most
+    `threshold` in every context (a negative threshold always computes): the first-block
+    cache's decision, made on the devices so that a step needs no host round trip."""
+
+    def cache_pass(model, embedded, kv, extra):
+        x0 = embedded.tokens
+        layers = model.config.num_layers
+        xa = model.run_block_range(x0, embedded, kv, 0, 1)
+        first = xa - x0
+        change = _first_block_change(first, extra["first_residual"], cfg)
+        skip = jnp.all(change <= extra["threshold"])
+
+        def computed(_):
+            x1 = model.run_block_range(xa, embedded, kv, 1, layers)
+            return x1, first, x1 - xa
+
+        def reused(_):
+            return xa + extra["residual"], extra["first_residual"], extra["residual"]
+
+        x1, first_out, rest_out = jax.lax.cond(skip, reused, computed, None)
+        norms = jnp.linalg.norm((x1 - x0).astype(jnp.float32), axis=-1)
+        return x1, {
+            "first_residual": sharding.constrain(first_out, RESIDUAL_AXES),
+            "residual": sharding.constrain(rest_out, RESIDUAL_AXES),
+            "residual_norm": sharding.constrain(norms, RESIDUAL_AXES[:2]),
+            "skipped": skip,
+        }
+
+    return cache_pass
+
+
+def _cached_pass(model, embedded, kv, extra):
+    """MagCache's skipped step: the blocks' output is their input plus the last computed
+    step's residual of all the blocks."""
+    return embedded.tokens + extra["first_residual"] + extra["residual"], {}
+
+
+def cache_step_program(
+    config: ModelConfig, shape: VideoShape, attention: str = "dot", context_parallel: str = "gather"
+) -> Program:
+    """A full step that also leaves its residuals on the devices and their per-token norms for
+    the host (MagCache's calibration), or, under the first-block cache's threshold, reuses the
+    given residual after the first block."""
+    residual = _residual_shape(config, shape)
+    return _step_program(
+        "cache_step", config, shape, attention, context_parallel, _cache_pass(shape.cfg),
+        {"first_residual": residual, "residual": residual, "threshold": _sds((), jnp.float32)},
+        {"first_residual": RESIDUAL_AXES, "residual": RESIDUAL_AXES, "threshold": ()},
+        {"first_residual": RESIDUAL_AXES, "residual": RESIDUAL_AXES,
+         "residual_norm": RESIDUAL_AXES[:2], "skipped": ()},
+        donate=("first_residual", "residual"),
+    )  # fmt: skip
+
+
+def cached_step_program(
+    config: ModelConfig, shape: VideoShape, attention: str = "dot", context_parallel: str = "gather"
+) -> Program:
+    """A step whose blocks are replaced by the given residuals (MagCache's skipped step)."""
+    residual = _residual_shape(config, shape)
+    return _step_program(
+        "cached_step", config, shape, attention, context_parallel, _cached_pass,
+        {"first_residual": residual, "residual": residual},
+        {"first_residual": RESIDUAL_AXES, "residual": RESIDUAL_AXES},
     )  # fmt: skip
 
 
@@ -337,9 +467,16 @@ class ProgramOptions:
 MAKERS: dict[str, Callable[[ModelConfig, VideoShape, ProgramOptions], Program]] = {
     "text_encode": lambda config, shape, o: text_encode_program(config, shape),
     "kv_cache": lambda config, shape, o: kv_cache_program(config, shape, o.attention),
-    "denoise_step": lambda config, shape, o: denoise_step_program(
-        config, shape, o.attention, o.context_parallel
-    ),
+    **{
+        name: lambda config, shape, o, make=make: make(
+            config, shape, o.attention, o.context_parallel
+        )
+        for name, make in (
+            ("denoise_step", denoise_step_program),
+            ("cache_step", cache_step_program),
+            ("cached_step", cached_step_program),
+        )
+    },
     "latents_handoff": lambda config, shape, o: latents_handoff_program(
         config, shape, o.gather_latents
     ),
@@ -352,6 +489,8 @@ def programs(
     shape: VideoShape,
     options: ProgramOptions,
     pipeline: str = interface.DEFAULT_PIPELINE,
+    step_cache: bool = False,
 ) -> list[Program]:
-    """The programs of `pipeline`, in the order a generation runs them."""
-    return [MAKERS[name](config, shape, options) for name in interface.PIPELINES[pipeline]]
+    """The programs of `pipeline` (with step caching's), in the order a generation runs them."""
+    names = interface.pipeline_programs(pipeline, step_cache)
+    return [MAKERS[name](config, shape, options) for name in names]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +35,17 @@ from wan.sharding import constrain, logical_init
 
 Axes = tuple[str | None, ...]
 KVCache = tuple[jax.Array, jax.Array]  # (keys, values), each (num_layers, B, L, inner_dim)
+
+
+class Embedded(NamedTuple):
+    """A step's inputs to the blocks (WanTransformer.embed)."""
+
+    tokens: jax.Array  # (B, S, dim) patch embeddings
+    temb: jax.Array  # (B, dim) timestep embedding
+    time6: jax.Array  # (B, 6, dim) the blocks' modulation
+    rope: tuple[jax.Array, jax.Array]
+    grid: tuple[int, int, int]  # (frames, rows, cols) of tokens
+
 
 HIDDEN: Axes = (axes.BATCH, axes.LENGTH, axes.ACT_EMBED)  # "embed" names weight dims only
 KV: Axes = (axes.BATCH, axes.KV_LENGTH, axes.HEADS)
@@ -360,6 +372,12 @@ class WanTransformer(nnx.Module):
             raise ValueError("pass exactly one of encoder_hidden_states and kv_cache")
         if kv_cache is None:
             kv_cache = self.compute_kv_cache(encoder_hidden_states)
+        embedded = self.embed(latents, timestep)
+        return self.head(self.run_blocks(embedded, kv_cache), embedded)
+
+    def embed(self, latents: jax.Array, timestep: jax.Array) -> Embedded:
+        """What every block takes besides its text keys/values: the patch tokens, the timestep's
+        embedding and modulation, the rotary tables."""
         batch = latents.shape[0]
         grid = self.config.patch_grid(latents.shape[1:4])
         rope = rope_tables(grid, self.config.attention_head_dim)
@@ -372,23 +390,47 @@ class WanTransformer(nnx.Module):
         conv = self.patch_embedding
         x = patches @ conv.kernel[...].reshape(-1, self.config.inner_dim) + conv.bias[...]
         temb, time6 = self.condition_embedder.time(jnp.broadcast_to(timestep, (batch,)))
+        return Embedded(x, temb, time6, rope, grid)
 
+    def run_blocks(self, embedded: Embedded, kv_cache: KVCache) -> jax.Array:
+        """The tokens after every block: one scanned block body."""
         graphdef, params = nnx.split(self.blocks)
 
         @jax.named_scope("blocks")
         def layer(x, inputs):
             p, k, v = inputs
-            x = nnx.merge(graphdef, p)(constrain(x, HIDDEN), (k, v), time6, rope)
+            x = nnx.merge(graphdef, p)(constrain(x, HIDDEN), (k, v), embedded.time6, embedded.rope)
             return constrain(x, HIDDEN), None
 
-        x, _ = jax.lax.scan(layer, x, (params, *kv_cache))
+        x, _ = jax.lax.scan(layer, embedded.tokens, (params, *kv_cache))
+        return x
 
+    def run_block_range(
+        self, x: jax.Array, embedded: Embedded, kv_cache: KVCache, start: int, stop: int
+    ) -> jax.Array:
+        """`x` after blocks start..stop-1: a loop that reads each layer's slice of the stacked
+        weights in place (slicing the stack for a scan would copy the weights)."""
+        graphdef, params = nnx.split(self.blocks)
+
+        @jax.named_scope("blocks")
+        def layer(i, x):
+            p, k, v = jax.tree.map(
+                lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False),
+                (params, *kv_cache),
+            )
+            x = nnx.merge(graphdef, p)(constrain(x, HIDDEN), (k, v), embedded.time6, embedded.rope)
+            return constrain(x, HIDDEN)
+
+        return jax.lax.fori_loop(start, stop, layer, x)
+
+    def head(self, x: jax.Array, embedded: Embedded) -> jax.Array:
+        """The blocks' output tokens -> flow (B, T, H, W, C_out)."""
         # Batch-sharded like the tokens; left to XLA, the weights' fsdp layout of the time
         # embedding's channels reaches here and is undone by an all-to-all.
-        temb = constrain(temb, (axes.BATCH, axes.ACT_EMBED))
+        temb = constrain(embedded.temb, (axes.BATCH, axes.ACT_EMBED))
         shift, scale = jnp.split(self.scale_shift_table[...] + temb[:, None], 2, axis=1)
         x = (self.norm_out(x.astype(jnp.float32)) * (1 + scale) + shift).astype(self.dtype)
-        return self._unpatchify(self.proj_out(x), grid)
+        return self._unpatchify(self.proj_out(x), embedded.grid)
 
     def _patchify(self, x: jax.Array, grid: tuple[int, int, int]) -> jax.Array:
         """(B, T, H, W, C) -> (B, S, pt*ph*pw*C), patch channels ordered (pt, ph, pw, C) as the
