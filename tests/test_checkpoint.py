@@ -10,12 +10,14 @@ import numpy as np
 import pytest
 import torch
 from diffusers import WanTransformer3DModel
+from flax import nnx
 from jax.sharding import NamedSharding
 
 from wan import checkpoint, programs, sharding, weights
 from wan.configs import ModelConfig
 from wan.presets import PRESETS
 from wan.random_weights import random_params, write_random_checkpoint
+from wan.vae_encoder import WanVAEEncoder
 
 TINY = PRESETS["tiny"]
 
@@ -87,6 +89,48 @@ def test_checkpoint_names_missing_and_misshaped_parameters(tiny_checkpoint):
         weights.WeightError, match=r"missing weight for extra\.w, expected shape \(2,\)"
     ):
         checkpoint.load_component(tiny_checkpoint, "transformer", extra)
+
+
+@pytest.fixture(scope="module")
+def vae_with_encoder():
+    """The tiny VAE's parameters as checkpoints held them when the decode component still had
+    the encoder: the decode half's, the encoder's beside them, and the decode half's abstract."""
+    decode = random_params(TINY, "vae", seed=5)
+    encoder = nnx.to_pure_dict(
+        nnx.state(nnx.eval_shape(lambda: WanVAEEncoder(TINY.vae, rngs=nnx.Rngs(0))))
+    )
+    encoder = jax.tree.map(lambda s: np.full(s.shape, 0.5, s.dtype), encoder)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), decode
+    )
+    return decode, {**decode, **encoder}, abstract
+
+
+@pytest.mark.parametrize("fmt", [1, 2])
+def test_vae_checkpoint_with_encoder_weights_loads_the_decoder(vae_with_encoder, tmp_path, fmt):
+    """A checkpoint written with the VAE encoder's weights (format 2, or orbax's format 1)
+    loads the decode component: the encoder's are left, a missing decoder weight is named."""
+    import orbax.checkpoint as ocp
+
+    decode, old, abstract = vae_with_encoder
+    assert {"encoder", "quant_conv"} <= old.keys() and not {"encoder", "quant_conv"} & decode.keys()
+    folder = checkpoint.save_checkpoint(tmp_path / "old", TINY, {"vae": old})
+    if fmt == 1:  # one orbax folder per component
+        (folder / "vae" / checkpoint.PARAMS).unlink()
+        (folder / "vae").rmdir()
+        with ocp.StandardCheckpointer() as ckptr:
+            ckptr.save((folder / "vae").absolute(), old)
+    restored = weights.flatten(checkpoint.load_component(folder, "vae", abstract))
+    assert restored.keys() == weights.flatten(decode).keys()
+    for path, value in weights.flatten(decode).items():
+        np.testing.assert_array_equal(np.asarray(restored[path]), value)
+    wider = {
+        **abstract,
+        "decoder": {**abstract["decoder"], "extra": abstract["post_quant_conv"]["bias"]},
+    }
+    with pytest.raises(weights.WeightError, match=r"missing weight for decoder\.extra"):
+        checkpoint.load_component(folder, "vae", wider)
 
 
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):

@@ -1,5 +1,6 @@
-"""WanVAE against diffusers' AutoencoderKLWan (random weights, fp32), its structure and its
-compiled shape: one scan over chunks, whatever the number of latent frames."""
+"""WanVAE (the decode half) and WanVAEEncoder against diffusers' AutoencoderKLWan (random
+weights, fp32), their structure and their compiled shape: one scan over chunks, whatever the
+number of latent frames."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ from wan import sharding
 from wan.configs import VAEConfig
 from wan.presets import PRESETS
 from wan.vae import WanVAE, denormalize_latents
+from wan.vae_encoder import WanVAEEncoder
 from wan.weights import flatten, import_folder, unflatten
-from wan.weights.vae import rule
+from wan.weights.vae import encoder_rule, rule
 
 TINY = PRESETS["tiny"].vae
 # Temporal factor 2, spatial factor 4, three resnets per up block, encoder attention.
@@ -44,13 +46,22 @@ def to_ours(x: torch.Tensor) -> jax.Array:
     return jnp.asarray(x.numpy().transpose(0, 2, 3, 4, 1))
 
 
-def abstract_state(cfg: VAEConfig) -> tuple[nnx.GraphDef, nnx.State]:
-    return nnx.split(nnx.eval_shape(lambda: WanVAE(cfg, rngs=nnx.Rngs(0))))
+def abstract_state(cfg: VAEConfig, half: type = WanVAE) -> tuple[nnx.GraphDef, nnx.State]:
+    return nnx.split(nnx.eval_shape(lambda: half(cfg, rngs=nnx.Rngs(0))))
+
+
+def imported(folder, cfg: VAEConfig, half: type, half_rule) -> nnx.Module:
+    """`half` of the VAE with the weights of the diffusers folder, through its rule."""
+    graphdef, state = abstract_state(cfg, half)
+    expected = {k: (v.shape, v.dtype) for k, v in flatten(nnx.to_pure_dict(state)).items()}
+    nnx.replace_by_pure_dict(state, unflatten(import_folder(folder, expected, half_rule)))
+    return nnx.merge(graphdef, state)
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory, request):
-    """A random diffusers VAE and ours with its weights, imported from save_pretrained."""
+    """A random diffusers VAE and our two halves with its weights, each imported from the one
+    save_pretrained folder (the decode half's rule skips the encoder's tensors, and back)."""
     cfg = request.param
     torch.manual_seed(0)
     ref = AutoencoderKLWan(
@@ -64,10 +75,8 @@ def pair(tmp_path_factory, request):
                 p.normal_(0.0, 0.1)
     folder = tmp_path_factory.mktemp("vae")
     ref.save_pretrained(folder)
-    graphdef, state = abstract_state(cfg)
-    expected = {k: (v.shape, v.dtype) for k, v in flatten(nnx.to_pure_dict(state)).items()}
-    nnx.replace_by_pure_dict(state, unflatten(import_folder(folder, expected, rule)))
-    return ref.eval(), nnx.merge(graphdef, state)
+    decode = imported(folder, cfg, WanVAE, rule)
+    return ref.eval(), decode, imported(folder, cfg, WanVAEEncoder, encoder_rule)
 
 
 @pytest.fixture
@@ -80,7 +89,7 @@ def attention_in_encoder(monkeypatch):
 
 @pytest.mark.parametrize("pair", [TINY, OTHER], indirect=True, ids=["tiny", "other"])
 def test_decode_matches_diffusers(pair):
-    ref, model = pair
+    ref, model, _ = pair
     torch.manual_seed(1)
     # 3 latent frames: the cache and temporal upsampling are exercised
     z = torch.randn(2, ref.config.z_dim, 3, 4, 6)
@@ -95,7 +104,7 @@ def test_decode_matches_diffusers(pair):
 @pytest.mark.parametrize("pair", [TINY, OTHER], indirect=True, ids=["tiny", "other"])
 @pytest.mark.usefixtures("attention_in_encoder")
 def test_encode_matches_diffusers(pair):
-    ref, model = pair
+    ref, _, model = pair
     torch.manual_seed(2)
     x = torch.randn(1, 3, 9, 32, 48)  # the first frame, then two chunks of 4
     with torch.no_grad():
@@ -117,40 +126,51 @@ def test_latent_normalization_follows_wan_pipeline():
 
 
 def test_real_config_structure_matches_diffusers():
-    """Same parameter count as diffusers' default AutoencoderKLWan, every diffusers tensor has
-    a parameter of its shape (after the rule's transform), and eval_shape allocates nothing."""
+    """The two halves hold diffusers' default AutoencoderKLWan between them: every diffusers
+    tensor has a parameter of its shape (after the rule's transform) in exactly one half, the
+    decode half (the VAE component the programs take) none of the encoder's, and eval_shape
+    allocates nothing."""
     with torch.device("meta"):
         ref = AutoencoderKLWan()
     before = len(jax.live_arrays())
-    _, state = abstract_state(VAEConfig())
+    halves = {
+        half_rule: flatten(nnx.to_pure_dict(abstract_state(VAEConfig(), half)[1]))
+        for half, half_rule in ((WanVAE, rule), (WanVAEEncoder, encoder_rule))
+    }
     assert len(jax.live_arrays()) == before
-    flat = flatten(nnx.to_pure_dict(state))
-    assert all(isinstance(v, jax.ShapeDtypeStruct) for v in flat.values())
-    assert sum(math.prod(v.shape) for v in flat.values()) == sum(
+    assert {path[0] for path in halves[rule]} == {"decoder", "post_quant_conv"}
+    for flat in halves.values():
+        assert all(isinstance(v, jax.ShapeDtypeStruct) for v in flat.values())
+    assert sum(math.prod(v.shape) for flat in halves.values() for v in flat.values()) == sum(
         p.numel() for p in ref.parameters()
     )
-    mapped = set()
-    for name, tensor in ref.state_dict().items():
-        target = rule(name)
-        shape = target.transform(np.broadcast_to(np.float32(0), tensor.shape)).shape
-        assert shape == flat[target.path].shape, name
-        mapped.add(target.path)
-    assert mapped == set(flat)
+    others = {rule: ("encoder", "quant_conv"), encoder_rule: ("decoder", "post_quant_conv")}
+    for half_rule, flat in halves.items():
+        mapped = set()
+        for name, tensor in ref.state_dict().items():
+            target = half_rule(name)
+            if target is None:
+                assert name.partition(".")[0] in others[half_rule], name
+                continue
+            shape = target.transform(np.broadcast_to(np.float32(0), tensor.shape)).shape
+            assert shape == flat[target.path].shape, name
+            mapped.add(target.path)
+        assert mapped == set(flat)
 
 
 def test_decode_and_encode_compile_to_one_scan():
     """The chunks after the first run as one while loop: the program does not grow with T."""
-    graphdef, state = abstract_state(TINY)
 
-    def lowered(method: str, shape: tuple[int, ...]) -> str:
+    def lowered(half: type, method: str, shape: tuple[int, ...]) -> str:
+        graphdef, state = abstract_state(TINY, half)
         fn = jax.jit(lambda s, x: getattr(nnx.merge(graphdef, s), method)(x))
         return fn.lower(state, jax.ShapeDtypeStruct(shape, jnp.float32)).as_text()
 
-    for method, short, long in [
-        ("decode", (1, 2, 4, 6, TINY.z_dim), (1, 6, 4, 6, TINY.z_dim)),
-        ("encode", (1, 5, 16, 24, 3), (1, 21, 16, 24, 3)),
+    for half, method, short, long in [
+        (WanVAE, "decode", (1, 2, 4, 6, TINY.z_dim), (1, 6, 4, 6, TINY.z_dim)),
+        (WanVAEEncoder, "encode", (1, 5, 16, 24, 3), (1, 21, 16, 24, 3)),
     ]:
-        a, b = lowered(method, short), lowered(method, long)
+        a, b = lowered(half, method, short), lowered(half, method, long)
         assert a.count("stablehlo.while") == b.count("stablehlo.while") == 1, method
         assert abs(len(b) - len(a)) < 0.02 * len(a), method
 

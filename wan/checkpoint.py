@@ -108,8 +108,7 @@ def load_component(
             return _place_all(host, flat_abstract, deltas, abstract)
         stored = _orbax_shapes(path, component)
         _check_shapes(stored, flat_abstract)
-        with ocp.StandardCheckpointer() as ckptr:
-            restored = ckptr.restore(path.absolute(), abstract)
+        restored = _orbax_restore(path, abstract)
         if not deltas:
             return restored
         flat = weights.flatten(restored)
@@ -145,7 +144,8 @@ def _read_params(
     file: Path, flat_abstract: Mapping[weights.Path_, jax.ShapeDtypeStruct]
 ) -> dict[weights.Path_, np.ndarray]:
     """A checkpoint component's parameters as read-only memory maps, checked against
-    `flat_abstract`."""
+    `flat_abstract`; others the file holds are left (a VAE written with its encoder's
+    weights)."""
     stored = {tuple(name.split("/")): array for name, array in weights.read_safetensors(file)}
     _check_shapes({p: a.shape for p, a in stored.items()}, flat_abstract)
     for p, want in flat_abstract.items():
@@ -221,6 +221,18 @@ def _orbax_shapes(path: Path, component: str) -> dict[weights.Path_, tuple[int, 
             "write the checkpoint again"
         ) from None
     return {p: m.shape for p, m in tree.items()}
+
+
+def _orbax_restore(path: Path, abstract: Tree) -> Tree:
+    """The parameters of `abstract` from an orbax checkpoint (format 1), restored straight into
+    its shardings; others stored there are left (a VAE written with its encoder's weights)."""
+    args = ocp.args.PyTreeRestore(
+        item=abstract,
+        restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
+        partial_restore=True,
+    )
+    with ocp.PyTreeCheckpointer() as ckptr:
+        return ckptr.restore(path.absolute(), args=args)
 
 
 def _check_shapes(

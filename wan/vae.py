@@ -1,22 +1,21 @@
-"""The Wan 2.1 video VAE (diffusers' `AutoencoderKLWan`) in Flax NNX, channels-last.
+"""The Wan 2.1 video VAE's decoder (diffusers' `AutoencoderKLWan.decode`) in Flax NNX,
+channels-last, and the blocks its encoder shares (`wan.vae_encoder`, not part of the pipeline's
+programs).
 
 Video is (B, T, H, W, C). Every 3-D conv is causal in time: it sees the last CACHE_T frames of
 its own input from earlier chunks as left context (zeros before the video starts). Like
-diffusers, video runs through the network chunk by chunk (decode: one latent frame at a time;
-encode: the first frame, then 4 frames at a time), carrying the feature cache, a pytree of
-fixed-shape arrays, through one `jax.lax.scan`. The first chunk behaves differently (temporal
-up/down-sampling is skipped):
-- decode runs it inside the same scan body, at the later chunks' shapes: after each temporal
-  upsampler only its last frame is real, and the others are zeroed wherever a causal conv reads
-  them, which is what the zero padding before the video is. One body means each distinct conv is
-  compiled once: the XLA TPU backend compiles every distinct conv fusion separately, and a
-  first-chunk copy of the decoder added a third to the decode's compile time
-  (bench/vae_compile.py).
-- encode runs it alone before the scan (its output has fewer frames).
+diffusers, video runs through the network chunk by chunk (decode: one latent frame at a time),
+carrying the feature cache, a pytree of fixed-shape arrays, through one `jax.lax.scan`. The
+first chunk behaves differently (temporal upsampling is skipped): decode runs it inside the
+same scan body, at the later chunks' shapes: after each temporal upsampler only its last frame
+is real, and the others are zeroed wherever a causal conv reads them, which is what the zero
+padding before the video is. One body means each distinct conv is compiled once: the XLA TPU
+backend compiles every distinct conv fusion separately, and a first-chunk copy of the decoder
+added a third to the decode's compile time (bench/vae_compile.py).
 
 Cache convention: a block's `__call__(x, cache, first)` takes the cache of its own layers (None
-on encode's first chunk) and returns `(y, new_cache)`. `first` is None on encode, and on decode
-a boolean scalar: this is the video's first chunk.
+on the encoder's first chunk) and returns `(y, new_cache)`. `first` is None on encode, and on
+decode a boolean scalar: this is the video's first chunk.
 
 Sharding: every 5-D activation, every cache tensor and the scan carry is pinned to
 `wan.sharding.VIDEO`; conv kernels name their output-channel axis "vae_conv_out". Nearest
@@ -38,22 +37,22 @@ from wan.configs import VAEConfig
 from wan.sharding import VIDEO, constrain, current_spec, logical_init
 
 CACHE_T = 2  # left context of a causal conv with temporal kernel 3
-ENCODE_CHUNK = 4  # video frames per encoder chunk after the first (diffusers' value)
 RMS_EPS = 1e-12  # F.normalize's eps
 
-Cache = Any  # a pytree of (B, t, H, W, C) arrays, None on encode's first chunk
+Cache = Any  # a pytree of (B, t, H, W, C) arrays, None on the encoder's first chunk
 Block = Callable[[jax.Array, Cache, jax.Array | None], tuple[jax.Array, Cache]]
 
 
-def _video(x: jax.Array) -> jax.Array:
+def pin(x: jax.Array) -> jax.Array:
+    """A video activation, pinned to the VIDEO sharding."""
     return constrain(x, VIDEO)
 
 
-def _pin(cache: Cache) -> Cache:
-    return jax.tree.map(_video, cache)
+def pin_cache(cache: Cache) -> Cache:
+    return jax.tree.map(pin, cache)
 
 
-def _parts(cache: Cache, n: int) -> tuple[Cache, ...]:
+def cache_parts(cache: Cache, n: int) -> tuple[Cache, ...]:
     """The caches of n sub-blocks: all None on the first chunk."""
     return (None,) * n if cache is None else tuple(cache)
 
@@ -91,7 +90,7 @@ class Conv3d(nnx.Conv):
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return _video(super().__call__(_video(x)))
+        return pin(super().__call__(pin(x)))
 
 
 def real_frames(x: jax.Array, first: jax.Array | None) -> jax.Array:
@@ -114,14 +113,14 @@ def causal(
         cache = jnp.zeros((x.shape[0], CACHE_T, *x.shape[2:]), x.dtype)
     x = real_frames(x, first)
     window = jnp.concatenate([cache, x], axis=1)
-    return conv(window), _video(window[:, -CACHE_T:])
+    return conv(window), pin(window[:, -CACHE_T:])
 
 
 def upsample_nearest_2x(x: jax.Array) -> jax.Array:
     """Nearest-neighbour x2 on H and W (diffusers' nearest-exact at scale 2), shard-local."""
     b, t, h, w, c = x.shape
     x = jnp.broadcast_to(x[:, :, :, None, :, None, :], (b, t, h, 2, w, 2, c))
-    return _video(x.reshape(b, t, 2 * h, 2 * w, c))
+    return pin(x.reshape(b, t, 2 * h, 2 * w, c))
 
 
 def interleave_time(x: jax.Array) -> jax.Array:
@@ -131,7 +130,7 @@ def interleave_time(x: jax.Array) -> jax.Array:
     # layouts, with all-to-alls on both sides.
     x = constrain(x.reshape(b, t, h, w, 2, c2 // 2), (*VIDEO[:4], None, None))
     x = constrain(x.transpose(0, 1, 4, 2, 3, 5), (*VIDEO[:2], None, *VIDEO[2:4], None))
-    return _video(x.reshape(b, 2 * t, h, w, c2 // 2))
+    return pin(x.reshape(b, 2 * t, h, w, c2 // 2))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,7 +177,7 @@ class ResidualBlock(nnx.Module):
         self.conv_shortcut = make.conv(in_dim, out_dim, 1) if in_dim != out_dim else None
 
     def __call__(self, x: jax.Array, cache: Cache, first: jax.Array | None = None):
-        c1, c2 = _parts(cache, 2)
+        c1, c2 = cache_parts(cache, 2)
         h = x if self.conv_shortcut is None else self.conv_shortcut(x)
         x, c1 = causal(self.conv1, nnx.silu(self.norm1(x)), c1, first)
         x, c2 = causal(self.conv2, nnx.silu(self.norm2(x)), c2, first)
@@ -209,7 +208,7 @@ class AttentionBlock(nnx.Module):
         out = jnp.einsum("btqk,btkc->btqc", weights, v)
         if width_major:
             out = out.reshape(b, t, w, h, c).transpose(0, 1, 3, 2, 4)
-        return x + self.proj(_video(out.reshape(b, t, h, w, c))), None
+        return x + self.proj(pin(out.reshape(b, t, h, w, c))), None
 
 
 class MidBlock(nnx.Module):
@@ -220,7 +219,7 @@ class MidBlock(nnx.Module):
         self.attentions = nnx.List([AttentionBlock(dim, make)])
 
     def __call__(self, x: jax.Array, cache: Cache, first: jax.Array | None = None):
-        c0, c1 = _parts(cache, 2)
+        c0, c1 = cache_parts(cache, 2)
         x, c0 = self.resnets[0](x, c0, first)
         x, _ = self.attentions[0](x)
         x, c1 = self.resnets[1](x, c1, first)
@@ -240,37 +239,19 @@ class Upsample(nnx.Module):
             y, tail = causal(self.time_conv, x, cache, first)
             # diffusers skips the time conv on the first chunk (its one real frame is put last
             # here) and starts the next chunk from zero padding: a zero cache.
-            skipped = _video(jnp.concatenate([jnp.zeros_like(x), x], axis=1))
+            skipped = pin(jnp.concatenate([jnp.zeros_like(x), x], axis=1))
             x = jnp.where(first, skipped, interleave_time(y))
-            cache = _video(jnp.where(first, jnp.zeros_like(tail), tail))
+            cache = pin(jnp.where(first, jnp.zeros_like(tail), tail))
         return self.resample(upsample_nearest_2x(x)), cache
 
 
-class Downsample(nnx.Module):
-    """/2 in space (zero pad right and bottom, 3x3 conv with stride 2); with `temporal`, then
-    /2 in time by a stride-2 conv over the previous chunk's last frame and this chunk."""
-
-    def __init__(self, dim: int, temporal: bool, make: Make):
-        self.resample = make.conv(dim, dim, (1, 3, 3), stride=(1, 2, 2), pad=(0, 1))
-        self.time_conv = make.conv(dim, dim, (3, 1, 1), stride=(2, 1, 1)) if temporal else None
-
-    def __call__(self, x: jax.Array, cache: Cache, first: None = None):
-        x = self.resample(x)
-        if self.time_conv is None:
-            return x, None
-        last = _video(x[:, -1:])
-        if cache is None:  # diffusers: the first chunk is not downsampled in time
-            return x, last
-        return self.time_conv(jnp.concatenate([cache, x], axis=1)), last
-
-
-def _chain(
+def chain(
     blocks: Iterable[Block], x: jax.Array, cache: Cache, first: jax.Array | None
 ) -> tuple[jax.Array, Cache]:
     """Run blocks in order, each on its own part of the cache."""
     blocks = list(blocks)
     new = []
-    for block, c in zip(blocks, _parts(cache, len(blocks)), strict=True):
+    for block, c in zip(blocks, cache_parts(cache, len(blocks)), strict=True):
         x, c = block(x, c, first)
         new.append(c)
     return x, tuple(new)
@@ -285,39 +266,7 @@ class UpBlock(nnx.Module):
         self.upsamplers = None if up is None else nnx.List([Upsample(out_dim, up == "3d", make)])
 
     def __call__(self, x: jax.Array, cache: Cache, first: jax.Array):
-        return _chain([*self.resnets, *(self.upsamplers or ())], x, cache, first)
-
-
-class Encoder(nnx.Module):
-    """conv_in -> per level: residual (+ attention) blocks, downsampling -> mid -> head.
-    `down_blocks` is one flat list as in diffusers (its indices name the weights)."""
-
-    def __init__(self, cfg: VAEConfig, make: Make):
-        dims = [cfg.base_dim * m for m in (1, *cfg.dim_mult)]
-        self.conv_in = make.conv(cfg.in_channels, dims[0], 3)
-        blocks: list[nnx.Module] = []
-        scale = 1.0
-        for i, (in_dim, out_dim) in enumerate(zip(dims[:-1], dims[1:], strict=True)):
-            for _ in range(cfg.num_res_blocks):
-                blocks.append(ResidualBlock(in_dim, out_dim, make))
-                if scale in cfg.attn_scales:
-                    blocks.append(AttentionBlock(out_dim, make))
-                in_dim = out_dim
-            if i != len(cfg.dim_mult) - 1:
-                blocks.append(Downsample(out_dim, cfg.temperal_downsample[i], make))
-                scale /= 2.0
-        self.down_blocks = nnx.List(blocks)
-        self.mid_block = MidBlock(dims[-1], make)
-        self.norm_out = make.norm(dims[-1])
-        self.conv_out = make.conv(dims[-1], 2 * cfg.z_dim, 3)
-
-    def __call__(self, x: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
-        c_in, c_down, c_mid, c_out = _parts(cache, 4)
-        x, c_in = causal(self.conv_in, x, c_in)
-        x, c_down = _chain(self.down_blocks, x, c_down, None)
-        x, c_mid = self.mid_block(x, c_mid)
-        x, c_out = causal(self.conv_out, nnx.silu(self.norm_out(x)), c_out)
-        return x, (c_in, c_down, c_mid, c_out)
+        return chain([*self.resnets, *(self.upsamplers or ())], x, cache, first)
 
 
 class Decoder(nnx.Module):
@@ -340,33 +289,18 @@ class Decoder(nnx.Module):
         self.conv_out = make.conv(dims[-1], cfg.out_channels, 3)
 
     def __call__(self, x: jax.Array, cache: Cache, first: jax.Array):
-        c_in, c_mid, c_up, c_out = _parts(cache, 4)
+        c_in, c_mid, c_up, c_out = cache_parts(cache, 4)
         x, c_in = causal(self.conv_in, x, c_in, first)
         x, c_mid = self.mid_block(x, c_mid, first)
-        x, c_up = _chain(self.up_blocks, x, c_up, first)
+        x, c_up = chain(self.up_blocks, x, c_up, first)
         x, c_out = causal(self.conv_out, nnx.silu(self.norm_out(x)), c_out, first)
         return x, (c_in, c_mid, c_up, c_out)
 
 
-def _joined(ys: jax.Array) -> jax.Array:
+def joined(ys: jax.Array) -> jax.Array:
     """Scan outputs (N, B, t, H, W, C) -> (B, N * t, H, W, C), in order along time."""
     n, b, t, *rest = ys.shape
     return jnp.moveaxis(ys, 0, 1).reshape(b, n * t, *rest)
-
-
-def stream(
-    net: Callable[[jax.Array, Cache], tuple[jax.Array, Cache]], first: jax.Array, chunks: jax.Array
-) -> jax.Array:
-    """`net` (the encoder) over the first chunk alone, then over `chunks` (B, N, t, H, W, C) in one scan
-    whose carry is the cache; the outputs joined along time."""
-    y0, cache = net(_video(first), None)
-
-    def step(cache: Cache, chunk: jax.Array) -> tuple[Cache, jax.Array]:
-        y, cache = net(_video(chunk), _pin(cache))
-        return _pin(cache), y
-
-    _, ys = jax.lax.scan(step, _pin(cache), jnp.moveaxis(chunks, 1, 0))
-    return _video(jnp.concatenate([y0, _joined(ys)], axis=1))
 
 
 def stream_padded_first(net: Block, chunks: jax.Array) -> jax.Array:
@@ -380,15 +314,17 @@ def stream_padded_first(net: Block, chunks: jax.Array) -> jax.Array:
 
     def step(cache: Cache, inputs: tuple[jax.Array, jax.Array]) -> tuple[Cache, jax.Array]:
         chunk, is_first = inputs
-        y, cache = net(_video(chunk), _pin(cache), is_first)
-        return _pin(cache), y
+        y, cache = net(pin(chunk), pin_cache(cache), is_first)
+        return pin_cache(cache), y
 
-    _, ys = jax.lax.scan(step, _pin(cache), (chunks, first))
-    return _video(_joined(ys)[:, ys.shape[2] - 1 :])
+    _, ys = jax.lax.scan(step, pin_cache(cache), (chunks, first))
+    return pin(joined(ys)[:, ys.shape[2] - 1 :])
 
 
 class WanVAE(nnx.Module):
-    """AutoencoderKLWan: `encode` video -> posterior, `decode` raw latents -> video in [-1, 1]."""
+    """AutoencoderKLWan's decode half, what the pipeline's `vae_decode` runs: raw latents ->
+    video in [-1, 1]. Its parameters are diffusers' `post_quant_conv` and `decoder`; the
+    encoder's (`encoder`, `quant_conv`) are `wan.vae_encoder.WanVAEEncoder`'s."""
 
     def __init__(
         self,
@@ -400,22 +336,8 @@ class WanVAE(nnx.Module):
     ):
         make = Make(dtype, param_dtype, rngs)
         self.dtype = dtype
-        self.encoder = Encoder(cfg, make)
-        self.quant_conv = make.conv(2 * cfg.z_dim, 2 * cfg.z_dim, 1)
         self.post_quant_conv = make.conv(cfg.z_dim, cfg.z_dim, 1)
         self.decoder = Decoder(cfg, make)
-
-    def encode(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Video (B, F, H, W, C_in) -> posterior (mean, logvar), each (B, 1 + (F-1)//4 * 4/r,
-        H/s, W/s, z_dim) for temporal factor r and spatial factor s. Trailing frames that do not
-        fill a chunk of 4 are dropped, as in diffusers."""
-        b, f, *frame = x.shape
-        n = (f - 1) // ENCODE_CHUNK
-        x = x.astype(self.dtype)
-        chunks = x[:, 1 : 1 + n * ENCODE_CHUNK].reshape(b, n, ENCODE_CHUNK, *frame)
-        moments = self.quant_conv(stream(self.encoder, x[:, :1], chunks))
-        mean, logvar = jnp.split(moments, 2, axis=-1)
-        return mean, jnp.clip(logvar, -30.0, 20.0)
 
     def decode(self, z: jax.Array) -> jax.Array:
         """Raw latents (B, T, h, w, z_dim) -> video (B, 1 + k(T-1), s*h, s*w, C_out) in [-1, 1]
@@ -423,7 +345,7 @@ class WanVAE(nnx.Module):
         b, t, *frame = z.shape
         x = self.post_quant_conv(z.astype(self.dtype))
         video = stream_padded_first(self.decoder, x.reshape(b, t, 1, *frame))
-        return _video(jnp.clip(video, -1.0, 1.0))
+        return pin(jnp.clip(video, -1.0, 1.0))
 
 
 def _stats(cfg: VAEConfig) -> tuple[jax.Array, jax.Array]:

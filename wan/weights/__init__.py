@@ -63,7 +63,8 @@ class Target:
     transform: Callable[[np.ndarray], np.ndarray] = identity
 
 
-Rule = Callable[[str], Target | None]  # None: the tensor has no parameter here (a buffer)
+# None: the tensor has no parameter here (a buffer, or the VAE encoder's in the decode half)
+Rule = Callable[[str], Target | None]
 
 
 def flatten(tree: Mapping[str, Any], prefix: Path_ = ()) -> dict[Path_, Any]:
