@@ -1,0 +1,337 @@
+"""runtime.step_cache against diffusers' MagCache hook on a tiny WanTransformer3DModel: the same
+skipped steps and the same calibrated ratios; the ratio files' hostile cases; the shipped
+ratios."""
+
+import ast
+import json
+
+import numpy as np
+import pytest
+import torch
+from diffusers import WanTransformer3DModel
+from diffusers.hooks import MagCacheConfig
+from diffusers.hooks.mag_cache import nearest_interp
+
+from runtime.step_cache import (
+    MAX_RATIOS,
+    MAX_RATIOS_FILE_BYTES,
+    CacheReport,
+    MagCache,
+    MagCacheSettings,
+    MagCalibration,
+    StepCacheError,
+    interpolate_ratios,
+    read_mag_ratios,
+    shipped_mag_ratios,
+    skipped_steps,
+    write_mag_ratios,
+)
+
+ONE = ["transformer"]
+TWO = ["transformer", "transformer_2"]
+WAN21_14B = shipped_mag_ratios("wan2.1-t2v-14b", ONE)["transformer"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4,
+        out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32, num_layers=3,
+    ).eval()  # fmt: skip
+
+
+def _inputs(step: int, rows: int = 1, text_seed: int = 0) -> dict:
+    """A denoise call of step `step`: latents and timestep move with the step, as in a run."""
+    rng = np.random.default_rng(step)
+    text = np.random.default_rng(100 + text_seed).standard_normal((rows, 5, 16))
+    return dict(
+        hidden_states=torch.tensor(rng.standard_normal((rows, 4, 1, 4, 4)), dtype=torch.float32),
+        timestep=torch.full((rows,), 999.0 - 40 * step),
+        encoder_hidden_states=torch.tensor(text, dtype=torch.float32),
+        return_dict=False,
+    )
+
+
+def diffusers_skips(model, ratios, steps: int, settings: MagCacheSettings) -> list[int]:
+    """The steps diffusers' MagCache hook skips: those where the last block's FFN never ran."""
+    config = MagCacheConfig(
+        threshold=settings.threshold,
+        max_skip_steps=settings.max_skip,
+        retention_ratio=settings.retention,
+        num_inference_steps=steps,
+        mag_ratios=list(ratios),
+    )
+    model.enable_cache(config)
+    ran = []
+    hook = model.blocks[-1].ffn.register_forward_hook(lambda *_: ran.append(True))
+    skipped = []
+    try:
+        for step in range(steps):
+            before = len(ran)
+            with torch.no_grad(), model.cache_context("cond"):
+                model(**_inputs(step))
+            if len(ran) == before:
+                skipped.append(step)
+    finally:
+        hook.remove()
+        model.disable_cache()
+    return skipped
+
+
+def ours(ratios, steps: int, settings: MagCacheSettings) -> list[int]:
+    cache = MagCache(settings, ratios, steps)
+    return [step for step in range(steps) if cache.skip_next()]
+
+
+NEAR_ONE = tuple(np.random.default_rng(1).uniform(0.94, 1.03, 15).round(5).tolist())
+EXACT_ONES = (1.0, 1.0, 1.0, 0.99, 1.0, 1.0, 1.0, 1.0, 0.5, 1.0, 1.0, 1.0)
+S = MagCacheSettings
+# (settings, ratios, steps, whether steps are skipped): interpolation down (50 -> 12, 20) and up
+# (15 -> 23, 12 -> 30), the same length, one step, retention 0 and 1, max_skip 0 and 1,
+# thresholds that skip a lot and none; threshold 0 skips exactly where the ratio is 1.0.
+CASES = [
+    (S(), WAN21_14B, 12, True),
+    (S(), WAN21_14B, 20, True),
+    (S(), WAN21_14B, 50, True),
+    (S(threshold=0.3, max_skip=6, retention=0.0), WAN21_14B, 20, True),
+    (S(threshold=0.3, max_skip=1, retention=0.0), WAN21_14B, 20, True),
+    (S(threshold=0.3, max_skip=0, retention=0.0), WAN21_14B, 20, False),
+    (S(threshold=0.001), WAN21_14B, 20, False),
+    (S(threshold=10.0, max_skip=100, retention=0.0), NEAR_ONE, 15, True),
+    (S(threshold=10.0, max_skip=100, retention=1.0), NEAR_ONE, 15, False),
+    (S(threshold=0.08, max_skip=2, retention=0.1), NEAR_ONE, 23, True),
+    (S(threshold=0.08, max_skip=3, retention=0.5), NEAR_ONE, 15, True),
+    (S(threshold=0.0, max_skip=3, retention=0.0), EXACT_ONES, 12, True),
+    (S(threshold=0.0, max_skip=3, retention=0.0), EXACT_ONES, 30, True),
+    (S(threshold=0.05, retention=0.0), (0.97,), 6, True),
+    (S(retention=0.0), NEAR_ONE, 1, False),
+    (S(retention=0.0), (0.99, 0.98), 1, False),
+]
+
+
+@pytest.mark.parametrize("settings, ratios, steps, skips", CASES)
+def test_decisions_match_diffusers(model, settings, ratios, steps, skips):
+    expected = diffusers_skips(model, ratios, steps, settings)
+    assert ours(ratios, steps, settings) == expected
+    assert bool(expected) == skips  # the grid covers both
+
+
+def test_ties_decide_as_diffusers_float32(model):
+    """A threshold within float64 rounding of the accumulated error: diffusers compares in
+    float32 (its ratios are a float32 tensor), so a float64 comparison would decide otherwise."""
+    ratios = (1.0, 0.95, 0.97, 1.02, 0.9)
+    for ratio in ratios[1:]:
+        error = float(abs(np.float32(1.0) - np.float32(ratio)))
+        for threshold in (error, error - 1e-12, error + 1e-12, np.nextafter(error, 0)):
+            settings = S(threshold=float(threshold), max_skip=1, retention=0.0)
+            assert ours(ratios, 5, settings) == diffusers_skips(model, ratios, 5, settings)
+    tie = S(threshold=float(abs(np.float32(1.0) - np.float32(0.95))) - 1e-12, retention=0.0)
+    assert ours((1.0, 0.95), 2, tie) == [1]  # float64 arithmetic would compute step 1
+
+
+def test_two_experts_keep_one_cache_each(model):
+    """Wan 2.2: each expert's hook counts its own steps; the second starts at the switch."""
+    shipped = shipped_mag_ratios("wan2.2-t2v-a14b", TWO)
+    settings = S(threshold=0.1, max_skip=2)
+    for high, steps in ((26, 40), (7, 12), (13, 20)):
+        step_experts = ["transformer"] * high + ["transformer_2"] * (steps - high)
+        first = diffusers_skips(model, shipped["transformer"], high, settings)
+        second = diffusers_skips(model, shipped["transformer_2"], steps - high, settings)
+        expected = tuple(first + [high + i for i in second])
+        assert skipped_steps(settings, shipped, step_experts) == expected
+        assert first and second
+
+
+def test_interpolation_matches_nearest_interp():
+    for source in range(1, 41):
+        for target in range(1, 61):
+            expected = nearest_interp(torch.arange(source, dtype=torch.float32), target)
+            np.testing.assert_array_equal(
+                interpolate_ratios(np.arange(source), target), expected.numpy()
+            )
+
+
+def test_calibration_matches_diffusers(model, capsys):
+    """diffusers' calibrate mode (prompt rows under "cond", the negative under "uncond") prints
+    the ratios; ours from each step's per-token residual norms of the prompt rows agree."""
+    steps, rows = 8, 2
+    first_input, residuals = [], []
+    pre = model.blocks[0].register_forward_pre_hook(lambda _, args: first_input.append(args[0]))
+    post = model.blocks[-1].register_forward_hook(
+        lambda _, args, out: residuals.append(out - first_input[-1])
+    )
+    model.enable_cache(MagCacheConfig(calibrate=True, num_inference_steps=steps))
+    calibration = MagCalibration()
+    try:
+        for step in range(steps):
+            with torch.no_grad():
+                with model.cache_context("cond"):
+                    model(**_inputs(step, rows))
+                norms = torch.linalg.norm(residuals[-1].float(), dim=-1).numpy()
+                calibration.record("transformer", norms)
+                with model.cache_context("uncond"):
+                    model(**_inputs(step, rows, text_seed=1))
+    finally:
+        pre.remove()
+        post.remove()
+        model.disable_cache()
+    printed = capsys.readouterr().out.split("[MagCache] Calibration Complete")
+    cond, uncond = (ast.literal_eval(p.splitlines()[1]) for p in printed[1:])
+    ratios = calibration.ratios()["transformer"]
+    assert norms.shape == (rows, 4) and len(ratios) == steps and ratios[0] == 1.0
+    np.testing.assert_allclose(ratios, cond, rtol=1e-5)
+    assert not np.allclose(ratios, uncond, rtol=1e-3)  # the prompt rows' ratios, not the others
+
+
+def test_calibration_per_expert_round_trips(tmp_path):
+    calibration = MagCalibration()
+    rng = np.random.default_rng(0)
+    for expert in ["transformer"] * 3 + ["transformer_2"] * 2:
+        calibration.record(expert, rng.uniform(1, 2, (2, 6)).astype(np.float32))
+    ratios = calibration.ratios()
+    assert [len(v) for v in ratios.values()] == [3, 2]
+    assert ratios["transformer"][0] == ratios["transformer_2"][0] == 1.0
+    write_mag_ratios(tmp_path / "two.json", ratios)
+    assert read_mag_ratios(tmp_path / "two.json", TWO) == ratios
+    write_mag_ratios(tmp_path / "one.json", {"transformer": ratios["transformer"]})
+    assert isinstance(json.loads((tmp_path / "one.json").read_text()), list)
+    assert read_mag_ratios(tmp_path / "one.json", ONE) == {"transformer": ratios["transformer"]}
+
+
+def test_writing_a_diverged_calibration_writes_nothing(tmp_path):
+    with pytest.raises(StepCacheError, match="entry 1 is NaN"):
+        write_mag_ratios(tmp_path / "out.json", {"transformer": (1.0, float("nan"))})
+    (tmp_path / "out.json").write_text("old")
+    with pytest.raises(StepCacheError, match="entry 0 is 0.0"):
+        write_mag_ratios(tmp_path / "out.json", {"transformer": (0.0,)})
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
+    assert (tmp_path / "out.json").read_text() == "old"
+
+
+HOSTILE_ONE = {
+    "not JSON": b"[1.0, 0.9",
+    "not UTF-8": b"\xff\xfe[1.0]",
+    "an object": b'{"transformer": [1.0]}',
+    "a number": b"1.0",
+    "empty": b"[]",
+    "a string entry": b'[1.0, "0.9"]',
+    "a bool entry": b"[1.0, true]",
+    "a null entry": b"[1.0, null]",
+    "a list entry": b"[1.0, [0.9]]",
+    "zero": b"[1.0, 0]",
+    "negative": b"[1.0, -0.9]",
+    "NaN": b"[1.0, NaN]",
+    "Infinity": b"[1.0, Infinity]",
+    "overflowing float": b"[1.0, 1e999]",
+    "overflowing int": b"[1.0, 1" + b"0" * 400 + b"]",
+    "too long": json.dumps([1.0] * (MAX_RATIOS + 1)).encode(),
+    "too big": b"[" + b" " * MAX_RATIOS_FILE_BYTES + b"1.0]",
+    "nested too deeply": b"[" * 100_000 + b"]" * 100_000,
+}
+HOSTILE_TWO = {
+    "a list": b"[1.0, 0.9]",
+    "a missing expert": b'{"transformer": [1.0]}',
+    "an extra key": b'{"transformer": [1.0], "transformer_2": [1.0], "x": [1.0]}',
+    "a bad second list": b'{"transformer": [1.0], "transformer_2": [1.0, -1]}',
+    "a second list not a list": b'{"transformer": [1.0], "transformer_2": 1.0}',
+}
+
+
+@pytest.mark.parametrize(
+    "experts, content",
+    [(ONE, c) for c in HOSTILE_ONE.values()] + [(TWO, c) for c in HOSTILE_TWO.values()],
+    ids=list(HOSTILE_ONE) + [f"two: {name}" for name in HOSTILE_TWO],
+)
+def test_hostile_ratio_files_are_one_line_errors(tmp_path, experts, content):
+    path = tmp_path / "ratios.json"
+    path.write_bytes(content)
+    with pytest.raises(StepCacheError) as error:
+        read_mag_ratios(path, experts)
+    assert "\n" not in str(error.value) and str(path) in str(error.value)
+    assert len(str(error.value)) < 300
+
+
+def test_not_a_file_is_a_one_line_error(tmp_path):
+    import os
+
+    os.mkfifo(tmp_path / "fifo")  # a read would wait forever
+    for path in (tmp_path / "missing.json", tmp_path, tmp_path / "fifo"):
+        with pytest.raises(StepCacheError, match="is not a file") as error:
+            read_mag_ratios(path, ONE)
+        assert "\n" not in str(error.value)
+
+
+def test_a_good_file_reads(tmp_path):
+    (tmp_path / "r.json").write_text("[1, 0.99, 1.01e0]")
+    assert read_mag_ratios(tmp_path / "r.json", ONE) == {"transformer": (1.0, 0.99, 1.01)}
+
+
+@pytest.mark.parametrize(
+    "settings, flag",
+    [
+        (dict(threshold=-0.01), "--cache-threshold"),
+        (dict(threshold=float("nan")), "--cache-threshold"),
+        (dict(threshold=float("inf")), "--cache-threshold"),
+        (dict(threshold="0.1"), "--cache-threshold"),
+        (dict(max_skip=-1), "--cache-max-skip"),
+        (dict(max_skip=2.0), "--cache-max-skip"),
+        (dict(max_skip=True), "--cache-max-skip"),
+        (dict(retention=1.5), "--cache-retention"),
+        (dict(retention=-0.1), "--cache-retention"),
+        (dict(retention=float("nan")), "--cache-retention"),
+    ],
+)
+def test_bad_settings_are_one_line_errors(settings, flag):
+    with pytest.raises(StepCacheError, match=f"^{flag} .* give {flag} ") as error:
+        MagCacheSettings(**settings)
+    assert "\n" not in str(error.value)
+
+
+def test_settings_defaults_are_diffusers():
+    config = MagCacheConfig(mag_ratios=[1.0])
+    assert MagCacheSettings() == MagCacheSettings(
+        threshold=config.threshold,
+        max_skip=config.max_skip_steps,
+        retention=config.retention_ratio,
+    )
+    assert MagCacheSettings(threshold=0, max_skip=0, retention=1).to_json() == {
+        "threshold": 0,
+        "max_skip": 0,
+        "retention": 1,
+    }
+
+
+def test_shipped_ratios_load_for_the_presets():
+    lengths = {
+        ("wan2.1-t2v-1.3b", "transformer"): 50,
+        ("wan2.1-t2v-14b", "transformer"): 50,
+        ("wan2.2-t2v-a14b", "transformer"): 26,
+        ("wan2.2-t2v-a14b", "transformer_2"): 14,
+    }
+    for model_name, experts in [("wan2.1-t2v-1.3b", ONE), ("wan2.1-t2v-14b", ONE)] + [
+        ("wan2.2-t2v-a14b", TWO)
+    ]:
+        ratios = shipped_mag_ratios(model_name, experts)
+        assert list(ratios) == experts
+        for expert, values in ratios.items():
+            assert len(values) == lengths[model_name, expert] and values[0] == 1.0
+            assert all(0.5 < v < 1.1 for v in values)
+    # The published lists' cond entries (MagCache4Wan2.1/magcache_generate.py, T2V-14B).
+    assert WAN21_14B[1:4] == (1.02504, 1.00025, 0.9985) and WAN21_14B[-1] == 0.86111
+
+
+def test_unshipped_model_says_how_to_calibrate():
+    with pytest.raises(StepCacheError, match="--calibrate-mag-ratios OUT.json") as error:
+        shipped_mag_ratios("tiny", ONE)
+    assert "--mag-ratios OUT.json" in str(error.value) and "\n" not in str(error.value)
+    with pytest.raises(StepCacheError, match="--calibrate-mag-ratios"):
+        shipped_mag_ratios("wan2.2-t2v-a14b", ONE)
+
+
+def test_cache_report():
+    report = CacheReport.of("magcache", MagCacheSettings().to_json(), (5, 6, 9), 12, 40)
+    assert (report.block_steps_run, report.block_steps_total) == (9 * 40, 12 * 40)
+    assert report.to_json()["skipped_steps"] == [5, 6, 9]
+    first_block = CacheReport.of("fbcache", {"threshold": 0.1}, (3,), 4, 40, blocks_on_skip=1)
+    assert first_block.block_steps_run == 3 * 40 + 1
