@@ -4,7 +4,10 @@ Euler at shift 5), on tiny random pipelines and LoRAs made here offline."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -17,7 +20,7 @@ from safetensors.numpy import save_file
 
 from runtime.loader import Request
 from runtime.pipeline import CompileCounter, Pipeline
-from wan import checkpoint, lora, programs, sharding, weights
+from wan import checkpoint, kinds, lora, programs, sharding, weights
 from wan.configs import VideoShape
 from wan.presets import PRESETS
 from wan.random_weights import write_random_checkpoint
@@ -119,6 +122,52 @@ def save_comfyui(deltas: dict, path) -> None:
 def test_keys_map_to_diffusers_modules(key, fmt, expected):
     assert lora.detect_format([key]) == fmt
     assert lora.split_key(key, fmt) == expected
+
+
+@pytest.fixture
+def toy_transformer_kinds():
+    """Two transformer kinds registered here: one whose rule names its original modules its own
+    way (only `attn.q`, for diffusers' `attn1.to_q`), one whose rule is a bare function."""
+    base = kinds.lookup("transformer", "per_video")
+    own_names = dataclasses.replace(
+        base.weight_rule, original_block_modules={"attn.q": "attn1.to_q"}, original_modules={}
+    )
+    added = [
+        kinds.register(dataclasses.replace(base, name="toy-names", rule=own_names)),
+        kinds.register(dataclasses.replace(base, name="toy-bare", rule=lambda name: None)),
+    ]
+    yield
+    for kind in added:
+        del kinds.REGISTRY[kind.component, kind.name]
+
+
+@pytest.mark.usefixtures("toy_transformer_kinds")
+def test_keys_map_through_the_transformer_kinds_rule(tmp_path):
+    """wan.lora asks the kind registry for the transformer kind's rule: a kind's own original
+    names are the ones read (ComfyUI and kohya), and a kind whose rule names no modules refuses
+    LoRA files in one line."""
+    comfy, kohya = (
+        "diffusion_model.blocks.2.attn.q.lora_down.weight",
+        "lora_unet_blocks_2_attn_q.alpha",
+    )
+    assert lora.split_key(comfy, "comfyui", kind="toy-names") == ("blocks.2.attn1.to_q", "down")
+    assert lora.split_key(kohya, "kohya", kind="toy-names") == ("blocks.2.attn1.to_q", "alpha")
+    assert lora.split_key(comfy, "comfyui") is None  # the default kind's names differ
+    original = "diffusion_model.blocks.2.self_attn.q.lora_down.weight"
+    assert lora.split_key(original, "comfyui", kind="toy-names") is None
+    with pytest.raises(lora.LoraError, match="'toy-bare': its weight rule names no modules"):
+        lora.check([(tmp_path / "any.safetensors", 1.0)], TINY_SHAPES, kind="toy-bare")
+    with pytest.raises(kinds.KindError, match="transformer kind 'nope' is not one"):
+        lora.transformer_rule("nope")
+
+
+def test_lora_asks_the_registry_and_stays_flax_free():
+    code = (
+        "import sys; from wan import lora; rule = lora.transformer_rule();"
+        "from wan.weights import transformer; assert rule is transformer.rule;"
+        "bad = [m for m in sys.modules if m.split('.')[0] == 'flax']; assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_parse_spec():

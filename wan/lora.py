@@ -2,8 +2,9 @@
 the weights are inputs of the compiled programs.
 
 A file is read as memory-mapped tensors, its key format detected, and every key mapped to a
-diffusers tensor name and from there, through the weight import's own rule
-(`wan.weights.transformer.rule`), to a parameter of the project's tree. What is merged is
+diffusers tensor name and from there, through the weight import's own rule (the transformer
+kind's, from the kind registry `wan.kinds`: it also maps the original release's module names),
+to a parameter of the project's tree. What is merged is
 
     W' = W + sum over files of  scale * (alpha / rank) * up @ down   (and scale * diff)
 
@@ -17,15 +18,18 @@ Flax-free: the runtime imports it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from wan import kinds
 from wan.weights import (
     Path_,
     WeightError,
@@ -34,7 +38,6 @@ from wan.weights import (
     read_safetensors,
     safetensors_metadata,
 )
-from wan.weights import transformer as transformer_rules
 
 FORMATS = (
     "diffusers/PEFT (transformer.blocks.N.attn1.to_q.lora_A.weight, .lora_B.weight), "
@@ -61,14 +64,35 @@ _PREFIXES = {
     "comfyui": ("diffusion_model.",),
     "kohya": ("lora_unet_",),
 }
-# kohya spells module paths with underscores: underscored original name -> dotted.
-_UNDERSCORED_BLOCK = {k.replace(".", "_"): k for k in transformer_rules.ORIGINAL_BLOCK_MODULES}
-_UNDERSCORED = {k.replace(".", "_"): k for k in transformer_rules.ORIGINAL_MODULES}
 _KOHYA_BLOCK = re.compile(r"blocks_(\d+)_(.+)")
 
 
 class LoraError(WeightError):
     """A LoRA file that cannot be applied to this model; names the file and the key."""
+
+
+def transformer_rule(kind: str | None = None) -> Any:
+    """The weight rule of transformer kind `kind` (None: the default kind), from the kind
+    registry: a `wan.weights.transformer.TransformerRule`, which also names the modules as the
+    original release does. Resolved by name, so this module stays flax-free."""
+    name = kind or kinds.default("transformer")
+    rule = kinds.lookup("transformer", name).weight_rule
+    if not hasattr(rule, "from_original"):
+        raise LoraError(
+            f"transformer kind {name!r}: its weight rule names no modules for LoRA files, so no "
+            "LoRA applies to this model"
+        )
+    return rule
+
+
+@functools.cache
+def _underscored(rule: Any) -> tuple[dict[str, str], dict[str, str]]:
+    """kohya spells module paths with underscores: underscored original name -> dotted, inside
+    a block and outside."""
+    return (
+        {k.replace(".", "_"): k for k in rule.original_block_modules},
+        {k.replace(".", "_"): k for k in rule.original_modules},
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +179,7 @@ class LoraFile:
     format: str  # 'diffusers', 'comfyui' or 'kohya'
     modules: dict[str, Module]  # by diffusers module name
     default_alpha: float | None  # diffusers metadata's lora_alpha; None: alpha = rank
+    rule: Any  # the transformer kind's weight rule it was read for (`transformer_rule`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,9 +221,13 @@ def detect_format(names: Sequence[str]) -> str:
     return "diffusers"
 
 
-def split_key(key: str, fmt: str) -> tuple[str, str] | None:
+def split_key(key: str, fmt: str, *, kind: str | None = None) -> tuple[str, str] | None:
     """(diffusers module name, part) of one key of a file in format `fmt`; None when the key
-    names no module of the transformer in that format."""
+    names no module of the transformer (of kind `kind`) in that format."""
+    return _split(key, fmt, transformer_rule(kind))
+
+
+def _split(key: str, fmt: str, rule: Any) -> tuple[str, str] | None:
     found = next(((key[: -len(s)], p) for s, p in _PARTS if key.endswith(s)), None)
     if found is None:
         return None
@@ -207,22 +236,24 @@ def split_key(key: str, fmt: str) -> tuple[str, str] | None:
     if fmt == "diffusers":
         return name, part
     if fmt == "kohya":
-        name = _dotted(name)
-    module = transformer_rules.from_original(name)
+        name = _dotted(name, rule)
+    module = rule.from_original(name)
     return None if module is None else (module, part)
 
 
-def _dotted(name: str) -> str:
+def _dotted(name: str, rule: Any) -> str:
     """A kohya module name (`blocks_3_self_attn_q`) in the original dotted spelling."""
+    in_block, outside = _underscored(rule)
     if match := _KOHYA_BLOCK.fullmatch(name):
-        local = _UNDERSCORED_BLOCK.get(match[2])
+        local = in_block.get(match[2])
         return f"blocks.{match[1]}.{local}" if local else name
-    return _UNDERSCORED.get(name, name)
+    return outside.get(name, name)
 
 
-def read_lora(path: str | Path) -> LoraFile:
-    """Read a LoRA file's tensors (memory-mapped) and group them by module."""
-    path = Path(path)
+def read_lora(path: str | Path, *, kind: str | None = None) -> LoraFile:
+    """Read a LoRA file's tensors (memory-mapped) and group them by module of a transformer of
+    kind `kind` (None: the default kind)."""
+    path, rule = Path(path), transformer_rule(kind)
     try:
         tensors = dict(read_safetensors(path))
         metadata = safetensors_metadata(path)
@@ -233,7 +264,7 @@ def read_lora(path: str | Path) -> LoraFile:
     fmt = detect_format(list(tensors))
     modules: dict[str, Module] = {}
     for key, tensor in tensors.items():
-        split = split_key(key, fmt)
+        split = _split(key, fmt, rule)
         if split is None:
             raise LoraError(f"LoRA {path}: key {key} names no transformer weight ({_known()})")
         module, part = split
@@ -242,7 +273,7 @@ def read_lora(path: str | Path) -> LoraFile:
         if part in entry.keys:
             raise LoraError(f"LoRA {path}: {key} and {entry.keys[part]} are the same tensor")
         entry.keys[part], entry.tensors[part] = key, tensor
-    return LoraFile(path, fmt, modules, _metadata_alpha(path, metadata))
+    return LoraFile(path, fmt, modules, _metadata_alpha(path, metadata), rule)
 
 
 def _check_values(path: Path, key: str, part: str, tensor: np.ndarray) -> None:
@@ -304,21 +335,29 @@ def check_experts(num_experts: int, loras_2: Sequence[object]) -> None:
         )
 
 
-def check(specs: Sequence[tuple[str | Path, float]], shapes: Mapping[Path_, tuple[int, ...]]):
-    """Raise LoraError for the first LoRA of `specs` that does not fit a transformer with
-    parameters of `shapes` (reads the files' headers and tensor shapes, no weights)."""
-    _collect(specs, shapes)
+def check(
+    specs: Sequence[tuple[str | Path, float]],
+    shapes: Mapping[Path_, tuple[int, ...]],
+    *,
+    kind: str | None = None,
+):
+    """Raise LoraError for the first LoRA of `specs` that does not fit a transformer of kind
+    `kind` with parameters of `shapes` (reads the files' headers and tensor shapes, no
+    weights)."""
+    _collect(specs, shapes, kind)
 
 
 def prepare(
     specs: Sequence[tuple[str | Path, float]],
     shapes: Mapping[Path_, tuple[int, ...]],
     transformer: str = "transformer",
+    *,
+    kind: str | None = None,
 ) -> tuple[dict[Path_, ParamDelta], list[AppliedLora]]:
     """The updates of the LoRA files `specs` ((path, scale) pairs; a file may repeat, the
     scales add up) for a transformer whose parameters have `shapes`, checked against them
-    before any weight is read."""
-    terms, files = _collect(specs, shapes)
+    before any weight is read. `kind`: the transformer's (None: the default kind)."""
+    terms, files = _collect(specs, shapes, kind)
     applied = [
         AppliedLora(str(f.path), file_sha256(f.path), float(scale), transformer, f.format, touched)
         for f, scale, touched in files
@@ -328,7 +367,9 @@ def prepare(
 
 
 def _collect(
-    specs: Sequence[tuple[str | Path, float]], shapes: Mapping[Path_, tuple[int, ...]]
+    specs: Sequence[tuple[str | Path, float]],
+    shapes: Mapping[Path_, tuple[int, ...]],
+    kind: str | None,
 ) -> tuple[
     dict[Path_, list[tuple[int | None, LowRank | Dense]]], list[tuple[LoraFile, float, int]]
 ]:
@@ -336,7 +377,7 @@ def _collect(
     terms: dict[Path_, list[tuple[int | None, LowRank | Dense]]] = {}
     files = []
     for path, scale in specs:
-        lora = read_lora(path)
+        lora = read_lora(path, kind=kind)
         touched: set[tuple[Path_, int | None]] = set()
         for module, entry in lora.modules.items():
             for param, layer, update in _updates(lora, module, entry, shapes, float(scale)):
@@ -414,9 +455,9 @@ def _target(
 ):
     """(parameter path, layer, shape of one layer's block, layout transform) of a module's
     weight or bias, through the diffusers weight import's rule."""
-    name = transformer_rules.tensor_name(module, leaf)
+    name = lora.rule.tensor_name(module, leaf)
     try:
-        target = transformer_rules.rule(name)
+        target = lora.rule(name)
     except WeightError:
         target = None
     if target is None or target.path not in shapes:

@@ -2,12 +2,15 @@
 
 The module tree mirrors diffusers', so the mapping is mechanical: `blocks.N.` becomes layer N
 of the stacked `blocks`, three submodules are renamed, and the leaf name and layout follow
-from the kind of layer (Linear, Conv3d, norm, or a raw table).
+from the kind of layer (Linear, Conv3d, norm, or a raw table). `rule` also names the modules as
+the original Wan release does, for LoRA files (`wan.lora` asks the kind registry for it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
+from collections.abc import Callable, Mapping
 
 from wan.weights import Target, WeightError, conv3d, identity, linear
 
@@ -51,22 +54,7 @@ ORIGINAL_MODULES = {
 }
 
 
-def from_original(module: str) -> str | None:
-    """The diffusers name of an original-Wan module (`blocks.3.self_attn.q` ->
-    `blocks.3.attn1.to_q`); None for a name the original model does not have."""
-    if match := _BLOCK.fullmatch(module):
-        local = ORIGINAL_BLOCK_MODULES.get(match[2])
-        return None if local is None else f"blocks.{match[1]}.{local}"
-    return ORIGINAL_MODULES.get(module)
-
-
-def tensor_name(module: str, leaf: str) -> str:
-    """The diffusers tensor of a module's `leaf` ('weight' or 'bias'): raw tables are named
-    after their module."""
-    return module if module.rpartition(".")[2] in _TABLES else f"{module}.{leaf}"
-
-
-def rule(name: str) -> Target | None:
+def _target(name: str) -> Target | None:
     """Target of one diffusers tensor. Tensors of modules this model lacks (image-to-video
     weights) map to paths the importer rejects; a leaf that is neither weight nor bias raises."""
     if any(part in _IGNORED for part in name.split(".")):
@@ -88,3 +76,33 @@ def rule(name: str) -> Target | None:
     if path[-1] == "patch_embedding":
         return Target((*path, "kernel"), layer, conv3d)
     return Target((*path, "kernel"), layer, linear)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TransformerRule:
+    """A transformer kind's weight rule: called with a diffusers tensor name, its `Target`. It
+    also maps the module names of the model's original release (its own checkpoints, ComfyUI
+    and kohya LoRAs) to diffusers', and names a module's tensors, for `wan.lora`."""
+
+    target: Callable[[str], Target | None]
+    original_block_modules: Mapping[str, str]  # inside a block: original name -> diffusers'
+    original_modules: Mapping[str, str]  # outside the blocks
+    tables: tuple[str, ...]  # raw parameters: their tensor is named after the module
+
+    def __call__(self, name: str) -> Target | None:
+        return self.target(name)
+
+    def from_original(self, module: str) -> str | None:
+        """The diffusers name of an original module (`blocks.3.self_attn.q` ->
+        `blocks.3.attn1.to_q`); None for a name the original model does not have."""
+        if match := _BLOCK.fullmatch(module):
+            local = self.original_block_modules.get(match[2])
+            return None if local is None else f"blocks.{match[1]}.{local}"
+        return self.original_modules.get(module)
+
+    def tensor_name(self, module: str, leaf: str) -> str:
+        """The diffusers tensor of a module's `leaf` ('weight' or 'bias')."""
+        return module if module.rpartition(".")[2] in self.tables else f"{module}.{leaf}"
+
+
+rule = TransformerRule(_target, ORIGINAL_BLOCK_MODULES, ORIGINAL_MODULES, _TABLES)
