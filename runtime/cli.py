@@ -219,7 +219,9 @@ def run_cmd(
                 artifacts, request, model_spec(config, weights), present, build_name
             )
             for specs in (loras, loras_2):
-                lora.check(specs, found[1].parameter_shapes("kv_cache"))
+                lora.check(
+                    specs, found[1].parameter_shapes("kv_cache"), kind=config.transformer.kind
+                )
             return found
         except (ArtifactError, lora.LoraError, OSError) as e:
             raise CliError(str(e)) from None

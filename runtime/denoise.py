@@ -11,6 +11,7 @@ negative threshold always computes) and says whether it skipped.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -46,9 +47,12 @@ class Denoiser:
         cfg: bool,
         request: CacheRequest | None,
         ratios: Mapping[str, Sequence[float]] | None,
+        step_experts: Sequence[str],
     ):
         self.run, self.step_program, self.num_layers, self.cfg = run, step_program, num_layers, cfg
         self.request, self.ratios = request, ratios
+        # MagCache interpolates an expert's ratios to the steps that expert runs.
+        self.expert_steps = collections.Counter(step_experts)
         self.inputs = interface.named(step_program, executables[step_program].input_shardings[0])
         self.arg_info = interface.named(step_program, executables[step_program].args_info[0])
         self.residuals: dict[str, dict[str, jax.Array]] = {}  # per expert, from its last step
@@ -57,18 +61,14 @@ class Denoiser:
         self.skipped: list[int] = []
         self.blocks_run = 0
 
-    def step(self, i: int, steps: int, expert: str, inputs: dict[str, Any]) -> dict[str, Any]:
-        """Step i of `steps` by `expert` on `inputs` (the denoise step's) -> its outputs."""
+    def step(self, i: int, expert: str, inputs: dict[str, Any]) -> dict[str, Any]:
+        """Step i by `expert` on `inputs` (the denoise step's) -> its outputs."""
         if self.step_program == "denoise_step":
             self.blocks_run += self.num_layers
             return self.run("denoise_step", **inputs)
         residuals = self.residuals.get(expert) or self._zero_residuals()
         kind = self.request.kind if self.request else None
-        if (
-            kind == "magcache"
-            and not self.request.calibrate
-            and self._mag(expert, steps).skip_next()
-        ):
+        if kind == "magcache" and not self.request.calibrate and self._mag(expert).skip_next():
             self.skipped.append(i)
             return self.run("cached_step", **inputs, **residuals)
         fresh = expert not in self.residuals
@@ -103,10 +103,10 @@ class Denoiser:
             mag_ratios=None if self.calibration is None else self.calibration.ratios(),
         )
 
-    def _mag(self, expert: str, steps: int) -> step_cache.MagCache:
+    def _mag(self, expert: str) -> step_cache.MagCache:
         if expert not in self.mag:
             self.mag[expert] = step_cache.MagCache(
-                self.request.magcache_settings(), self.ratios[expert], steps
+                self.request.magcache_settings(), self.ratios[expert], self.expert_steps[expert]
             )
         return self.mag[expert]
 

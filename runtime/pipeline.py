@@ -215,7 +215,9 @@ class Pipeline:
         for component, specs in (("transformer", loras), ("transformer_2", loras_2)):
             if specs:
                 shapes = {p: a.shape for p, a in flatten(abstracts[component]).items()}
-                deltas[component], summary = lora.prepare(specs, shapes, component)
+                deltas[component], summary = lora.prepare(
+                    specs, shapes, component, kind=config.transformer.kind
+                )
                 applied += summary
         # The components load at once (reads and copies release the GIL), the tokenizer with them.
         with concurrent.futures.ThreadPoolExecutor(len(abstracts) + 1) as pool:
@@ -275,7 +277,7 @@ class Pipeline:
         experts, expert_at = self._experts(tables, guidance, guidance_2)
         denoiser = Denoiser(
             self._run, self.exe, step, self.config.transformer.num_layers, self.key.cfg, cache,
-            ratios,
+            ratios, [expert_at(i)[0] for i in range(steps)],
         )  # fmt: skip
         marks = {}  # phase -> seconds from start to its end
         with no_compilation() as counter:
@@ -397,7 +399,6 @@ class Pipeline:
             expert, scale = expert_at(i)
             out = denoiser.step(
                 i,
-                steps,
                 expert,
                 dict(
                     params=self.params[expert],

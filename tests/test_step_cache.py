@@ -1,0 +1,302 @@
+"""Step caching (`aot build --step-cache`, `runtime run --cache ...`) against diffusers' own cache
+hooks on the same tiny WanPipeline (CFG, 12 UniPC steps): the same skipped steps, frames within
+2/255; a cached run moves the frames by more than that (the cache acts), and a step-cache build
+without a cache gives the plain build's frames bit for bit."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+from conftest import run_cli, save_tiny_diffusers_pipeline
+from diffusers import WanPipeline, WanTransformer3DModel
+from diffusers.hooks import FirstBlockCacheConfig, MagCacheConfig, first_block_cache, mag_cache
+
+WIDTH, HEIGHT, FRAMES, STEPS = 48, 32, 9, 12
+SHAPE = ["--res", f"{WIDTH}x{HEIGHT}", "--frames", str(FRAMES), "--batch", "1"]
+TOLERANCE = 2 / 255  # uint8 frames vs diffusers' float frames
+PROMPTS = {"prompt": "a red cat running in the rain", "negative_prompt": "blurry"}
+GUIDANCE = 4.0
+# Ratios and settings under which MagCache skips steps in runs of one and of several: retention
+# keeps step 0, the accumulated error and max_skip decide the rest.
+MAG_RATIOS = [1.0, 1.0, 1.0, 0.99, 0.97, 1.0, 1.0, 1.0, 1.0, 0.96, 1.0, 1.0]
+MAG = {"threshold": 0.06, "max_skip": 3, "retention": 0.1}
+FBC_THRESHOLD = 0.05
+FBC_MARGIN = 0.03  # every relative change is at least 3% of the threshold away from it
+# The other blocks of the fbcache model are scaled up, so that reusing their residual moves the
+# frames by more than the tolerance (at the tiny model's init it moves them by less).
+FBC_BLOCK_GAIN = 3.0
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """Tiny diffusers folders (one transformer; fbcache's variant; two experts), the initial
+    noise, and builds of each with and without --step-cache."""
+    root = tmp_path_factory.mktemp("step_cache")
+    save_tiny_diffusers_pipeline(root / "one")
+    save_tiny_diffusers_pipeline(root / "two", two_experts=True)
+    save_tiny_diffusers_pipeline(root / "fbc")
+    transformer = WanTransformer3DModel.from_pretrained(root / "fbc" / "transformer")
+    with torch.no_grad():
+        for name, p in transformer.named_parameters():
+            if name.startswith("blocks.1.ffn.net.2"):
+                p.mul_(FBC_BLOCK_GAIN)
+    transformer.save_pretrained(root / "fbc" / "transformer")
+    noise = np.random.default_rng(1).standard_normal(
+        (1, 16, 3, HEIGHT // 8, WIDTH // 8), np.float32
+    )
+    np.save(root / "noise.npy", noise)
+    for model in ("one", "two", "fbc"):
+        for cache in ([], ["--step-cache"]):
+            run_cli("aot", "build", "--model", str(root / model), *SHAPE, *cache,
+                    "--target", "cpu-8", "--out", str(root / "artifacts"))  # fmt: skip
+    return root, noise
+
+
+@contextlib.contextmanager
+def _recording(cls, method: str, record):
+    """Calls of diffusers' hook method `cls.method`, each passed to record(self, result, args)."""
+    original = getattr(cls, method)
+
+    def wrapper(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        record(self, result, args)
+        return result
+
+    setattr(cls, method, wrapper)
+    try:
+        yield
+    finally:
+        setattr(cls, method, original)
+
+
+def _diffusers(folder, noise, caches=None):
+    """diffusers' frames, with a cache config per transformer name when given."""
+    pipe = WanPipeline.from_pretrained(folder)
+    for name, config in (caches or {}).items():
+        getattr(pipe, name).enable_cache(config)
+    return pipe(
+        **PROMPTS, height=HEIGHT, width=WIDTH, num_frames=FRAMES, num_inference_steps=STEPS,
+        guidance_scale=GUIDANCE, latents=torch.from_numpy(noise), output_type="np",
+    ).frames  # fmt: skip
+
+
+def _ours(root, model, tmp_path, *cache_args, build_cache=True):
+    """Our frames and the run's report through `runtime run`."""
+    frames, report = tmp_path / "frames.npy", tmp_path / "report.json"
+    build = [] if build_cache else ["--build", _plain_build(root, model)]
+    run_cli(
+        "runtime", "run", "--artifacts", str(root / "artifacts"), "--weights", str(root / model),
+        *SHAPE, *PROMPTS_ARGS, "--steps", str(STEPS), "--guidance", str(GUIDANCE),
+        "--init-noise", str(root / "noise.npy"), "--save-frames", str(frames),
+        "--report", str(report), "--out", str(tmp_path / "v.mp4"), *build, *cache_args,
+    )  # fmt: skip
+    return np.load(frames).astype(np.float32) / 255, json.loads(report.read_text())
+
+
+PROMPTS_ARGS = ["--prompt", PROMPTS["prompt"], "--negative-prompt", PROMPTS["negative_prompt"]]
+
+
+def _builds(root, model):
+    return sorted(p.name for p in (root / "artifacts").iterdir() if p.name.startswith(model))
+
+
+def _plain_build(root, model):
+    (name,) = [n for n in _builds(root, model) if not n.endswith("_stepcache")]
+    return name
+
+
+def _step_cache_build(root, model):
+    (name,) = [n for n in _builds(root, model) if n.endswith("_stepcache")]
+    return name
+
+
+def _magcache_args(tmp_path, ratios) -> list[str]:
+    path = tmp_path / "ratios.json"
+    path.write_text(json.dumps(ratios))
+    return [
+        "--cache", "magcache", "--mag-ratios", str(path),
+        "--cache-threshold", str(MAG["threshold"]), "--cache-max-skip", str(MAG["max_skip"]),
+        "--cache-retention", str(MAG["retention"]),
+    ]  # fmt: skip
+
+
+def _magcache_config(ratios, steps=STEPS) -> MagCacheConfig:
+    return MagCacheConfig(
+        threshold=MAG["threshold"], max_skip_steps=MAG["max_skip"],
+        retention_ratio=MAG["retention"], num_inference_steps=steps, mag_ratios=list(ratios),
+    )  # fmt: skip
+
+
+def _skips_of(calls: list[bool], contexts: int = 2) -> list[int]:
+    """Step indices diffusers skipped, from its should_compute per call (CFG: cond, uncond);
+    both contexts decide alike here, which the test asserts."""
+    per_context = [calls[i::contexts] for i in range(contexts)]
+    assert all(c == per_context[0] for c in per_context)
+    return [i for i, compute in enumerate(per_context[0]) if not compute]
+
+
+def _run_ours(root, model, tmp_path, args):
+    """Our frames and report from the model's --step-cache build."""
+    return _ours(root, model, tmp_path, "--build", _step_cache_build(root, model), *args)
+
+
+def test_magcache_matches_diffusers(tiny, tmp_path):
+    root, noise = tiny
+    decisions = []
+    record = lambda hook, result, args: decisions.append(  # noqa: E731
+        hook.state_manager.get_state().should_compute
+    )
+    with _recording(mag_cache.MagCacheHeadHook, "new_forward", record):
+        expected = _diffusers(root / "one", noise, {"transformer": _magcache_config(MAG_RATIOS)})
+    ours, report = _run_ours(root, "one", tmp_path, _magcache_args(tmp_path, MAG_RATIOS))
+    skipped = _skips_of(decisions)
+    assert 0 < len(skipped) < STEPS - 1
+    assert report["cache"]["skipped_steps"] == skipped
+    assert report["cache"]["block_steps_run"] == 2 * (STEPS - len(skipped))
+    assert report["compile_count"] == 0
+    assert np.abs(ours - expected).max() <= TOLERANCE
+    # The cache acts: uncached frames are further from the cached ones than the tolerance.
+    uncached = _diffusers(root / "one", noise)
+    assert np.abs(uncached - expected).max() > TOLERANCE
+    assert np.abs(ours - uncached).max() > TOLERANCE
+
+
+def test_two_experts_keep_one_magcache_each(tiny, tmp_path):
+    """Wan 2.2's expert pair: one cache per transformer, the second starting afresh at the
+    switch, as diffusers' hook on each transformer does."""
+    root, noise = tiny
+    pipe = WanPipeline.from_pretrained(root / "two")
+    pipe.scheduler.set_timesteps(STEPS)
+    boundary = pipe.config.boundary_ratio * pipe.scheduler.config.num_train_timesteps
+    high_steps = int((pipe.scheduler.timesteps >= boundary).sum())
+    ratios = {"transformer": MAG_RATIOS[:high_steps], "transformer_2": [1.0] * STEPS}
+    decisions = {"transformer": [], "transformer_2": []}
+    # Each expert's cache runs over the steps that expert runs.
+    expert_steps = {"transformer": high_steps, "transformer_2": STEPS - high_steps}
+    configs = {name: _magcache_config(r, expert_steps[name]) for name, r in ratios.items()}
+    owner = {}  # hook -> transformer name
+
+    def record(hook, result, args):
+        decisions[owner[id(hook.config)]].append(hook.state_manager.get_state().should_compute)
+
+    for name, config in configs.items():
+        owner[id(config)] = name
+    with _recording(mag_cache.MagCacheHeadHook, "new_forward", record):
+        expected = _diffusers(root / "two", noise, configs)
+    ours, report = _run_ours(root, "two", tmp_path, _magcache_args(tmp_path, ratios))
+    high = _skips_of(decisions["transformer"])
+    low = [high_steps + i for i in _skips_of(decisions["transformer_2"])]
+    assert high and low  # each expert skips
+    assert report["cache"]["skipped_steps"] == high + low
+    assert np.abs(ours - expected).max() <= TOLERANCE
+
+
+def test_calibration_matches_diffusers(tiny, tmp_path):
+    """--calibrate-mag-ratios writes the ratios diffusers' calibrate mode prints (its cond
+    pass: the prompt rows), skipping nothing."""
+    root, noise = tiny
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        _diffusers(
+            root / "one",
+            noise,
+            {"transformer": MagCacheConfig(num_inference_steps=STEPS, calibrate=True)},
+        )
+    expected = json.loads(re.findall(r"\n(\[[^\]]*\])\n", printed.getvalue())[0])
+    out = tmp_path / "calibrated.json"
+    args = ["--cache", "magcache", "--calibrate-mag-ratios", str(out)]
+    _, report = _run_ours(root, "one", tmp_path, args)
+    assert report["cache"]["skipped_steps"] == []
+    np.testing.assert_allclose(json.loads(out.read_text()), expected, rtol=1e-3)
+
+
+def test_first_block_cache_matches_diffusers(tiny, tmp_path):
+    root, noise = tiny
+    changes, decisions = [], []
+
+    def record(hook, compute, args):
+        # Called before the hook stores a computed step's residual: `previous` is the last one.
+        previous, residual = hook.state_manager.get_state().head_block_residual, args[0]
+        decisions.append(compute)
+        if previous is not None:
+            changes.append(((residual - previous).abs().mean() / previous.abs().mean()).item())
+
+    with _recording(first_block_cache.FBCHeadBlockHook, "_should_compute_remaining_blocks", record):
+        expected = _diffusers(
+            root / "fbc", noise, {"transformer": FirstBlockCacheConfig(threshold=FBC_THRESHOLD)}
+        )
+    ours, report = _run_ours(
+        root, "fbc", tmp_path,
+        ["--cache", "fbcache", "--cache-threshold", str(FBC_THRESHOLD)],
+    )  # fmt: skip
+    skipped = _skips_of(decisions)
+    assert skipped and len(skipped) < STEPS - 1
+    margins = [abs(c - FBC_THRESHOLD) / FBC_THRESHOLD for c in changes]
+    assert min(margins) > FBC_MARGIN, (changes, FBC_THRESHOLD)
+    assert report["cache"]["skipped_steps"] == skipped
+    assert report["cache"]["block_steps_run"] == 2 * STEPS - len(skipped)
+    assert np.abs(ours - expected).max() <= TOLERANCE
+    uncached = _diffusers(root / "fbc", noise)
+    assert np.abs(uncached - expected).max() > TOLERANCE
+    assert np.abs(ours - uncached).max() > TOLERANCE
+
+
+def test_no_cache_on_a_step_cache_build_is_the_plain_build_bit_for_bit(tiny, tmp_path):
+    root, _ = tiny
+    plain, _ = _ours(root, "one", tmp_path / "plain", build_cache=False)
+    with_programs, report = _run_ours(root, "one", tmp_path / "cache", [])
+    assert report["cache"]["cache"] is None
+    assert np.array_equal(plain, with_programs)
+
+
+def _fails(root, tmp_path, *args) -> str:
+    """stderr of a run that must fail with one line (exit 2) and write nothing."""
+    result = run_cli(
+        "runtime", "run", "--artifacts", str(root / "artifacts"), "--weights", str(root / "one"),
+        *SHAPE, "--prompt", "a", "--steps", "3", "--out", str(tmp_path / "v.mp4"), *args,
+        check=False,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "v.mp4").exists()
+    return result.stderr
+
+
+def test_bad_cache_requests_are_one_line(tiny, tmp_path):
+    root, _ = tiny
+    plain = _plain_build(root, "one")
+    # A cache on a build without the programs: the exact command to make one, before any
+    # weight is read (the VAE's weights are made unreadable to show it).
+    broken = tmp_path / "weights"
+    broken.mkdir()
+    for part in (root / "one").iterdir():
+        (broken / part.name).symlink_to(part)
+    (broken / "vae").unlink()
+    (broken / "vae").mkdir()
+    (broken / "vae" / "config.json").symlink_to(root / "one" / "vae" / "config.json")
+    (broken / "vae" / "diffusion_pytorch_model.safetensors").write_bytes(b"not weights")
+    result = run_cli(
+        "runtime", "run", "--artifacts", str(root / "artifacts"), "--weights", str(broken),
+        *SHAPE, "--prompt", "a", "--steps", "3", "--out", str(tmp_path / "v.mp4"),
+        "--build", plain, "--cache", "magcache", check=False,
+    )  # fmt: skip
+    assert result.returncode == 2 and "--step-cache" in result.stderr, result.stderr
+    assert "aot build --model" in result.stderr
+    build = _step_cache_build(root, "one")
+    bad_ratios = tmp_path / "bad.json"
+    for content in ("[1.0, -0.5]", '["a"]', "{}", "not json"):
+        bad_ratios.write_text(content)
+        err = _fails(root, tmp_path, "--build", build, "--cache", "magcache",
+                     "--mag-ratios", str(bad_ratios))  # fmt: skip
+        assert str(bad_ratios) in err
+    err = _fails(root, tmp_path, "--build", build, "--cache", "fbcache", "--cache-threshold", "-1")
+    assert "--cache-threshold" in err
+    # The tiny model has no shipped ratios: how to calibrate them.
+    err = _fails(root, tmp_path, "--build", build, "--cache", "magcache")
+    assert "--calibrate-mag-ratios" in err
