@@ -24,7 +24,7 @@ from runtime import clock, processes
 from runtime.artifact import ArtifactError, Manifest
 from runtime.cache_request import DEFAULT_THRESHOLDS, CacheRequest, check_cache
 from runtime.cli_args import CliError, OneLineErrors, parse_resolution
-from runtime.loader import Present, Request, match_build
+from runtime.loader import Present, Request, candidate_builds, match_build, passed_over
 from runtime.outputs import OutputError, check_outputs, npy_path, staged, write_npy
 from runtime.request import check_finite, check_text, latent_shape, read_init_noise
 from runtime.step_cache import read_mag_ratios, write_mag_ratios
@@ -252,7 +252,7 @@ def run_cmd(
     import jax
 
     if jax.process_index() == 0:
-        _write(videos, report, imports, out, save_frames, report_path, calibrate_path)
+        _write(videos, report, imports, out, save_frames, report_path, calibrate_path, config.fps)
 
 
 @contextlib.contextmanager
@@ -378,9 +378,10 @@ def _write(
     save_frames: Path | None,
     report_path: Path | None,
     calibrate_path: Path | None,
+    fps: int,
 ) -> None:
-    """The videos, the frames, the report and the calibrated ratios, with the write and the
-    whole run timed: all staged and then renamed into place together, or none of them on a
+    """The videos (at the model's frame rate), the frames, the report and the calibrated
+    ratios, with the write and the whole run timed: all staged and then renamed into place together, or none of them on a
     failure (runtime.outputs)."""
     from runtime.video import write_mp4
 
@@ -391,7 +392,7 @@ def _write(
         video_files = video_paths(out, len(videos))
         for video, path in zip(videos, video_files, strict=True):
             with _writing(path):
-                write_mp4(video, staging[path])
+                write_mp4(video, staging[path], fps)
         if save_frames:
             with _writing(npy_path(save_frames)):
                 write_npy(staging[npy_path(save_frames)], videos)
@@ -436,6 +437,124 @@ def _loras(args: tuple[str, ...], option: str) -> list[tuple[Path, float]]:
         if not path.is_file():
             raise CliError(f"{option} {path}: no such file")
     return specs
+
+
+@cli.command("serve")
+@click.option(
+    "--artifacts", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True
+)
+@click.option(
+    "--weights",
+    type=click.Path(path_type=Path),
+    required=True,
+    help="diffusers-format folder or project checkpoint.",
+)
+@click.option(
+    "--lora",
+    "lora_args",
+    multiple=True,
+    metavar="FILE[:SCALE]",
+    help="A LoRA merged into the transformer at load (repeatable; scales add up; default 1).",
+)
+@click.option(
+    "--build",
+    "build_names",
+    multiple=True,
+    help="Serve only these build folders (repeatable; default: every build that serves the "
+    "weights' model on these devices).",
+)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
+@click.option(
+    "--out-dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    required=True,
+    help="The job database and the MP4s; a restart on the same folder resumes its queue.",
+)
+@click.option("--max-queue", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option(
+    "--batch-window",
+    default=0.5,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="Seconds a request waits for others to share its batch (a full batch runs at once).",
+)
+@click.option(
+    "--drain-timeout",
+    default=300.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="On SIGTERM: seconds to finish the batch in flight (else it is queued again).",
+)
+def serve_cmd(
+    artifacts, weights, lora_args, build_names, host, port, out_dir, max_queue, batch_window,
+    drain_timeout,
+) -> None:  # fmt: skip
+    """Serve the builds in --artifacts over HTTP (OpenAI's Videos API shape): load once, queue
+    the requests, run them in the builds' batches, compile nothing."""
+    if not weights.is_dir():
+        raise CliError(
+            f"--weights {weights} is not a folder (a diffusers-format folder or a checkpoint)"
+        )
+    loras = _loras(lora_args, "--lora")
+    config = ModelConfig.from_folder(weights)
+    model_name = model_spec(config, weights)
+
+    def builds(present: Present) -> list[tuple[Path, Manifest]]:
+        return _serving_builds(artifacts, config.hash(), model_name, present, build_names)
+
+    from runtime.server import listen  # before jax: a taken port fails in a second
+
+    sock = listen(host, port)
+    _start(lambda present: builds(present)[0], None, 1, 0, processes.JOIN_TIMEOUT_S)
+    import jax
+
+    from runtime.job_store import JobStore
+    from runtime.pipeline import CompileCounter, Pipeline
+    from runtime.server import Service, serve
+
+    placed: dict = {}
+    pipelines = {
+        folder.name: Pipeline.from_build(folder, manifest, weights, config, loras, (), placed)
+        for folder, manifest in builds(Present.of(jax.devices()))
+    }
+    store = JobStore(out_dir)
+    requeued = store.recover()
+    counter = CompileCounter()
+    service = Service(pipelines, store, max_queue, batch_window, lambda: counter.count)
+    if requeued:
+        click.echo(f"{requeued} video(s) queued from the last run", err=True)
+    serve(service, sock, drain_timeout, lambda line: click.echo(line, err=True))
+
+
+def _serving_builds(
+    artifacts: Path, model_hash: str, model_name: str, present: Present, names: tuple[str, ...]
+) -> list[tuple[Path, Manifest]]:
+    """The builds to serve: those named, else one per shape among the builds of the weights'
+    model that fit `present` devices (chosen per shape as `runtime run` chooses)."""
+    if names:
+        shapes = {}
+        for folder, manifest in candidate_builds(artifacts):
+            if folder.name in names and isinstance(manifest, Manifest):
+                shapes[folder.name] = manifest.key.shape
+        return [
+            match_build(artifacts, Request(shapes.get(n), model_hash), model_name, present, n)
+            for n in names
+        ]
+    shapes = []
+    for _, manifest in candidate_builds(artifacts):
+        if not isinstance(manifest, Manifest):
+            continue
+        fits = passed_over(manifest, Request(manifest.key.shape, model_hash), present) is None
+        if fits and manifest.key.shape not in shapes:
+            shapes.append(manifest.key.shape)
+    if not shapes:
+        raise ArtifactError(
+            f"no build in {artifacts} serves the model of these weights on this host: build one "
+            f"with `aot build --model {model_name} ... --out {artifacts}` (`runtime run` with the "
+            "same shape says why each build is passed over)"
+        )
+    return [match_build(artifacts, Request(s, model_hash), model_name, present) for s in shapes]
 
 
 def main() -> None:

@@ -119,6 +119,9 @@ class GenerationReport:
 
 
 LoraSpecs = Sequence[tuple[str | Path, float]]  # (file, scale) pairs
+# Weights already placed, by component and abstract (shapes, dtypes, shardings): builds assembled
+# with the same weights and LoRAs share each component's arrays where their shardings agree.
+PlacedWeights = dict[tuple[Any, ...], Any]
 
 
 class Pipeline:
@@ -169,13 +172,14 @@ class Pipeline:
         config: ModelConfig,
         loras: LoraSpecs = (),
         loras_2: LoraSpecs = (),
+        placed: PlacedWeights | None = None,
     ) -> Pipeline:
         """The build in `folder` (already matched), with the weights of `weights` (and LoRAs,
-        as in `load`)."""
+        as in `load`; `placed`: as in `assemble`)."""
         start = time.perf_counter()
         exe = load_build(folder, manifest, jax.devices())
         loaded = time.perf_counter()
-        pipe = cls.assemble(exe, weights, manifest.key, folder.name, config, loras, loras_2)
+        pipe = cls.assemble(exe, weights, manifest.key, folder.name, config, loras, loras_2, placed)
         pipe.load_phases = {
             "deserialize": round(loaded - start, 4),
             "weights": round(time.perf_counter() - loaded, 4),
@@ -192,10 +196,12 @@ class Pipeline:
         config: ModelConfig | None = None,
         loras: LoraSpecs = (),
         loras_2: LoraSpecs = (),
+        placed: PlacedWeights | None = None,
     ) -> Pipeline:
         """Place the weights of `weights` straight into the executables' input shardings,
         merging the LoRAs into the transformers on the way (all checked before any weight is
-        read)."""
+        read). `placed`: the weights other builds placed with the same weights and LoRAs; a
+        component found there in the same shardings is reused, the others are added to it."""
         config = config or ModelConfig.from_folder(weights)
         lora.check_experts(config.num_experts, loras_2)
         # Placed as the first program taking them wants them: the build gives every program of
@@ -219,15 +225,19 @@ class Pipeline:
                     specs, shapes, component, kind=config.transformer.kind
                 )
                 applied += summary
+        placed = {} if placed is None else placed
+        keys = {c: _placement(c, a) for c, a in abstracts.items()}
         # The components load at once (reads and copies release the GIL), the tokenizer with them.
         with concurrent.futures.ThreadPoolExecutor(len(abstracts) + 1) as pool:
             tok = pool.submit(tokenizer.load_tokenizer, Path(weights) / "tokenizer")
             loads = {
                 c: pool.submit(checkpoint.load_component, weights, c, a, deltas.get(c))
                 for c, a in abstracts.items()
+                if keys[c] not in placed
             }
-            params = {c: load.result() for c, load in loads.items()}
+            placed.update({keys[c]: load.result() for c, load in loads.items()})
             tok = tok.result()
+        params = {c: placed[keys[c]] for c in abstracts}
         return cls(executables, params, config, tok, key, name, applied)
 
     def _input_sharding(self, program: str, name: str) -> Any:
@@ -245,14 +255,16 @@ class Pipeline:
         steps: int = 50,
         guidance: float = 5.0,
         guidance_2: float | None = None,
-        seed: int = 0,
+        seed: int | Sequence[int] = 0,
         init_noise: np.ndarray | None = None,
         on_step: Callable[[int, int], None] | None = None,
         sampler: str | None = None,
         shift: float | None = None,
         cache: CacheRequest | None = None,
     ) -> tuple[np.ndarray, GenerationReport]:
-        """uint8 frames (B, F, H, W, 3). `init_noise` in the diffusers layout (B, C, T, h, w).
+        """uint8 frames (B, F, H, W, 3). `init_noise` in the diffusers layout (B, C, T, h, w);
+        else the noise of the whole batch from `seed`, or with one seed per video (a list), each
+        video's from its own (video i then equals a batch-1 generation with seed[i]).
 
         `sampler` ('unipc' or 'euler') and the flow `shift` default to the model's scheduler;
         both only change the host-side step tables, so any build serves any choice (the
@@ -266,7 +278,7 @@ class Pipeline:
         texts = self._texts(prompt, negative_prompt)
         step = self.key.step_program
         latent_shape = tuple(interface.named(step, self.exe[step].args_info[0])["latents"].shape)
-        latents = initial_latents(latent_shape, seed, init_noise)
+        latents = _initial_latents(latent_shape, seed, init_noise)
         scheduler = dataclasses.replace(
             self.config.scheduler,
             kind=sampler or self.config.scheduler.kind,
@@ -428,6 +440,27 @@ class Pipeline:
             self._input_sharding("vae_decode", "latents"),
         )
         return np.asarray(self._run("vae_decode", params=self.params["vae"], latents=x)["frames"])
+
+
+def _placement(component: str, abstract: Any) -> tuple[Any, ...]:
+    """What makes two builds' weights of `component` the same arrays: every tensor's shape,
+    dtype and sharding."""
+    leaves = sorted(flatten(abstract).items())
+    return (component, *((p, a.shape, a.dtype, a.sharding) for p, a in leaves))
+
+
+def _initial_latents(
+    shape: tuple[int, ...], seed: int | Sequence[int], init_noise: np.ndarray | None
+) -> np.ndarray:
+    """The batch's first latents: as `initial_latents` for one seed, else each video's from
+    its own seed as in a batch of one."""
+    if isinstance(seed, int):
+        return initial_latents(shape, seed, init_noise)
+    if init_noise is not None or len(seed) != shape[0]:
+        raise RequestError(
+            f"this build generates batches of {shape[0]}: give {shape[0]} seeds and no init noise"
+        )
+    return np.concatenate([initial_latents((1, *shape[1:]), s, None) for s in seed])
 
 
 def _all_finite(x: jax.Array) -> bool:

@@ -1,0 +1,169 @@
+"""Many requests in one compiled batch: which requests share a batch, which batch runs next, and
+the batch's generation with each video's own prompt, negative prompt and seed (its noise made
+from its own seed, so a video does not depend on its neighbours). Used by `runtime serve` and
+`runtime run --prompts`. No jax here: the pipeline is passed in."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from runtime.request import RequestError, check_text
+
+
+@dataclasses.dataclass(frozen=True)
+class Video:
+    """One video of a batch."""
+
+    prompt: str
+    negative_prompt: str = ""
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What every video of a batch shares besides the build: one generate() call's settings."""
+
+    steps: int = 50
+    guidance: float = 5.0
+    guidance_2: float | None = None
+    sampler: str | None = None
+    shift: float | None = None
+
+
+class BatchPipeline(Protocol):
+    key: Any  # its `batch`: the videos one generate() makes
+
+    def generate(self, prompt: Any, negative_prompt: Any, **kwargs: Any) -> tuple[Any, Any]: ...
+
+
+def group_key(build: str, settings: Settings) -> str:
+    """The requests that can share a batch: the same build and the same settings."""
+    return json.dumps([build, dataclasses.asdict(settings)], sort_keys=True)
+
+
+def group_build(group: str) -> str:
+    return json.loads(group)[0]
+
+
+def group_settings(group: str) -> Settings:
+    return Settings(**json.loads(group)[1])
+
+
+@dataclasses.dataclass(frozen=True)
+class Waiting:
+    """A queued request as the scheduler sees it."""
+
+    id: str
+    group: str
+    created_at: float
+
+
+def next_batch(
+    queued: Sequence[Waiting], batch_of: Callable[[str], int], now: float, window: float
+) -> tuple[list[Waiting], float]:
+    """The batch to run now (ids of one group, oldest first) and, when there is none yet, the
+    seconds to wait for one. The group whose oldest request waits longest goes first; it runs
+    once it fills its build's batch or its oldest request has waited `window` seconds (so that
+    requests arriving together share a batch)."""
+    if not queued:
+        return [], window
+    oldest = min(queued, key=lambda w: w.created_at)
+    members = sorted((w for w in queued if w.group == oldest.group), key=lambda w: w.created_at)
+    size = batch_of(oldest.group)
+    wait = oldest.created_at + window - now
+    if len(members) >= size or wait <= 0:
+        return members[:size], 0.0
+    return [], wait
+
+
+def generate_batch(
+    pipe: BatchPipeline,
+    videos: Sequence[Video],
+    settings: Settings,
+    on_step: Callable[[int, int], None] | None = None,
+) -> tuple[np.ndarray, Any]:
+    """The frames (N, F, H, W, 3) of up to the build's batch of `videos` in one generate():
+    the empty slots are filled with the last video again and their frames discarded."""
+    batch = pipe.key.batch
+    if not 0 < len(videos) <= batch:
+        raise RequestError(f"a batch holds 1 to {batch} videos, not {len(videos)}")
+    slots = [*videos, *[videos[-1]] * (batch - len(videos))]
+    frames, report = pipe.generate(
+        [v.prompt for v in slots],
+        [v.negative_prompt for v in slots],
+        seed=[v.seed for v in slots],
+        on_step=on_step,
+        **dataclasses.asdict(settings),
+    )
+    return frames[: len(videos)], report
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptLine:
+    """One line of a `runtime run --prompts` file."""
+
+    video: Video
+    out: Path
+
+
+PROMPT_FIELDS = {"prompt": str, "negative_prompt": str, "seed": int, "out": str}
+MAX_PROMPT_LINES = 100_000
+
+
+def read_prompts_file(path: Path, default_seed: int) -> list[PromptLine]:
+    """The requests of a JSON Lines file: one object per line with `prompt` and `out` (a path,
+    relative to the file's folder unless absolute), optionally `negative_prompt` and `seed`
+    (else `default_seed`). Blank lines are skipped; any other fault names its line."""
+    if not path.is_file():
+        raise RequestError(f"--prompts {path} is not a file: give a JSON Lines file")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise RequestError(f"--prompts {path} is not UTF-8 text ({e.reason})") from None
+    found = [
+        _prompt_line(path, number, line, default_seed)
+        for number, line in enumerate(lines, 1)
+        if line.strip()
+    ]
+    if not found or len(found) > MAX_PROMPT_LINES:
+        raise RequestError(f"--prompts {path}: give 1 to {MAX_PROMPT_LINES} requests, one a line")
+    return found
+
+
+def _prompt_line(path: Path, number: int, line: str, default_seed: int) -> PromptLine:
+    where = f"--prompts {path} line {number}"
+    try:
+        item = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise RequestError(f"{where} is not JSON ({e.msg})") from None
+    if not isinstance(item, dict):
+        raise RequestError(f"{where} is not a JSON object")
+    unknown = sorted(set(item) - set(PROMPT_FIELDS))
+    missing = [k for k in ("prompt", "out") if k not in item]
+    if unknown or missing:
+        raise RequestError(
+            f"{where}: {'unknown ' + ', '.join(unknown) if unknown else 'no ' + ', '.join(missing)}"
+            f"; a line holds {', '.join(PROMPT_FIELDS)} (prompt and out required)"
+        )
+    for key, kind in PROMPT_FIELDS.items():
+        value = item.get(key)
+        if value is not None and (type(value) is not kind):
+            raise RequestError(
+                f"{where}: {key} is a {type(value).__name__}, give a {kind.__name__}"
+            )
+    seed = item.get("seed", default_seed)
+    if seed < 0:
+        raise RequestError(f"{where}: seed {seed}: give an integer >= 0")
+    for key in ("prompt", "negative_prompt"):
+        check_text(f"{where}: {key}", item.get(key, ""))
+    out = Path(item["out"])
+    return PromptLine(
+        Video(item["prompt"], item.get("negative_prompt", ""), seed),
+        out if out.is_absolute() else path.parent / out,
+    )
