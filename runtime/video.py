@@ -14,7 +14,7 @@ from typing import IO
 import imageio_ffmpeg
 import numpy as np
 
-FPS = 16  # WAN's native frame rate
+FPS = 16  # Wan 2.1's and 2.2 A14B's; `runtime run` passes the model's (ModelConfig.fps)
 CRF = 10  # H.264 quality (0 lossless .. 51 worst): imageio's quality 8 of 10
 
 
@@ -30,9 +30,9 @@ def video_paths(out: Path, batch: int) -> list[Path]:
 
 
 def write_mp4(frames: np.ndarray, path: Path, fps: int = FPS) -> None:
-    """uint8 frames (F, H, W, 3) -> an H.264 MP4 (yuv420p) at `path`, created or overwritten
-    (write to a staged path: runtime.outputs.staged). ffmpeg is stopped before this returns or
-    raises, so it cannot write after its caller has cleaned up."""
+    """uint8 frames (F, H, W, 3) -> an H.264 MP4 (yuv420p) of `fps` frames a second at `path`,
+    created or overwritten (write to a staged path: runtime.outputs.staged). ffmpeg is stopped
+    before this returns or raises, so it cannot write after its caller has cleaned up."""
     frames = np.ascontiguousarray(frames, dtype=np.uint8)
     if frames.ndim != 4 or frames.shape[-1] != 3:
         raise ValueError(f"expected frames (F, H, W, 3), got {frames.shape}")

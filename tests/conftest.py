@@ -76,10 +76,10 @@ def tiny_weights(shared_dir) -> Path:
     return folder
 
 
-def _transformer():
+def _transformer(channels: int = 16):
     model = WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=16,
-        out_channels=16, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2,
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=channels,
+        out_channels=channels, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2,
         cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=1024,
     )  # fmt: skip
     with torch.no_grad():  # make the zero/one-initialised norms and tables matter
@@ -94,16 +94,20 @@ def _transformer():
     return model
 
 
-def save_tiny_diffusers_pipeline(folder, two_experts: bool = False) -> None:
-    """A tiny diffusers WanPipeline with random weights (the tiny preset's shapes), saved."""
-    torch.manual_seed(0)
-    text_encoder = UMT5EncoderModel(
+def _text_encoder():
+    return UMT5EncoderModel(
         UMT5Config(
             vocab_size=256, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
             relative_attention_num_buckets=32, relative_attention_max_distance=128,
             feed_forward_proj="gated-gelu", dropout_rate=0.0,
         )
     )  # fmt: skip
+
+
+def save_tiny_diffusers_pipeline(folder, two_experts: bool = False) -> None:
+    """A tiny diffusers WanPipeline with random weights (the tiny preset's shapes), saved."""
+    torch.manual_seed(0)
+    text_encoder = _text_encoder()
     vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1)
     scheduler = UniPCMultistepScheduler(
         prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
@@ -117,6 +121,45 @@ def save_tiny_diffusers_pipeline(folder, two_experts: bool = False) -> None:
         scheduler=scheduler,
         transformer_2=_transformer() if two_experts else None,
         boundary_ratio=0.9 if two_experts else None,
+    )
+    pipe.save_pretrained(folder)
+
+
+TI2V_Z = 48  # the Wan 2.2 VAE's latent channels
+
+
+def tiny_wan22_vae(z_dim: int = TI2V_Z) -> AutoencoderKLWan:
+    """A tiny random Wan 2.2 VAE (TI2V-5B's kind): residual, 2x2 pixel patches, 16x in space,
+    a decoder twice the encoder's width; non-trivial gains and biases."""
+    vae = AutoencoderKLWan(
+        base_dim=8, decoder_base_dim=16, z_dim=z_dim, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+        is_residual=True, patch_size=2, in_channels=12, out_channels=12,
+        scale_factor_spatial=16, scale_factor_temporal=4,
+        latents_mean=torch.randn(z_dim).mul(0.2).tolist(),
+        latents_std=torch.rand(z_dim).add(0.5).tolist(),
+    )  # fmt: skip
+    with torch.no_grad():
+        for name, p in vae.named_parameters():
+            if name.endswith("gamma"):
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+    return vae
+
+
+def save_tiny_ti2v_pipeline(folder) -> None:
+    """A tiny diffusers WanPipeline of the TI2V-5B kind (expand_timesteps, a 48-channel
+    transformer, the tiny Wan 2.2 VAE) with random weights, saved."""
+    torch.manual_seed(0)
+    pipe = WanPipeline(
+        tokenizer=build_word_tokenizer(folder / "_tokenizer", vocab_size=256),
+        text_encoder=_text_encoder(),
+        transformer=_transformer(channels=TI2V_Z),
+        vae=tiny_wan22_vae(),
+        scheduler=UniPCMultistepScheduler(
+            prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0
+        ),
+        expand_timesteps=True,
     )
     pipe.save_pretrained(folder)
 

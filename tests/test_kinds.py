@@ -28,9 +28,12 @@ from wan.configs import (
     NO_OP_KEYS,
     WAN21_LATENTS_MEAN,
     WAN21_LATENTS_STD,
+    WAN22_LATENTS_MEAN,
+    WAN22_LATENTS_STD,
     ModelConfig,
     TextEncoderConfig,
     TransformerConfig,
+    VAE22Config,
     VAEConfig,
     VAEKindConfig,
     VideoShape,
@@ -41,6 +44,7 @@ from wan.random_weights import write_random_checkpoint
 from wan.text_encoder import UMT5Encoder
 from wan.transformer import WanTransformer
 from wan.vae import WanVAE
+from wan.vae22 import WanVAE22
 from wan.weights import text_encoder as text_encoder_rules
 from wan.weights import transformer as transformer_rules
 from wan.weights import vae as vae_rules
@@ -66,6 +70,14 @@ def test_registry_answers_for_todays_kinds():
     assert kinds.of(TINY.transformer).patch(TINY.transformer) == (1, 2, 2)
     assert kinds.part(TINY, "transformer_2") is TINY.transformer
     assert kinds.lookup("vae", "wan2.1").param_dtype == "float32"
+    wan22 = kinds.lookup("vae", "wan2.2")  # TI2V-5B's: not the default, claimed by its keys
+    assert (wan22.config_class, wan22.module_factory, wan22.weight_rule) == (
+        VAE22Config,
+        WanVAE22,
+        vae_rules.rule,
+    )
+    assert kinds.of_raw("vae", {"is_residual": True}) is wan22
+    assert kinds.of_raw("vae", {"is_residual": False}) is kinds.lookup("vae", "wan2.1")
 
 
 def _changed(of: str, **changes: Any) -> kinds.ComponentKind:
@@ -75,7 +87,7 @@ def _changed(of: str, **changes: Any) -> kinds.ComponentKind:
 @pytest.mark.parametrize(
     ("call", "phrase"),
     [
-        (lambda: kinds.lookup("vae", "wan2.2"), "vae kind 'wan2.2' is not one this project has"),
+        (lambda: kinds.lookup("vae", "wan3"), "vae kind 'wan3' is not one this project has"),
         (lambda: kinds.lookup("vae", ["wan2.1"]), "vae kind ['wan2.1'] is not one"),
         (lambda: kinds.part(TINY, "unet"), "unknown component 'unet'"),
         (lambda: programs.make_module(TINY, "unet"), "unknown component 'unet'"),
@@ -95,9 +107,9 @@ def test_unknown_kinds_are_one_line_errors(call, phrase):
 
 def test_config_naming_an_unknown_kind(tmp_path):
     raw = TINY.to_dict()
-    raw["vae"]["kind"] = "wan2.2"
+    raw["vae"]["kind"] = "wan3"
     (tmp_path / CHECKPOINT_MARKER).write_text(json.dumps({"model": raw}))
-    with pytest.raises(WeightError, match=r"vae: vae kind 'wan2.2' is not one this project has"):
+    with pytest.raises(WeightError, match=r"vae: vae kind 'wan3' is not one this project has"):
         ModelConfig.from_folder(tmp_path)
 
 
@@ -111,7 +123,7 @@ HASHES = {
 }
 
 
-@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize("preset", list(HASHES))
 def test_geometry_and_hash_as_before_kinds(preset):
     config = PRESETS[preset]
     assert config.hash() == HASHES[preset]
@@ -193,6 +205,11 @@ def _index(**extra: Any) -> dict[str, Any]:
 
 
 A14B_EXTRA = {"pos_embed_seq_len": None, "_diffusers_version": "0.35.0.dev0"}
+TI2V_5B_VAE = {
+    **WAN22_A14B_VAE, "base_dim": 160, "decoder_base_dim": 256, "in_channels": 12,
+    "is_residual": True, "out_channels": 12, "patch_size": 2, "scale_factor_spatial": 16,
+    "z_dim": 48, "latents_mean": list(WAN22_LATENTS_MEAN), "latents_std": list(WAN22_LATENTS_STD),
+}  # fmt: skip
 REAL_FOLDERS = {
     "wan2.1-t2v-1.3b": (_index(), _transformer(12, 8960, 30), WAN21_VAE, UMT5_XXL, UNIPC),
     "wan2.1-t2v-14b": (_index(), _transformer(40, 13824, 40), WAN21_VAE, UMT5_XXL, UNIPC),
@@ -202,6 +219,11 @@ REAL_FOLDERS = {
         _transformer(40, 13824, 40, **A14B_EXTRA), WAN22_A14B_VAE, UMT5_XXL,
         {**UNIPC, "flow_shift": 12.0, "time_shift_type": "exponential", "sigma_min": None,
          "sigma_max": None, "shift_terminal": None, "use_dynamic_shifting": False},
+    ),
+    "wan2.2-ti2v-5b": (
+        _index(boundary_ratio=None, expand_timesteps=True, transformer_2=[None, None]),
+        _transformer(24, 14336, 30, in_channels=48, out_channels=48, **A14B_EXTRA),
+        TI2V_5B_VAE, UMT5_XXL, {**UNIPC, "flow_shift": 5.0},
     ),
 }  # fmt: skip
 
@@ -293,24 +315,32 @@ def test_no_op_keys_pass(tiny_folder, tmp_path):
     assert ModelConfig.from_folder(folder).hash() == ModelConfig.from_folder(tiny_folder).hash()
 
 
-TI2V_5B_VAE = {
-    **WAN22_A14B_VAE, "base_dim": 160, "decoder_base_dim": 256, "in_channels": 12,
-    "is_residual": True, "out_channels": 12, "patch_size": 2, "scale_factor_spatial": 16,
-    "z_dim": 48, "latents_mean": [0.0] * 48, "latents_std": [1.0] * 48,
-}  # fmt: skip
+def test_a_vae_of_another_model_is_refused(tiny_folder, tmp_path):
+    """TI2V-5B's VAE config under the tiny 16-channel transformer: read as the Wan 2.2 kind,
+    then refused as a pair that cannot run together."""
+    folder = _edited(tiny_folder, tmp_path, "vae/config.json", lambda r: r.update(TI2V_5B_VAE))
+    with pytest.raises(WeightError) as error:
+        ModelConfig.from_folder(folder)
+    assert "transformer: in_channels is 16, but the wan2.2 VAE's latents have 48" in str(
+        error.value
+    )
+    assert "\n" not in str(error.value)
 
 
 @pytest.mark.parametrize(
     ("file", "edit", "phrase"),
     [
-        ("vae/config.json", lambda r: r.update(TI2V_5B_VAE),
-         "vae: decoder_base_dim is 256, this project implements only null or 160"),
-        ("vae/config.json", lambda r: r.update(is_residual=True), "vae: is_residual is true"),
+        ("vae/config.json", lambda r: r.update(decoder_base_dim=256),
+         "vae: decoder_base_dim is 256, this project implements only null or 8"),
+        ("vae/config.json", lambda r: r.update(is_residual=True, patch_size=2),
+         "vae: out_channels is 3, expected a multiple of the 4 pixels of a 2x2 patch"),
+        ("vae/config.json", lambda r: r.update(is_residual=True, patch_size="2"),
+         'vae: patch_size is "2", expected an integer'),
         ("vae/config.json", lambda r: r.update(patch_size=2), "patch_size is 2"),
         ("vae/config.json", lambda r: r.update(scale_factor_spatial=16),
          "scale_factor_spatial is 16, this project implements only 8"),
-        ("model_index.json", lambda r: r.update(expand_timesteps=True),
-         "expand_timesteps is true, this project implements only false"),
+        ("model_index.json", lambda r: r.update(expand_timesteps="yes"),
+         'expand_timesteps is "yes", this project implements only false or true'),
         ("model_index.json", lambda r: r.update(vae=["diffusers", "AutoencoderKLQwenImage"]),
          "reads a AutoencoderKLWan only"),
         ("transformer/config.json", lambda r: r.update(image_dim=1280), "image_dim is 1280"),

@@ -37,6 +37,24 @@ WAN21_LATENTS_STD = (
     2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
     3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160,
 )  # fmt: skip
+# Wan 2.2 VAE (TI2V-5B) latent statistics, 48 channels (Wan2.2's Wan2_2_VAE, its diffusers
+# config).
+WAN22_LATENTS_MEAN = (
+    -0.2289, -0.0052, -0.1323, -0.2339, -0.2799, 0.0174, 0.1838, 0.1557,
+    -0.1382, 0.0542, 0.2813, 0.0891, 0.1570, -0.0098, 0.0375, -0.1825,
+    -0.2246, -0.1207, -0.0698, 0.5109, 0.2665, -0.2108, -0.2158, 0.2502,
+    -0.2055, -0.0322, 0.1109, 0.1567, -0.0729, 0.0899, -0.2799, -0.1230,
+    -0.0313, -0.1649, 0.0117, 0.0723, -0.2839, -0.2083, -0.0520, 0.3748,
+    0.0152, 0.1957, 0.1433, -0.2944, 0.3573, -0.0548, -0.1681, -0.0667,
+)  # fmt: skip
+WAN22_LATENTS_STD = (
+    0.4765, 1.0364, 0.4514, 1.1677, 0.5313, 0.4990, 0.4818, 0.5013,
+    0.8158, 1.0344, 0.5894, 1.0901, 0.6885, 0.6165, 0.8454, 0.4978,
+    0.5759, 0.3523, 0.7135, 0.6804, 0.5833, 1.4146, 0.8986, 0.5659,
+    0.7069, 0.5338, 0.4889, 0.4917, 0.4069, 0.4999, 0.6866, 0.4093,
+    0.5709, 0.6065, 0.6415, 0.4944, 0.5726, 1.2042, 0.5458, 1.6887,
+    0.3971, 1.0600, 0.3943, 0.5537, 0.5444, 0.4089, 0.7468, 0.7744,
+)  # fmt: skip
 
 
 CHECKPOINT_MARKER = "wan_checkpoint.json"  # a project checkpoint's metadata (wan.checkpoint)
@@ -56,6 +74,10 @@ class VAEKindConfig(ComponentConfig):
     """A VAE config: its latent geometry comes from its kind (`wan.kinds.ComponentKind.latent`)."""
 
     component: ClassVar[str] = "vae"
+    # Frames per second of the videos: the rate the released models with this VAE were trained
+    # at and their pipelines write (Wan 2.1 and 2.2 A14B: 16; TI2V-5B: 24). Not a field, so it
+    # is no part of a config's hash.
+    fps: ClassVar[int] = 16
 
     @property
     def geometry(self) -> kinds.LatentGeometry:
@@ -136,20 +158,7 @@ class VAEConfig(VAEKindConfig):
     out_channels: int = 3
 
     def validate(self) -> None:
-        require(
-            1 <= len(self.dim_mult) <= 8,
-            f"dim_mult has {len(self.dim_mult)} levels, expected 1 to 8",
-        )
-        require(
-            len(self.temperal_downsample) == len(self.dim_mult) - 1,
-            f"temperal_downsample has {len(self.temperal_downsample)} entries, expected one "
-            f"per downsampling level ({len(self.dim_mult) - 1})",
-        )
-        for name in ("latents_mean", "latents_std"):
-            count = len(getattr(self, name))
-            require(
-                count == self.z_dim, f"{name} has {count} values, expected z_dim's {self.z_dim}"
-            )
+        _validate_pyramid(self)
 
     def fixed_values(self) -> dict[str, tuple[Any, ...]]:
         # Wan 2.2's VAE (TI2V-5B) is residual, patchified and decodes from a wider base.
@@ -157,6 +166,65 @@ class VAEConfig(VAEKindConfig):
             "is_residual": (False,),
             "patch_size": (None,),
             "decoder_base_dim": (None, self.base_dim),
+            "clip_output": (True,),  # the decoded frames are clipped to [-1, 1]
+            "scale_factor_spatial": (self.spatial_factor,),
+            "scale_factor_temporal": (self.temporal_factor,),
+        }
+
+
+def _validate_pyramid(vae: VAEConfig | VAE22Config) -> None:
+    """The levels and latent statistics of a Wan VAE agree."""
+    require(
+        1 <= len(vae.dim_mult) <= 8, f"dim_mult has {len(vae.dim_mult)} levels, expected 1 to 8"
+    )
+    require(
+        len(vae.temperal_downsample) == len(vae.dim_mult) - 1,
+        f"temperal_downsample has {len(vae.temperal_downsample)} entries, expected one "
+        f"per downsampling level ({len(vae.dim_mult) - 1})",
+    )
+    for name in ("latents_mean", "latents_std"):
+        count = len(getattr(vae, name))
+        require(count == vae.z_dim, f"{name} has {count} values, expected z_dim's {vae.z_dim}")
+
+
+@dataclasses.dataclass(frozen=True)
+class VAE22Config(VAEKindConfig):
+    """diffusers `AutoencoderKLWan` config of the Wan 2.2 VAE (TI2V-5B: `is_residual`, its
+    pixels patchified `patch_size` x `patch_size` into channels, a wider decoder). `base_dim` is
+    the encoder's width, which the decode half does not use; it is read for the hash."""
+
+    kind: ClassVar[str] = "wan2.2"
+    fps: ClassVar[int] = 24
+
+    base_dim: int = 160
+    decoder_base_dim: int | None = 256  # None: base_dim
+    z_dim: int = 48
+    dim_mult: tuple[int, ...] = (1, 2, 4, 4)
+    num_res_blocks: int = 2
+    attn_scales: tuple[float, ...] = ()
+    temperal_downsample: tuple[bool, ...] = (False, True, True)
+    latents_mean: tuple[float, ...] = WAN22_LATENTS_MEAN
+    latents_std: tuple[float, ...] = WAN22_LATENTS_STD
+    patch_size: int | None = 2  # None: no patches
+    in_channels: int = 12
+    out_channels: int = 12
+
+    @property
+    def decoder_width(self) -> int:
+        return self.decoder_base_dim or self.base_dim
+
+    def validate(self) -> None:
+        _validate_pyramid(self)
+        pixels = (self.patch_size or 1) ** 2
+        require(
+            self.out_channels % pixels == 0,
+            f"out_channels is {self.out_channels}, expected a multiple of the {pixels} pixels of "
+            f"a {self.patch_size}x{self.patch_size} patch",
+        )
+
+    def fixed_values(self) -> dict[str, tuple[Any, ...]]:
+        return {
+            "is_residual": (True,),
             "clip_output": (True,),  # the decoded frames are clipped to [-1, 1]
             "scale_factor_spatial": (self.spatial_factor,),
             "scale_factor_temporal": (self.temporal_factor,),
@@ -281,9 +349,28 @@ class ModelConfig:
     boundary_ratio: float | None = None
     dtype: str = "bfloat16"  # weights and activations of the transformer and text encoder
 
+    def validate(self) -> Self:
+        """This config, when its parts fit together: the transformer denoises the VAE's latents
+        (two mismatched parts, as a config read from outside may hold, would fail deep in a
+        compile)."""
+        channels = self.vae.geometry.channels
+        for name in ("in_channels", "out_channels"):
+            value = getattr(self.transformer, name)
+            require(
+                value == channels,
+                f"transformer: {name} is {value}, but the {self.vae.kind} VAE's latents have "
+                f"{channels} channels: a transformer and a VAE of two different models",
+            )
+        return self
+
     @property
     def num_experts(self) -> int:
         return 1 if self.boundary_ratio is None else 2
+
+    @property
+    def fps(self) -> int:
+        """Frames per second of the model's videos (its VAE kind's, `VAEKindConfig.fps`)."""
+        return self.vae.fps
 
     def to_dict(self) -> dict[str, Any]:
         """The fields, and each component's kind unless it is the component's first: a config
@@ -325,7 +412,7 @@ class ModelConfig:
             scheduler=scheduler,
             boundary_ratio=_boundary_ratio(raw.get("boundary_ratio")),
             dtype=_dtype(raw.get("dtype", "bfloat16")),
-        )
+        ).validate()
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> Self:
@@ -367,7 +454,7 @@ class ModelConfig:
             scheduler=scheduler,
             boundary_ratio=boundary_ratio,
             dtype=dtype or stored_dtype(root / "transformer"),
-        )
+        ).validate()
 
 
 def diffusers_component(root: str | Path, folder: str) -> ComponentConfig:
@@ -386,7 +473,11 @@ def _component(component: str, raw: Any) -> ComponentConfig:
         raise WeightError(f"the config is {excerpt(raw)}, expected a JSON object")
     raw = dict(raw)
     try:
-        kind = kinds.lookup(component, raw.pop("kind", kinds.default(component)))
+        kind = (
+            kinds.lookup(component, raw.pop("kind"))
+            if "kind" in raw
+            else kinds.of_raw(component, raw)
+        )
     except kinds.KindError as e:
         raise ConfigKeyError(str(e)) from None
     return kind.config_class.from_dict(raw)
@@ -405,14 +496,19 @@ PIPELINE_CLASSES: dict[str, tuple[str | None, ...]] = {
 
 def _pipeline_index(raw: Any) -> float | None:
     """The boundary ratio of a diffusers model_index.json, read strictly: the component classes
-    this project reads, one timestep per video (`expand_timesteps` is Wan 2.2 TI2V's per-token
-    timestep), no other key that is not in NO_OP_KEYS."""
+    this project reads, no other key that is not in NO_OP_KEYS.
+
+    `expand_timesteps` (Wan 2.2 TI2V-5B) gives every latent token its own timestep, the step's
+    times a mask that is zero only on the frames of a conditioning image. Text-to-video has no
+    image: the mask is all ones, every token gets the step's timestep, and the per-token
+    modulation equals the per-video one the transformer computes (tests/test_ti2v_5b.py checks
+    the step against diffusers' expand_timesteps path), so either value builds the same model."""
     require(isinstance(raw, dict), f"is {excerpt(raw)}, expected a JSON object")
     for name, value in raw.items():
         if name in ("boundary_ratio", "tokenizer") or name in NO_OP_KEYS:
             continue
         if name == "expand_timesteps":
-            check_value(name, value, (False,))
+            check_value(name, value, (False, True))
         elif name in PIPELINE_CLASSES:
             library_class = value if isinstance(value, list) and len(value) == 2 else [None, "?"]
             if library_class[1] not in PIPELINE_CLASSES[name]:

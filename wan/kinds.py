@@ -81,6 +81,9 @@ class ComponentKind:
     module_options: tuple[str, ...] = ()
     latent: Callable[[Any], LatentGeometry] | None = None
     patch: Callable[[Any], tuple[int, int, int]] | None = None
+    # A diffusers config of this kind, told by its keys (a diffusers config names no `kind`);
+    # None: only the component's default kind reads a config that no kind claims.
+    claims: Callable[[dict[str, Any]], bool] | None = None
 
     @property
     def config_class(self) -> type:
@@ -130,6 +133,17 @@ def lookup(component: str, name: Any) -> ComponentKind:
     return kind
 
 
+def of_raw(component: str, raw: dict[str, Any]) -> ComponentKind:
+    """The kind of a config dict that names none (a diffusers config.json): the kind that
+    claims it (`ComponentKind.claims`), else the component's default kind."""
+    claimed = [
+        kind
+        for (c, _), kind in REGISTRY.items()
+        if c == component and kind.claims is not None and kind.claims(raw)
+    ]
+    return claimed[0] if claimed else lookup(component, default(component))
+
+
 def part(config: Any, folder: str) -> Any:
     """The config of weight folder `folder` of model `config` (transformer_2: the transformer's)."""
     if folder not in FOLDERS:
@@ -172,6 +186,26 @@ register(
         rule="wan.weights.vae:rule",
         param_dtype="float32",  # the decoder's weights stay float32 (its activations do not)
         latent=_wan21_latent,
+    )
+)
+
+
+def _wan22_latent(vae: Any) -> LatentGeometry:
+    """Wan 2.1's levels, and each latent pixel a patch_size x patch_size patch of pixels."""
+    levels = _wan21_latent(vae)
+    return dataclasses.replace(levels, spatial=levels.spatial * (vae.patch_size or 1))
+
+
+register(
+    ComponentKind(
+        component="vae",
+        name="wan2.2",  # TI2V-5B's: 48 channels, 4x time, 16x space (2x of it a pixel patch)
+        config="wan.configs:VAE22Config",
+        module="wan.vae22:WanVAE22",
+        rule="wan.weights.vae:rule",  # the same module names: the same tensor mapping
+        param_dtype="float32",
+        latent=_wan22_latent,
+        claims=lambda raw: raw.get("is_residual") is True,
     )
 )
 register(

@@ -9,6 +9,7 @@ from wan.configs import (
     SchedulerConfig,
     TextEncoderConfig,
     TransformerConfig,
+    VAE22Config,
     VAEConfig,
 )
 from wan.errors import InputError
@@ -84,6 +85,17 @@ PRESETS: dict[str, ModelConfig] = {
         text_encoder=_UMT5_XXL,
         scheduler=SchedulerConfig(flow_shift=12.0),
         boundary_ratio=0.875,
+    ),
+    # One transformer on the Wan 2.2 VAE's 48 channels; 1280x704 (or 704x1280), 121 frames at
+    # 24 fps, 50 UniPC steps, guidance 5.0 (the runtime's defaults).
+    "wan2.2-ti2v-5b": ModelConfig(
+        name="wan2.2-ti2v-5b",
+        transformer=TransformerConfig(
+            num_attention_heads=24, in_channels=48, out_channels=48, ffn_dim=14336, num_layers=30
+        ),
+        vae=VAE22Config(),
+        text_encoder=_UMT5_XXL,
+        scheduler=SchedulerConfig(flow_shift=5.0),
     ),
 }
 

@@ -227,11 +227,12 @@ class MidBlock(nnx.Module):
 
 
 class Upsample(nnx.Module):
-    """x2 in space (nearest, then a per-frame 3x3 conv to dim // 2 channels); with `temporal`,
-    first x2 in time by a causal conv to 2 * dim channels split into two frames."""
+    """x2 in space (nearest, then a per-frame 3x3 conv to out_dim channels: dim // 2 in the
+    Wan 2.1 VAE, dim in Wan 2.2's); with `temporal`, first x2 in time by a causal conv to
+    2 * dim channels split into two frames."""
 
-    def __init__(self, dim: int, temporal: bool, make: Make):
-        self.resample = make.conv(dim, dim // 2, (1, 3, 3))
+    def __init__(self, dim: int, out_dim: int, temporal: bool, make: Make):
+        self.resample = make.conv(dim, out_dim, (1, 3, 3))
         self.time_conv = make.conv(dim, 2 * dim, (3, 1, 1)) if temporal else None
 
     def __call__(self, x: jax.Array, cache: Cache, first: jax.Array):
@@ -263,30 +264,45 @@ class UpBlock(nnx.Module):
     def __init__(self, in_dim: int, out_dim: int, num_res_blocks: int, up: str | None, make: Make):
         dims = [in_dim] + [out_dim] * num_res_blocks
         self.resnets = nnx.List([ResidualBlock(d, out_dim, make) for d in dims])
-        self.upsamplers = None if up is None else nnx.List([Upsample(out_dim, up == "3d", make)])
+        self.upsamplers = (
+            None if up is None else nnx.List([Upsample(out_dim, out_dim // 2, up == "3d", make)])
+        )
 
     def __call__(self, x: jax.Array, cache: Cache, first: jax.Array):
         return chain([*self.resnets, *(self.upsamplers or ())], x, cache, first)
 
 
-class Decoder(nnx.Module):
-    """conv_in -> mid -> up blocks (the Wan 2.1 upsamplers halve the channels, so each block
-    after the first takes half its predecessor's width) -> head."""
+def up_levels(dim_mult: tuple[int, ...], base_dim: int, temperal_downsample: tuple[bool, ...]):
+    """(in_dim, out_dim, upsampling) of each up block, lowest resolution first: upsampling is
+    "3d" (time and space), "2d" (space) or None (the last block)."""
+    dims = [base_dim * m for m in (dim_mult[-1], *dim_mult[::-1])]
+    temporal = temperal_downsample[::-1]
+    last = len(dim_mult) - 1
+    return [
+        (i, o, None if n == last else "3d" if temporal[n] else "2d")
+        for n, (i, o) in enumerate(zip(dims[:-1], dims[1:], strict=True))
+    ]
 
-    def __init__(self, cfg: VAEConfig, make: Make):
-        mult = cfg.dim_mult
-        dims = [cfg.base_dim * m for m in (mult[-1], *mult[::-1])]
-        temporal = cfg.temperal_downsample[::-1]
-        self.conv_in = make.conv(cfg.z_dim, dims[0], 3)
-        self.mid_block = MidBlock(dims[0], make)
-        blocks = []
-        for i, (in_dim, out_dim) in enumerate(zip(dims[:-1], dims[1:], strict=True)):
-            up = None if i == len(mult) - 1 else "3d" if temporal[i] else "2d"
-            in_dim = in_dim if i == 0 else in_dim // 2
-            blocks.append(UpBlock(in_dim, out_dim, cfg.num_res_blocks, up, make))
-        self.up_blocks = nnx.List(blocks)
-        self.norm_out = make.norm(dims[-1])
-        self.conv_out = make.conv(dims[-1], cfg.out_channels, 3)
+
+class Decoder(nnx.Module):
+    """conv_in -> mid -> up blocks -> head. `up_blocks` makes the blocks from `up_levels` (Wan
+    2.1's: the upsamplers halve the channels, so each block after the first takes half its
+    predecessor's width); `base_dim` is the decoder's width."""
+
+    def __init__(self, cfg: Any, make: Make, base_dim: int | None = None):
+        levels = up_levels(cfg.dim_mult, base_dim or cfg.base_dim, cfg.temperal_downsample)
+        self.conv_in = make.conv(cfg.z_dim, levels[0][0], 3)
+        self.mid_block = MidBlock(levels[0][0], make)
+        self.up_blocks = nnx.List(self.make_up_blocks(levels, cfg.num_res_blocks, make))
+        self.norm_out = make.norm(levels[-1][1])
+        self.conv_out = make.conv(levels[-1][1], cfg.out_channels, 3)
+
+    @staticmethod
+    def make_up_blocks(levels: list, num_res_blocks: int, make: Make) -> list[nnx.Module]:
+        return [
+            UpBlock(in_dim if n == 0 else in_dim // 2, out_dim, num_res_blocks, up, make)
+            for n, (in_dim, out_dim, up) in enumerate(levels)
+        ]
 
     def __call__(self, x: jax.Array, cache: Cache, first: jax.Array):
         c_in, c_mid, c_up, c_out = cache_parts(cache, 4)
