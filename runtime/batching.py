@@ -87,9 +87,11 @@ def generate_batch(
     videos: Sequence[Video],
     settings: Settings,
     on_step: Callable[[int, int], None] | None = None,
+    cache: Any = None,
 ) -> tuple[np.ndarray, Any]:
-    """The frames (N, F, H, W, 3) of up to the build's batch of `videos` in one generate():
-    the empty slots are filled with the last video again and their frames discarded."""
+    """The frames (N, F, H, W, 3) of up to the build's batch of `videos` in one generate()
+    (`cache`: its step caching): the empty slots are filled with the last video again and their
+    frames discarded."""
     batch = pipe.key.batch
     if not 0 < len(videos) <= batch:
         raise RequestError(f"a batch holds 1 to {batch} videos, not {len(videos)}")
@@ -99,6 +101,7 @@ def generate_batch(
         [v.negative_prompt for v in slots],
         seed=[v.seed for v in slots],
         on_step=on_step,
+        cache=cache,
         **dataclasses.asdict(settings),
     )
     return frames[: len(videos)], report

@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from runtime import clock, processes
 from runtime.artifact import ArtifactError, Manifest
+from runtime.batching import PromptLine, Settings, generate_batch, read_prompts_file
 from runtime.cache_request import DEFAULT_THRESHOLDS, CacheRequest, check_cache
 from runtime.cli_args import CliError, OneLineErrors, parse_resolution
 from runtime.loader import Present, Request, candidate_builds, match_build, passed_over
@@ -39,8 +40,9 @@ def cli() -> None:
     """Run WAN text-to-video from `aot build` artifacts."""
 
 
-def _utf8_text(ctx: click.Context, param: click.Parameter, text: str) -> str:
-    check_text(param.opts[0], text)
+def _utf8_text(ctx: click.Context, param: click.Parameter, text: str | None) -> str | None:
+    if text is not None:
+        check_text(param.opts[0], text)
     return text
 
 
@@ -59,7 +61,15 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float | None) -> 
     required=True,
     help="diffusers-format folder or project checkpoint.",
 )
-@click.option("--prompt", required=True, callback=_utf8_text)
+@click.option("--prompt", callback=_utf8_text, help="The prompt (or --prompts).")
+@click.option(
+    "--prompts",
+    "prompts_file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="Offline batches: a JSON Lines file, one video a line: prompt, out (relative to the "
+    "file's folder), optionally negative_prompt and seed (default --seed); the lines fill the "
+    "build's batches, one load for the whole file.",
+)
 @click.option("--negative-prompt", default="", show_default=True, callback=_utf8_text)
 @click.option("--res", "resolution", required=True, help="WxH, e.g. 720x1280 (portrait).")
 @click.option("--frames", required=True, type=click.IntRange(min=1))
@@ -122,9 +132,8 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float | None) -> 
 @click.option(
     "--out",
     type=click.Path(path_type=Path),
-    required=True,
-    help="Output .mp4 (stem_i.mp4 for a batch). Existing outputs are replaced, once all the new "
-    "ones are complete; missing folders are made.",
+    help="Output .mp4 (stem_i.mp4 for a batch; required with --prompt). Existing outputs are "
+    "replaced, once all the new ones are complete; missing folders are made.",
 )
 @click.option(
     "--build",
@@ -184,7 +193,8 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float | None) -> 
     help="Seconds to wait for the other processes of the job.",
 )
 def run_cmd(
-    artifacts, weights, prompt, negative_prompt, resolution, frames, batch, steps, guidance,
+    artifacts, weights, prompt, prompts_file, negative_prompt, resolution, frames, batch, steps,
+    guidance,
     guidance_2, seed, sampler, shift, lora_args, lora_2_args, init_noise, save_frames, report_path,
     out, build_name, cache, cache_threshold, cache_max_skip, cache_retention, mag_ratios,
     calibrate_path, coordinator, num_processes, process_id, join_timeout,
@@ -195,7 +205,12 @@ def run_cmd(
     process loads the same build and runs it SPMD; process 0 writes the files."""
     width, height = parse_resolution(resolution)
     _check_arguments(weights, coordinator, num_processes, process_id)
-    _check_outputs(_outputs(out, batch, save_frames, report_path, calibrate_path))
+    lines = _prompt_lines(prompt, prompts_file, out, seed, save_frames, init_noise, calibrate_path)
+    if lines is None:
+        _check_outputs(_outputs(out, batch, save_frames, report_path, calibrate_path))
+    else:
+        report_output = [] if report_path is None else [(report_path, "--report")]
+        _check_outputs([(line.out, f"--prompts line {line.out}") for line in lines] + report_output)
     # Imported once the paths are known good: wan.lora brings ml_dtypes (a second or more).
     from wan import lora
 
@@ -241,6 +256,9 @@ def run_cmd(
     try:
         noise = read_init_noise(init_noise, latent_shape(manifest)) if init_noise else None
         pipe = Pipeline.from_build(folder, manifest, weights, config, loras, loras_2)
+        if lines is not None:
+            settings = Settings(steps, guidance, guidance_2, sampler, shift)
+            return _run_prompts(pipe, lines, settings, cache_request, report_path)
         with _step_bar(steps) as on_step:
             videos, report = pipe.generate(
                 prompt, negative_prompt, steps=steps, guidance=guidance, guidance_2=guidance_2,
@@ -253,6 +271,71 @@ def run_cmd(
 
     if jax.process_index() == 0:
         _write(videos, report, imports, out, save_frames, report_path, calibrate_path, config.fps)
+
+
+def _prompt_lines(
+    prompt: str | None,
+    prompts_file: Path | None,
+    out: Path | None,
+    seed: int,
+    *single_only: Path | None,
+) -> list[PromptLine] | None:
+    """The lines of --prompts (None for a single --prompt run), with the options checked: one of
+    --prompt and --prompts; --out, --save-frames, --init-noise and --calibrate-mag-ratios are a
+    single run's."""
+    if (prompt is None) == (prompts_file is None):
+        raise click.UsageError("give --prompt TEXT or --prompts FILE.jsonl (one of them)")
+    if prompts_file is None:
+        if out is None:
+            raise click.UsageError("--prompt needs --out FILE.mp4")
+        return None
+    if out is not None or any(single_only):
+        raise click.UsageError(
+            "--prompts writes each line's `out`: leave out --out, --save-frames, --init-noise "
+            "and --calibrate-mag-ratios"
+        )
+    return read_prompts_file(prompts_file, seed)
+
+
+def _run_prompts(
+    pipe: Any,
+    lines: list[PromptLine],
+    settings: Settings,
+    cache: CacheRequest | None,
+    report_path: Path | None,
+) -> None:
+    """Every line of a --prompts file, the build's batch at a time from one loaded pipeline
+    (the last batch's empty slots filled and discarded); each batch's videos are written
+    (process 0) before the next batch runs."""
+    import jax
+
+    from runtime.video import write_mp4
+
+    batch = pipe.key.batch
+    chunks = [lines[i : i + batch] for i in range(0, len(lines), batch)]
+    reports = []
+    for number, chunk in enumerate(chunks, 1):
+        with _step_bar(settings.steps) as on_step:
+            videos, report = generate_batch(
+                pipe, [line.video for line in chunk], settings, on_step, cache
+            )
+        reports.append(dataclasses.asdict(report))
+        if jax.process_index() != 0:
+            continue
+        with staged([line.out for line in chunk]) as temporaries:
+            for video, line, temporary in zip(videos, chunk, temporaries, strict=True):
+                with _writing(line.out):
+                    write_mp4(video, temporary)
+        click.echo(f"batch {number}/{len(chunks)}: wrote {', '.join(str(x.out) for x in chunk)}")
+    compiles = sum(r["compile_count"] for r in reports)
+    if jax.process_index() == 0 and report_path is not None:
+        summary = {"loads": 1, "videos": len(lines), "batch": batch, "batches": reports}
+        with staged([report_path]) as (temporary,), _writing(report_path):
+            temporary.write_text(json.dumps(summary, indent=1))
+    click.echo(
+        f"wrote {len(lines)} videos in {len(chunks)} batches of {batch} with one load "
+        f"({compiles} compilations, build {pipe.name})"
+    )
 
 
 @contextlib.contextmanager
@@ -486,9 +569,15 @@ def _loras(args: tuple[str, ...], option: str) -> list[tuple[Path, float]]:
     type=click.FloatRange(min=0),
     help="On SIGTERM: seconds to finish the batch in flight (else it is queued again).",
 )
+@click.option(
+    "--save-frames",
+    is_flag=True,
+    help="Keep each video's uint8 frames (F, H, W, 3) as .npy beside its MP4 "
+    "(GET /v1/videos/ID/content?variant=frames).",
+)
 def serve_cmd(
     artifacts, weights, lora_args, build_names, host, port, out_dir, max_queue, batch_window,
-    drain_timeout,
+    drain_timeout, save_frames,
 ) -> None:  # fmt: skip
     """Serve the builds in --artifacts over HTTP (OpenAI's Videos API shape): load once, queue
     the requests, run them in the builds' batches, compile nothing."""
@@ -521,7 +610,7 @@ def serve_cmd(
     store = JobStore(out_dir)
     requeued = store.recover()
     counter = CompileCounter()
-    service = Service(pipelines, store, max_queue, batch_window, lambda: counter.count)
+    service = Service(pipelines, store, max_queue, batch_window, lambda: counter.count, save_frames)
     if requeued:
         click.echo(f"{requeued} video(s) queued from the last run", err=True)
     serve(service, sock, drain_timeout, lambda line: click.echo(line, err=True))

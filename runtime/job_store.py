@@ -155,6 +155,10 @@ class JobStore:
     def video_path(self, job_id: str) -> Path:
         return self.videos / f"{job_id}.mp4"
 
+    def frames_path(self, job_id: str) -> Path:
+        """The video's uint8 frames as .npy (a server run with --save-frames)."""
+        return self.videos / f"{job_id}.npy"
+
     def close(self) -> None:
         with self._lock:
             self._db.close()

@@ -37,7 +37,7 @@ from runtime.batching import (
     next_batch,
 )
 from runtime.job_store import Job, JobStore, QueueFull
-from runtime.outputs import staged
+from runtime.outputs import staged, write_npy
 from runtime.request import MAX_SCALE, check_text
 from runtime.video import FPS, write_mp4
 
@@ -115,8 +115,9 @@ class Service:
         max_queue: int,
         batch_window: float,
         compile_count: Callable[[], int],
+        save_frames: bool = False,
     ):
-        self.pipelines, self.store = pipelines, store
+        self.pipelines, self.store, self.save_frames = pipelines, store, save_frames
         self.max_queue, self.batch_window, self.compile_count = (
             max_queue,
             batch_window,
@@ -220,9 +221,13 @@ class Service:
         m.slots_filled, m.slots = m.slots_filled + len(ids), m.slots + pipe.key.batch
         m.step_seconds, m.steps = m.step_seconds + report.seconds_denoising, m.steps + report.steps
         for job_id, video in zip(ids, frames, strict=True):
+            paths = [self.store.video_path(job_id)]
+            paths += [self.store.frames_path(job_id)] if self.save_frames else []
             try:
-                with staged([self.store.video_path(job_id)]) as (temporary,):
-                    write_mp4(video, temporary)
+                with staged(paths) as temporaries:
+                    write_mp4(video, temporaries[0])
+                    if self.save_frames:
+                        write_npy(temporaries[1], video)
             except OSError as e:
                 self.store.fail([job_id], "write_failed", f"cannot write the video: {e}")
                 m.failed += 1
@@ -329,11 +334,17 @@ def make_app(service: Service) -> FastAPI:
         return video_object(found(video_id))
 
     @app.get("/v1/videos/{video_id}/content")
-    def content(video_id: str) -> FileResponse:
+    def content(video_id: str, variant: Literal["video", "frames"] = "video") -> FileResponse:
+        """The MP4, or (`variant=frames`, a server run with --save-frames) the uint8 frames
+        (F, H, W, 3) as .npy."""
         job = found(video_id)
         if job.status != "completed":
             raise ApiError(409, "not_ready", f"video {video_id} is {job.status}, not completed")
-        return FileResponse(store.video_path(job.id), media_type="video/mp4")
+        if variant == "video":
+            return FileResponse(store.video_path(job.id), media_type="video/mp4")
+        if not store.frames_path(job.id).exists():
+            raise ApiError(404, "not_found", "no frames kept: start the server with --save-frames")
+        return FileResponse(store.frames_path(job.id), media_type="application/octet-stream")
 
     @app.delete("/v1/videos/{video_id}")
     def delete(video_id: str) -> dict[str, Any]:

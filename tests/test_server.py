@@ -1,0 +1,372 @@
+"""`runtime serve` end to end: a real uvicorn server in its own process on a free port, a real HTTP
+client (httpx), real kill -9 and SIGTERM; the scheduling, store and batching pieces in-process."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import io
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import imageio_ffmpeg
+import numpy as np
+import pytest
+from conftest import BIN, run_cli
+
+from runtime.batching import Settings, Video, Waiting, generate_batch, group_key, next_batch
+from runtime.job_store import JobStore, QueueFull
+from runtime.loader import Request
+from runtime.pipeline import Pipeline
+from runtime.request import initial_latents
+from wan.configs import VideoShape
+
+SHAPE = {"size": "64x96", "frames": 5}  # small frames: the VAE decode dominates a batch
+SMALL = ["--res", "64x96", "--frames", "5"]
+
+
+@pytest.fixture(scope="session")
+def small_builds(shared_dir) -> Path:
+    """Tiny builds of one shape, batch 1 and batch 2, cpu-8, in one artifacts folder."""
+    out = shared_dir / "serve-artifacts"
+    run_cli("aot", "build", "--model", "tiny", *SMALL, "--batch", "1", "--batch", "2",
+            "--target", "cpu-8", "--out", str(out))  # fmt: skip
+    return out
+
+
+def decode(path: Path) -> np.ndarray:
+    """An MP4's frames (F, H, W, 3) uint8."""
+    reader = imageio_ffmpeg.read_frames(str(path))
+    meta = next(reader)
+    w, h = meta["size"]
+    return np.stack([np.frombuffer(f, np.uint8).reshape(h, w, 3) for f in reader])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`runtime serve` in a subprocess; `url` once /healthz answers."""
+
+    def __init__(self, artifacts: Path, weights: Path, out_dir: Path, *extra: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = out_dir.parent / f"serve-{self.port}.log"
+        self.proc = subprocess.Popen(
+            [str(BIN / "runtime"), "serve", "--artifacts", str(artifacts), "--weights",
+             str(weights), "--port", str(self.port), "--out-dir", str(out_dir), *extra],
+            stdout=subprocess.DEVNULL, stderr=self.log.open("w"),
+        )  # fmt: skip
+        self.client = httpx.Client(base_url=self.url, timeout=30)
+        deadline = time.monotonic() + 180
+        while True:
+            assert self.proc.poll() is None, self.log.read_text()
+            with contextlib.suppress(httpx.TransportError):
+                if self.client.get("/healthz").status_code == 200:
+                    return
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.2)
+
+    def post(self, body: dict) -> httpx.Response:
+        return self.client.post("/v1/videos", json=body)
+
+    def metrics(self) -> dict[str, float]:
+        text = self.client.get("/metrics").text
+        return {
+            line.split()[0]: float(line.split()[1])
+            for line in text.splitlines()
+            if line and not line.startswith("#")
+        }
+
+    def wait(self, ids: list[str], statuses=("completed",), timeout: float = 240) -> list[dict]:
+        deadline = time.monotonic() + timeout
+        while True:
+            videos = [self.client.get(f"/v1/videos/{i}").json() for i in ids]
+            if all(v["status"] in statuses for v in videos):
+                return videos
+            assert all(v["status"] != "failed" for v in videos), videos
+            assert time.monotonic() < deadline, videos
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.client.close()
+
+
+@contextlib.contextmanager
+def serving(*args, **kwargs):
+    server = Server(*args, **kwargs)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def request(i: int, steps: int = 3) -> dict:
+    return {"prompt": f"a cat number {i}", "negative_prompt": f"blur {i}", **SHAPE,
+            "steps": steps, "seed": 100 + i, "guidance": 5.0}  # fmt: skip
+
+
+def test_concurrent_requests_share_batches_and_equal_runtime_run(
+    small_builds, tiny_weights, tmp_path
+):
+    """6 concurrent requests on a batch-2 build: 3 batches, each video equal to `runtime run`
+    of its request on the batch-1 build; bad requests are 400 and the server goes on."""
+    requests = [request(i) for i in range(6)]
+    with serving(
+        small_builds, tiny_weights, tmp_path / "out", "--batch-window", "2", "--save-frames"
+    ) as server:
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(server.post, requests))
+        assert [a.status_code for a in answers] == [202] * 6
+        created = [a.json() for a in answers]
+        assert all(v["status"] == "queued" and v["progress"] == 0 for v in created)
+        assert all(v["object"] == "video" and v["size"] == "64x96" for v in created)
+        assert all("_b2_" in v["model"] for v in created)
+
+        bad = [
+            {**request(0), "size": "64by96"},
+            {**request(0), "size": "64x97"},  # a size no build serves
+            {**request(0), "frames": 0},
+            {**request(0), "frames": 6},  # no build of 6 frames
+            {k: v for k, v in request(0).items() if k != "prompt"},
+            {**request(0), "steps": "3"},
+            {**request(0), "seed": 1.5},
+            {**request(0), "guidance": "high"},
+            {**request(0), "colour": "red"},
+        ]
+        for body in bad:
+            answer = server.post(body)
+            assert answer.status_code == 400, (body, answer.text)
+            assert set(answer.json()["error"]) == {"code", "message"}, answer.text
+        unserved = server.post({**request(0), "frames": 6}).json()["error"]["message"]
+        assert "64x96 frames=5" in unserved
+        not_json = server.client.post(
+            "/v1/videos", content=b"{", headers={"content-type": "application/json"}
+        )
+        assert not_json.status_code == 400 and "error" in not_json.json()
+        assert server.client.get("/v1/videos/video_nope").status_code == 404
+
+        videos = server.wait([v["id"] for v in created])
+        assert all(v["progress"] == 100 and v["error"] is None for v in videos)
+        metrics = server.metrics()
+        assert metrics["wan_batches_total"] == 3 and metrics["wan_batch_fill_ratio"] == 1
+        assert metrics["wan_compile_count"] == 0 and metrics["wan_videos_completed_total"] == 6
+        listed = server.client.get("/v1/videos").json()
+        assert {v["id"] for v in listed["data"]} == {v["id"] for v in created}
+        frames = []
+        for v in created:
+            content = server.client.get(f"/v1/videos/{v['id']}/content")
+            assert content.status_code == 200 and content.headers["content-type"] == "video/mp4"
+            (tmp_path / f"{v['id']}.mp4").write_bytes(content.content)
+            assert decode(tmp_path / f"{v['id']}.mp4").shape == (5, 96, 64, 3)
+            raw = server.client.get(f"/v1/videos/{v['id']}/content", params={"variant": "frames"})
+            frames.append(np.load(io.BytesIO(raw.content), allow_pickle=False))
+        assert server.client.get("/healthz").status_code == 200
+
+    # Each video equals `runtime run` of its request on the batch-1 build: the first through the
+    # CLI, all through the same Pipeline in this process (which `runtime run` equals bit for bit,
+    # tests/test_runtime.py).
+    first = requests[0]
+    run_cli("runtime", "run", "--artifacts", str(small_builds), "--weights", str(tiny_weights),
+            *SMALL, "--batch", "1", "--steps", "3", "--guidance", "5", "--prompt", first["prompt"],
+            "--negative-prompt", first["negative_prompt"], "--seed", str(first["seed"]),
+            "--out", str(tmp_path / "ref.mp4"), "--save-frames", str(tmp_path / "ref.npy"))  # fmt: skip
+    batch_one = Pipeline.load(small_builds, tiny_weights, Request(VideoShape(64, 96, 5, 1)))
+    for i, (r, served) in enumerate(zip(requests, frames, strict=True)):
+        expected, _ = batch_one.generate(
+            r["prompt"], r["negative_prompt"], steps=3, guidance=5.0, seed=r["seed"]
+        )
+        if i == 0:
+            np.testing.assert_array_equal(expected, np.load(tmp_path / "ref.npy"))
+        assert served.shape == expected[0].shape == (5, 96, 64, 3)
+        assert np.abs(served.astype(int) - expected[0].astype(int)).max() <= 1, i
+    # Neighbours differ: the batch did not make one video twice.
+    assert np.abs(frames[0].astype(int) - frames[1].astype(int)).max() > 10
+
+
+def test_full_queue_cancel_and_sigterm_drain(small_builds, tiny_weights, tmp_path):
+    """A full queue is 429; a queued video is cancelled; SIGTERM answers 503 while the batch
+    in flight finishes, and the server exits 0."""
+    out = tmp_path / "out"
+    with serving(
+        small_builds, tiny_weights, out, "--max-queue", "2", "--batch-window", "60"
+    ) as server:
+        first = server.post(request(0, steps=400)).json()  # waits for a second (60 s window)
+        other = server.post(request(1, steps=4)).json()  # another group
+        assert server.post(request(2)).status_code == 429
+        assert server.post(request(2)).json()["error"]["code"] == "queue_full"
+        assert server.client.delete(f"/v1/videos/{other['id']}").json()["deleted"] is True
+        assert server.client.get(f"/v1/videos/{other['id']}").status_code == 404
+        second = server.post(request(3, steps=400)).json()  # fills the batch: it runs
+        assert second["status"] == "queued"
+        server.wait([first["id"], second["id"]], ("in_progress",))
+        assert server.client.delete(f"/v1/videos/{first['id']}").status_code == 409
+        server.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        assert server.post(request(4)).status_code == 503
+        assert server.proc.wait(timeout=120) == 0, server.log.read_text()
+    store = JobStore(out)
+    assert [j.status for j in store.jobs()] == ["completed", "completed"]
+    assert all(decode(store.video_path(j.id)).shape[0] == 5 for j in store.jobs())
+
+
+def test_kill_9_mid_batch_then_restart(small_builds, tiny_weights, tmp_path):
+    """kill -9 while the second batch runs: a restart serves the completed videos and completes
+    the others; no partial MP4 is ever visible."""
+    out = tmp_path / "out"
+    seen, bad, stop = set(), [], threading.Event()
+
+    def watch() -> None:  # every MP4 that ever appears must decode whole
+        while not stop.is_set():
+            for path in (out / "videos").glob("*.mp4") if (out / "videos").exists() else []:
+                if path not in seen:
+                    try:
+                        if decode(path).shape != (5, 96, 64, 3):
+                            bad.append(path)
+                    except (RuntimeError, ValueError, OSError) as e:
+                        bad.append((path, e))
+                    seen.add(path)
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        with serving(small_builds, tiny_weights, out, "--batch-window", "1") as server:
+            ids = [server.post(request(i, steps=400)).json()["id"] for i in range(4)]
+            deadline = time.monotonic() + 240
+            while True:
+                videos = [server.client.get(f"/v1/videos/{i}").json() for i in ids]
+                done = [v for v in videos if v["status"] == "completed"]
+                running = [v for v in videos if v["status"] == "in_progress" and v["progress"] > 0]
+                if len(done) == 2 and running:
+                    break
+                assert time.monotonic() < deadline, videos
+                time.sleep(0.05)
+            os.kill(server.proc.pid, signal.SIGKILL)
+            server.proc.wait()
+            completed = {v["id"] for v in done}
+        kept = {p.stem for p in (out / "videos").glob("*.mp4")}
+        assert kept == completed
+        before = {i: (out / "videos" / f"{i}.mp4").read_bytes() for i in completed}
+        with serving(small_builds, tiny_weights, out) as server:
+            videos = server.wait(ids)
+            assert all(v["status"] == "completed" for v in videos)
+            for i in completed:
+                assert server.client.get(f"/v1/videos/{i}/content").content == before[i]
+            assert server.metrics()["wan_batches_total"] == 1  # only the unfinished batch ran
+    finally:
+        stop.set()
+        watcher.join()
+    assert not bad and len(seen) == 4
+    assert not list((out / "videos").glob(".*"))  # no staged file left
+
+
+# In-process pieces: scheduling, the store, a batch's slots and seeds, a failed batch.
+
+
+def test_next_batch_oldest_group_first_and_window():
+    a, b = group_key("b2", Settings(steps=3)), group_key("b2", Settings(steps=4))
+    queued = [Waiting("1", b, 10.0), Waiting("2", a, 11.0), Waiting("3", b, 12.0),
+              Waiting("4", b, 13.0)]  # fmt: skip
+    batch, _ = next_batch(queued, lambda g: 2, now=11.0, window=5.0)
+    assert [w.id for w in batch] == ["1", "3"]  # full: runs at once, oldest group first
+    batch, wait = next_batch(queued[1:2], lambda g: 2, now=12.0, window=5.0)
+    assert batch == [] and wait == pytest.approx(4.0)  # waits for a partner
+    batch, _ = next_batch(queued[1:2], lambda g: 2, now=16.5, window=5.0)
+    assert [w.id for w in batch] == ["2"]  # the window is over: runs alone
+    assert next_batch([], lambda g: 2, now=0.0, window=1.0)[0] == []
+
+
+class FakePipeline:
+    """What generate_batch calls, recording its arguments: video i's frames hold its seed."""
+
+    def __init__(self, batch: int, fail: bool = False):
+        self.key = type("Key", (), {"batch": batch})()
+        self.fail, self.calls = fail, []
+
+    def generate(self, prompt, negative_prompt, **kwargs):
+        self.calls.append((prompt, negative_prompt, kwargs))
+        if self.fail:
+            raise RuntimeError("device lost")
+        frames = np.stack([np.full((5, 96, 64, 3), s % 256, np.uint8) for s in kwargs["seed"]])
+        report = type("Report", (), {"seconds_denoising": 0.1, "steps": kwargs["steps"]})()
+        return frames, report
+
+
+def test_generate_batch_fills_and_discards_slots():
+    pipe = FakePipeline(batch=4)
+    videos = [Video("a", "x", 1), Video("b", "y", 2), Video("c", "", 3)]
+    frames, _ = generate_batch(pipe, videos, Settings(steps=3))
+    prompts, negatives, kwargs = pipe.calls[0]
+    assert prompts == ["a", "b", "c", "c"] and negatives == ["x", "y", "", ""]
+    assert kwargs["seed"] == [1, 2, 3, 3] and kwargs["steps"] == 3
+    assert [f[0, 0, 0, 0] for f in frames] == [1, 2, 3]
+
+
+def test_per_video_seeds_are_batch_one_noise():
+    from runtime.pipeline import _initial_latents
+
+    shape = (3, 2, 4, 6, 16)  # (B, T, h, w, C)
+    latents = _initial_latents(shape, [5, 9, 5], None)
+    for row, seed in zip(latents, [5, 9, 5], strict=True):
+        np.testing.assert_array_equal(row, initial_latents((1, *shape[1:]), seed, None)[0])
+    # A batch of one with seed s is `runtime run --seed s`'s noise.
+    np.testing.assert_array_equal(
+        _initial_latents((1, *shape[1:]), [7], None), initial_latents((1, *shape[1:]), 7, None)
+    )
+
+
+def test_job_store_recovers_and_bounds_the_queue(tmp_path):
+    store = JobStore(tmp_path)
+    jobs = [store.add("g", {"n": i}, max_queue=3) for i in range(3)]
+    with pytest.raises(QueueFull):
+        store.add("g", {}, max_queue=3)
+    store.start([jobs[0].id, jobs[1].id])
+    store.complete(jobs[0].id)
+    (store.videos / f".{jobs[1].id}.mp4.abc.partial").write_bytes(b"half")
+    store.close()
+    store = JobStore(tmp_path)  # a restart
+    assert store.recover() == 2
+    assert [j.id for j in store.queued()] == [jobs[1].id, jobs[2].id]
+    assert store.get(jobs[0].id).status == "completed"
+    assert not list(store.videos.iterdir())
+    assert store.delete_queued(jobs[2].id) and not store.delete_queued(jobs[0].id)
+
+
+def test_failed_batch_fails_its_videos_and_serving_goes_on(tmp_path):
+    from runtime.server import Service
+
+    store = JobStore(tmp_path)
+    pipelines = {"bad": FakePipeline(2, fail=True), "good": FakePipeline(2)}
+    for pipe, (w, h) in zip(pipelines.values(), [(64, 96), (96, 64)], strict=True):
+        pipe.key.width, pipe.key.height, pipe.key.frames, pipe.key.cfg = w, h, 5, True
+    service = Service(pipelines, store, max_queue=8, batch_window=0.0, compile_count=lambda: 0)
+    bad = [store.add(group_key("bad", Settings(steps=3)), {"prompt": "p", "negative_prompt": "",
+                                                           "seed": i}, 8) for i in range(2)]  # fmt: skip
+    good = store.add(group_key("good", Settings(steps=3)), {"prompt": "q", "negative_prompt": "",
+                                                           "seed": 1}, 8)  # fmt: skip
+    worker = threading.Thread(target=service.run, daemon=True)
+    worker.start()
+    deadline = time.monotonic() + 60
+    while store.get(good.id).status != "completed":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    service.drain()
+    worker.join(10)
+    assert [store.get(j.id).error for j in bad] == [
+        {"code": "generation_failed", "message": "device lost"}
+    ] * 2
+    assert service.metrics.failed == 2 and service.metrics.completed == 1
+    assert "wan_videos_failed_total 2" in service.metrics_text()
