@@ -14,13 +14,23 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import TI2V_Z, _transformer, run_cli, save_tiny_ti2v_pipeline, tiny_wan22_vae
+from conftest import (
+    TI2V_Z,
+    _transformer,
+    compile_program,
+    run_cli,
+    save_tiny_ti2v_pipeline,
+    tiny_wan22_vae,
+)
 from flax import nnx
+from test_sharding import CPU8, place, single_device, vae_mesh
 
+from aot import hlo
 from aot.plan import BuildError, check_shape
-from wan import kinds
+from wan import kinds, programs, sharding
 from wan.configs import ModelConfig, TransformerConfig, VAE22Config, VideoShape
 from wan.presets import PRESETS
+from wan.random_weights import random_params
 from wan.transformer import WanTransformer
 from wan.vae22 import WanVAE22
 from wan.weights import flatten, import_folder, unflatten
@@ -182,3 +192,71 @@ def test_runtime_matches_diffusers_expand_timesteps(ti2v_folder, tmp_path, orien
     reader = imageio_ffmpeg.read_frames(str(tmp_path / "v.mp4"))
     assert next(reader)["fps"] == 24
     reader.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# The decode's guarantees, as the Wan 2.1 decode's (tests/test_sharding.py, tests/test_vae.py).
+
+TINY = PRESETS["tiny"]
+TINY_TI2V = dataclasses.replace(  # the tiny TI2V folder's shapes
+    TINY,
+    name="tiny-ti2v",
+    transformer=dataclasses.replace(TINY.transformer, in_channels=TI2V_Z, out_channels=TI2V_Z),
+    vae=VAE22Config(
+        base_dim=8, decoder_base_dim=16, z_dim=TI2V_Z, dim_mult=(1, 2, 2, 2), num_res_blocks=1,
+        latents_mean=(0.1,) * TI2V_Z, latents_std=(0.7,) * TI2V_Z,
+    ),
+).validate()  # fmt: skip
+
+
+def _decode_program(width: int, height: int, frames: int = 9, dtype: str = "uint8"):
+    shape = VideoShape(width, height, frames, batch=1)
+    _, _, lat_h, lat_w, _ = shape.latent_shape(TINY_TI2V)
+    layout = sharding.choose_vae_layout(lat_h, lat_w, 8)
+    return programs.vae_decode_program(TINY_TI2V, shape, frames_dtype=dtype), layout
+
+
+def test_decode_is_one_scan_body():
+    """The first chunk runs in the later chunks' body: one while loop, whatever T."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: WanVAE22(TINY_TI2V.vae, rngs=nnx.Rngs(0))))
+    decode = jax.jit(lambda s, z: nnx.merge(graphdef, s).decode(z))
+    texts = [
+        decode.lower(state, jax.ShapeDtypeStruct((1, t, 4, 6, TI2V_Z), jnp.float32)).as_text()
+        for t in (2, 6)
+    ]
+    assert texts[0].count("stablehlo.while") == texts[1].count("stablehlo.while") == 1
+    assert abs(len(texts[1]) - len(texts[0])) < 0.02 * len(texts[0])
+
+
+def test_both_orientations_have_the_same_collectives_and_no_all_to_all():
+    """256x160 and 160x256 (latents 10 x 16 and 16 x 10, like 1280x704's 44 x 80 on 8 devices:
+    one orientation's width does not divide): width sharded in one, height in the other, the
+    same collectives by kind and count, no all-to-all (also through unpatchify and the
+    residual shortcuts)."""
+    summaries = {}
+    for width, height, axis in [(256, 160, "width"), (160, 256, "height")]:
+        program, layout = _decode_program(width, height)
+        assert layout == sharding.VaeLayout(axis)
+        compiled = compile_program(program, vae_mesh(CPU8, (1, 8)), layout.rules(), layout.uneven)
+        collectives = hlo.collective_summary(hlo.parse(compiled.as_text()))
+        summaries[axis] = {kind: c["count"] for kind, c in collectives.items() if c["count"]}
+    assert summaries["width"] == summaries["height"]
+    assert "all-to-all" not in summaries["width"]
+
+
+@pytest.mark.parametrize("width, height, axis", [(128, 64, "width"), (64, 128, "height")])
+def test_sharded_decode_equals_single_device(width, height, axis):
+    """Spatially sharded over 8 devices: the frames of one device, within 1e-5."""
+    program, layout = _decode_program(width, height, frames=5, dtype="float32")
+    assert layout == sharding.VaeLayout(axis)
+    params = random_params(TINY_TI2V, "vae", seed=3)
+    rng = np.random.default_rng(1)
+    latents = rng.standard_normal(program.args["latents"].shape).astype(np.float32)
+    want = np.asarray(single_device(program, params, latents)["frames"])
+    compiled = compile_program(program, vae_mesh(CPU8, (1, 8)), layout.rules(), layout.uneven)
+    got = compiled(*place(compiled, params, latents))["frames"]
+    assert tuple(compiled.output_shardings["frames"].spec)[2 if axis == "height" else 3] == (
+        "vae_spatial"
+    )
+    assert np.mean((want > 0) & (want < 1)) > 0.05  # not all clipped
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=0)
