@@ -1,0 +1,85 @@
+"""`runtime run --prompts FILE.jsonl`: offline batches filling the build's batch, one load."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import run_cli
+from test_server import SMALL, decode, small_builds  # noqa: F401 (a fixture)
+
+from runtime.batching import read_prompts_file
+from runtime.request import RequestError
+
+
+def test_five_lines_on_a_batch_two_build_one_load(small_builds, tiny_weights, tmp_path):  # noqa: F811
+    lines = [{"prompt": f"a fox {i}", "seed": i, "out": f"videos/fox_{i}.mp4"} for i in range(5)]
+    lines[2]["negative_prompt"] = "blurry"
+    del lines[4]["seed"]  # --seed's
+    (tmp_path / "p.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\n\n")
+    result = run_cli("runtime", "run", "--artifacts", str(small_builds), "--weights",
+                     str(tiny_weights), *SMALL, "--batch", "2", "--steps", "2", "--seed", "9",
+                     "--prompts", str(tmp_path / "p.jsonl"), "--report", str(tmp_path / "r.json"))  # fmt: skip
+    assert "wrote 5 videos in 3 batches of 2 with one load (0 compilations" in result.stdout
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["loads"] == 1 and report["videos"] == 5 and len(report["batches"]) == 3
+    assert all("_b2_" in b["build"] for b in report["batches"])
+    for i in range(5):
+        assert decode(tmp_path / "videos" / f"fox_{i}.mp4").shape == (5, 96, 64, 3)
+    assert not list((tmp_path / "videos").glob(".*"))
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('{"prompt": "a", "out": "a.mp4"}\nnot json', "line 2 is not JSON"),
+        ('["a"]', "line 1 is not a JSON object"),
+        ('{"prompt": "a"}', "line 1: no out"),
+        ('{"prompt": "a", "out": "a.mp4", "steps": 3}', "line 1: unknown steps"),
+        ('{"prompt": 3, "out": "a.mp4"}', "line 1: prompt is a int, give a str"),
+        ('{"prompt": "a", "out": "a.mp4", "seed": -1}', "seed -1"),
+        ('{"prompt": "a", "out": "a.mp4", "seed": true}', "seed is a bool"),
+        ("\n\n", "give 1 to"),
+    ],
+)
+def test_bad_lines_name_the_line(tmp_path, text, message):
+    path = tmp_path / "p.jsonl"
+    path.write_text(text)
+    with pytest.raises(RequestError, match=message):
+        read_prompts_file(path, default_seed=0)
+
+
+def test_file_lines_resolve_against_the_file(tmp_path):
+    path = tmp_path / "sub" / "p.jsonl"
+    path.parent.mkdir()
+    path.write_text(
+        '{"prompt": "a", "out": "a.mp4"}\n{"prompt": "b", "out": "/x/b.mp4", "seed": 4}'
+    )
+    first, second = read_prompts_file(path, default_seed=3)
+    assert first.out == tmp_path / "sub" / "a.mp4" and first.video.seed == 3
+    assert str(second.out) == "/x/b.mp4" and second.video.seed == 4
+
+
+def test_prompts_options_are_one_line_errors(tiny_weights, tmp_path):
+    (tmp_path / "p.jsonl").write_text('{"prompt": "a", "out": "a.mp4"}')
+    common = [
+        "runtime",
+        "run",
+        "--weights",
+        str(tiny_weights),
+        *SMALL,
+        "--artifacts",
+        str(tmp_path),
+    ]
+    for extra, message in [
+        (
+            ["--prompt", "a", "--prompts", str(tmp_path / "p.jsonl"), "--out", "v.mp4"],
+            "one of them",
+        ),
+        (["--prompts", str(tmp_path / "p.jsonl"), "--out", "v.mp4"], "leave out --out"),
+        (["--prompt", "a"], "--prompt needs --out"),
+        (["--prompts", str(tmp_path / "missing.jsonl")], "is not a file"),
+    ]:
+        result = run_cli(*common, *extra, check=False)
+        assert result.returncode == 2 and message in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr
