@@ -9,7 +9,7 @@ counts applied) and per-device bytes. Peak memory per device is the manifest's
 
 Policy (TOML; the default ships as `aot/policy.toml`; format in docs/check.md):
 
-    [programs.<program>]          # text_encode, kv_cache, denoise_step, vae_decode
+    [programs.<program>]          # a program of wan.interface.SIGNATURES
     forbid = ["all-to-all"]       # kinds that must not occur at all
     max_count = {all-gather = 200}          # executions per run, summed over the kind;
                                   # "ulysses": the count the build states for its attention

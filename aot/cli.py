@@ -78,7 +78,7 @@ _BUILD_OPTIONS = [
             else {"type": click.Choice(option.choices) if option.choices else str}
         ),
     )
-    for option in OPTIONS
+    for option in OPTIONS.values()
 ]
 
 

@@ -46,6 +46,7 @@ def lower_plan(
         context_parallel=plan.key.context_parallel,
         gather_latents=layout.gather_latents,
         frames_dtype=frames_dtype,
+        build=dict(plan.key.options),
     )
     progs = {
         p.name: p

@@ -13,13 +13,14 @@ from typing import Any
 import jax
 
 from aot.targets import SPLASH_BLOCKS, VAE_VMEM_MIB, Target, devices
-from runtime.artifact import BuildKey
+from runtime.artifact import BuildKey, plain_values
+from runtime.build_options import OPTIONS
+from runtime.json_checks import ArtifactError
 from wan import attention as attention_lib
 from wan import programs as wan_programs
 from wan import sharding
 from wan.configs import ModelConfig, VideoShape
 from wan.errors import InputError
-from wan.interface import DEFAULT_PIPELINE, PIPELINES
 
 BLOCKWISE_MIN_TOKENS = 8192  # above this, naive attention's temporaries dominate memory
 # Bounds of a request, far above any WAN use (720p, 81 frames: 75,600 tokens a video), so that
@@ -65,16 +66,15 @@ def plan_build(
     attention: str | None = None,
     context_parallel: str | None = None,
     vae_vmem_mib: int | None = None,
-    pipeline: str = DEFAULT_PIPELINE,
-    step_cache: bool = False,
+    **plain: Any,
 ) -> BuildPlan:
     """Validate a request and resolve its defaults (mesh, VAE mesh and axis, attention, context
-    parallelism, the VAE decode's scoped VMEM); `pipeline`: the programs it holds, and
-    `step_cache` step caching's (wan.interface.STEP_CACHE_PROGRAMS)."""
+    parallelism, the VAE decode's scoped VMEM); `plain`: the plain build options' values by
+    name (runtime.build_options: `pipeline`, the programs it holds, `step_cache`, ...), their
+    defaults where not given."""
     check_model_name(model_name)
     check_shape(config, shape)
-    if pipeline not in PIPELINES:
-        raise BuildError(f"pipeline {pipeline!r}: use one of {', '.join(PIPELINES)}")
+    options = plain_option_values(plain)
     default = sharding.default_mesh(
         num_devices, shape.step_batch, transformer_bytes(config), target.hbm_bytes
     )
@@ -108,8 +108,7 @@ def plan_build(
         attention=attention,
         context_parallel=context_parallel,
         vae_vmem_mib=choose_vae_vmem(vae_vmem_mib, target),
-        pipeline=pipeline,
-        step_cache=step_cache,
+        options=options,
     )
     return BuildPlan(config, shape, target, layout, attention, key, mesh == default)
 
@@ -237,14 +236,29 @@ RESOLVERS: dict[str, Callable[[str], Any]] = {
     "attention": _auto_or(str),
     "context_parallel": _auto_or(str),
     "vae_vmem_mib": parse_vae_vmem,
-    "pipeline": str,
-    "step_cache": bool,
 }
 
 
 def resolve_options(texts: dict[str, str]) -> dict[str, Any]:
-    """plan_build's keyword arguments from the build options' flag texts, by name."""
-    return {name: RESOLVERS[name](text) for name, text in texts.items()}
+    """plan_build's keyword arguments from the build options' flag texts, by name: a plain
+    option's text parsed by its own `parse`, the others by RESOLVERS."""
+    return {
+        name: (RESOLVERS[name] if name in RESOLVERS else OPTIONS[name].parse)(text)
+        for name, text in texts.items()
+    }
+
+
+def plain_option_values(values: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """BuildKey.options from the plain options' values by name, each checked."""
+    for name, value in values.items():
+        option = OPTIONS.get(name)
+        if option is None or option.check is None:
+            raise BuildError(f"{name!r} is not a build option: use {', '.join(OPTIONS)}")
+        try:
+            option.check(value, option.flag)
+        except ArtifactError as e:
+            raise BuildError(str(e)) from None
+    return plain_values(values)
 
 
 def choose_vae_vmem(requested: int | None, target: Target) -> int | None:

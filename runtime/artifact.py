@@ -19,14 +19,15 @@ import json
 import os
 import stat
 import zlib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from runtime import build_options
 from runtime import json_checks as jc
-from runtime.build_options import OPTIONS
 from runtime.json_checks import MAX_DIM, REBUILD, ArtifactError, Check
 from wan.configs import VideoShape
-from wan.interface import DEFAULT_PIPELINE, PIPELINES, SIGNATURES, full_step, pipeline_programs
+from wan.interface import SIGNATURES, full_step, pipeline_programs
 
 SCHEMA_VERSION = 3  # 2: program inputs and outputs by name; 3: a pipeline variant of programs
 MANIFEST = "manifest.json"
@@ -61,8 +62,26 @@ class BuildKey:
     attention: str  # kernel and its largest blocks, e.g. "splash:3072:2048:1024"
     context_parallel: str = "gather"  # or "ulysses" (wan.attention)
     vae_vmem_mib: int | None = None  # TPU: scoped VMEM of the VAE decode's kernels; None: XLA's
-    pipeline: str = DEFAULT_PIPELINE  # the programs the build holds (wan.interface.PIPELINES)
-    step_cache: bool = False  # and step caching's programs (wan.interface.STEP_CACHE_PROGRAMS)
+    # The plain options' values (runtime.build_options.plain_options), in declaration order.
+    options: tuple[tuple[str, Any], ...] = ()
+
+    def option(self, name: str) -> Any:
+        """A plain build option's value: the key's, else the option's default."""
+        return dict(self.options).get(name, build_options.OPTIONS[name].default_value)
+
+    def with_options(self, **values: Any) -> BuildKey:
+        """This key with the plain options `values` changed."""
+        return dataclasses.replace(self, options=plain_values({**dict(self.options), **values}))
+
+    @property
+    def pipeline(self) -> str:
+        """The programs the build holds (wan.interface.PIPELINES)."""
+        return self.option("pipeline")
+
+    @property
+    def step_cache(self) -> bool:
+        """And step caching's programs (wan.interface.STEP_CACHE_PROGRAMS)."""
+        return self.option("step_cache")
 
     @property
     def programs(self) -> tuple[str, ...]:
@@ -83,7 +102,8 @@ class BuildKey:
         cfg = "" if self.cfg else "_nocfg"
         head = f"{self.model}_{self.width}x{self.height}_f{self.frames}_b{self.batch}{cfg}"
         target = self.target.replace("/", "-host")
-        return f"{head}_{target}" + "".join(option.token(self) for option in OPTIONS)
+        tokens = (option.token(self) for option in build_options.OPTIONS.values())
+        return f"{head}_{target}" + "".join(tokens)
 
     def build_argv(self, model: str, out: str | Path) -> list[str]:
         """The `aot build` command that makes exactly this key (every option resolved, so any
@@ -91,21 +111,40 @@ class BuildKey:
         return [
             "aot", "build", "--model", model, "--res", f"{self.width}x{self.height}",
             "--frames", str(self.frames), "--batch", str(self.batch), "--target", self.target,
-            *([] if self.cfg else ["--no-cfg"]), *(arg for o in OPTIONS for arg in o.argv(self)),
+            *([] if self.cfg else ["--no-cfg"]), *(arg for o in build_options.OPTIONS.values() for arg in o.argv(self)),
             "--out", str(out),
         ]  # fmt: skip
 
     def to_json(self) -> dict[str, Any]:
+        """Every field, the plain options' values among them (each option's every value)."""
         raw = dataclasses.asdict(self)
         raw["mesh"] = dict(self.mesh)
         raw["vae_mesh"] = list(self.vae_mesh)
-        return raw
+        del raw["options"]
+        return {**raw, **{o.name: self.option(o.name) for o in build_options.plain_options()}}
 
     @classmethod
     def from_json(cls, raw: Any, where: str = "key") -> BuildKey:
-        """The key from its JSON form; ArtifactError naming the first wrong field."""
-        fields = jc.fields(raw, where, _BUILD_KEY_FIELDS, jc.defaults(cls))
-        return cls(**{**fields, "mesh": tuple(fields["mesh"].items())})
+        """The key from its JSON form; ArtifactError naming the first wrong field. A plain
+        option the manifest does not name (it predates the option) has its default."""
+        plain = build_options.plain_options()
+        checks = {**_BUILD_KEY_FIELDS, **{o.name: o.check for o in plain}}
+        defaults = {**jc.defaults(cls), **{o.name: o.default_value for o in plain}}
+        del defaults["options"]
+        fields = jc.fields(raw, where, checks, defaults)
+        values = {o.name: fields.pop(o.name) for o in plain}
+        return cls(
+            **{**fields, "mesh": tuple(fields["mesh"].items()), "options": plain_values(values)}
+        )
+
+
+def plain_values(values: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """BuildKey.options of `values` (by option name): every plain option, in declaration order,
+    its default where `values` has none; an unknown name is a KeyError."""
+    plain = build_options.plain_options()
+    if unknown := set(values) - {o.name for o in plain}:
+        raise KeyError(f"not plain build options: {', '.join(sorted(unknown))}")
+    return tuple((o.name, values.get(o.name, o.default_value)) for o in plain)
 
 
 _BUILD_KEY_FIELDS: dict[str, Check] = {
@@ -121,8 +160,6 @@ _BUILD_KEY_FIELDS: dict[str, Check] = {
     "vae_axis": jc.one_of("width", "height"),
     "attention": jc.string,
     "context_parallel": jc.one_of("gather", "ulysses"),
-    "pipeline": jc.key_of(PIPELINES),
-    "step_cache": jc.boolean,
     "vae_vmem_mib": jc.optional(jc.POSITIVE),
 }
 

@@ -1,8 +1,14 @@
-"""The options of a build that its key records, each declared once: the `aot build` / `aot plan`
-flag (its help and default), its part of the build folder's name, and the flag that asks for
-exactly a key's value (`aot plan`'s commands). No jax and no aot here: the runtime names builds
-with it, `aot.cli` makes its click options from it, and `aot.plan.RESOLVERS` turns each flag's
-text into what `plan_build` takes, by the same name."""
+"""The options of a build that its key records, each declared once, in `OPTIONS`: the
+`aot build` / `aot plan` flag (its help and default), its part of the build folder's name, and
+the flag that asks for exactly a key's value (`aot plan`'s commands, the runtime's "make it
+with" hints). No jax and no aot here: the runtime names builds with it and `aot.cli` makes its
+click options from it.
+
+Two kinds: a *plain* option (it has a `check`) is whole here: its flag's text parsed by `parse`
+is its value, kept in `BuildKey.options`, checked in a manifest by `check`, and given to the
+programs (`wan.programs.ProgramOptions.build`); an option that the build resolves against the
+target (the mesh, attention, ...) is a field of `BuildKey` and has its resolver, by the same
+name, in `aot.plan.RESOLVERS`."""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from runtime import json_checks
 from wan.interface import DEFAULT_PIPELINE, PIPELINES
 
 
@@ -23,13 +30,22 @@ class BuildOption:
     default: str | bool = "auto"
     choices: tuple[str, ...] | None = None
     is_flag: bool = False  # a switch: its value is True when given
+    # A plain option: its value's check in a manifest (runtime.json_checks), and the flag's text
+    # -> its value. None: a BuildKey field resolved by aot.plan.RESOLVERS.
+    check: Callable[[Any, str], Any] | None = None
+    parse: Callable[[Any], Any] = str
+
+    @property
+    def default_value(self) -> Any:
+        """A plain option's value when its flag is not given (and in older manifests)."""
+        return self.parse(self.default)
 
 
 def _mesh_text(key: Any, separator: str) -> str:
     return separator.join(f"{axis}={size}" for axis, size in key.mesh)
 
 
-OPTIONS: tuple[BuildOption, ...] = (
+_DECLARED = (
     BuildOption(
         "mesh", "--mesh",
         "data=..,fsdp=..,context=..,tensor=.. (auto: per target and batch).",
@@ -73,6 +89,7 @@ OPTIONS: tuple[BuildOption, ...] = (
         argv=lambda k: ["--pipeline", k.pipeline],
         default=DEFAULT_PIPELINE,
         choices=tuple(PIPELINES),
+        check=json_checks.key_of(PIPELINES),
     ),
     BuildOption(
         "step_cache", "--step-cache",
@@ -83,5 +100,14 @@ OPTIONS: tuple[BuildOption, ...] = (
         argv=lambda k: ["--step-cache"] if k.step_cache else [],
         default=False,
         is_flag=True,
+        check=json_checks.boolean,
+        parse=bool,
     ),
 )  # fmt: skip
+# The registry: a new option is one entry (tests add theirs with monkeypatch.setitem).
+OPTIONS: dict[str, BuildOption] = {option.name: option for option in _DECLARED}
+
+
+def plain_options() -> list[BuildOption]:
+    """The options kept in BuildKey.options, in declaration order."""
+    return [option for option in OPTIONS.values() if option.check is not None]

@@ -72,7 +72,7 @@ def check_cache(
     if request is None:
         return None
     if not key.step_cache:
-        command = dataclasses.replace(key, step_cache=True).build_argv(model, artifacts)
+        command = key.with_options(step_cache=True).build_argv(model, artifacts)
         raise RequestError(
             f"--cache {request.kind} needs a build with step caching (--step-cache); "
             f"make it with: {shlex.join(command)}"

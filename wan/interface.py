@@ -56,13 +56,13 @@ SIGNATURES: dict[str, Signature] = {
     "latents_handoff": Signature(("latents",), ("latents",), None),
     "vae_decode": Signature(("params", "latents"), ("frames",), "vae"),
 }
-PROGRAMS = tuple(SIGNATURES)
 # Pipeline variants: the programs a build of each holds, in the order a generation runs them.
 # A build key names its variant; the loader checks that its build holds exactly these.
 PIPELINES: dict[str, tuple[str, ...]] = {
     "t2v": ("text_encode", "kv_cache", "denoise_step", "latents_handoff", "vae_decode"),
 }
 DEFAULT_PIPELINE = "t2v"
+PROGRAMS = PIPELINES[DEFAULT_PIPELINE]  # what a build holds by default
 # What a build with step caching holds in place of a program.
 STEP_CACHE_PROGRAMS: dict[str, tuple[str, ...]] = {"denoise_step": ("cache_step", "cached_step")}
 

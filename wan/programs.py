@@ -19,7 +19,7 @@ S = 2B with classifier-free guidance (prompt rows first, then negative-prompt ro
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -229,6 +229,7 @@ def _step_program(
     extra_axes: dict[str, Tree] | None = None,
     extra_out_axes: dict[str, Tree] | None = None,
     donate: tuple[str, ...] = (),
+    analyses: tuple[str, ...] = ("attention_kernels",),
 ) -> Program:
     """A denoise step: the transformer on the latents (both CFG passes at once), guidance and
     the sampler's update; `transformer_pass` runs the blocks (or stands in for them)."""
@@ -281,7 +282,7 @@ def _step_program(
         {"latents": LATENTS, "state": state_axes, **extra_out_axes},
         "transformer",
         donate=("latents", "state", *donate),  # a step holds one copy of each
-        analyses=("attention_kernels",),
+        analyses=analyses,
     )  # fmt: skip
 
 
@@ -382,6 +383,7 @@ def cached_step_program(
         "cached_step", config, shape, attention, context_parallel, _cached_pass,
         {"first_residual": residual, "residual": residual},
         {"first_residual": RESIDUAL_AXES, "residual": RESIDUAL_AXES},
+        analyses=(),  # no attention runs: its kernels' FLOPs are not this step's
     )  # fmt: skip
 
 
@@ -460,6 +462,9 @@ class ProgramOptions:
     context_parallel: str = "gather"
     gather_latents: bool = False  # ShardingPlan.gather_latents
     frames_dtype: str = "uint8"  # float32: frames in [0, 1], for comparisons
+    # The plain build options' values by name (runtime.build_options): a program made for an
+    # option reads it here.
+    build: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 # The program of each name, made for a model, a video shape and the build's options: a new

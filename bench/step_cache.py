@@ -1,0 +1,135 @@
+"""Step caching's cost per video, two ways.
+
+Measured (`--part measured`): the `small` preset on cpu-8, one `--step-cache` build, 20 steps.
+MagCache's ratios are first calibrated by our own calibrate mode on this model; then uncached
+and MagCache runs (default settings) alternate in one process, and the denoise phase of each is
+timed side by side, with the steps MagCache skipped.
+
+Deviceless (`--part deviceless`): the Wan 2.1 14B at 1280x720, 81 frames, batch 1, built with
+`--step-cache` for tpu-v6e-8 on this host: the full and the cached step's FLOPs per device, and
+the transformer work per video over 50 steps with the shipped Wan 2.1 14B ratios at the default
+settings (the steps run, each at its step lower bound: FLOPs at the chip's peak bf16 rate).
+
+    python bench/step_cache.py --part measured --out bench/results/step_cache.json
+    python bench/step_cache.py --part deviceless --out bench/results/step_cache.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import record  # noqa: E402  (bench/record.py, beside this script)
+
+BIN = Path(sys.executable).parent
+PROMPT = "a red cat running in the rain"
+
+
+def _build(model: str, shape: list[str], target: str, out: Path) -> Path:
+    subprocess.run(
+        [str(BIN / "aot"), "build", "--model", model, *shape, "--target", target,
+         "--step-cache", "--out", str(out)],
+        check=True,
+    )  # fmt: skip
+    (folder,) = [p for p in out.iterdir() if p.name.endswith("_stepcache")]
+    return folder
+
+
+def measured(repeats: int, steps: int) -> dict:
+    """Uncached vs MagCache denoise seconds on the small preset, alternating in one process."""
+    from aot import targets
+
+    targets.prepare_environment(targets.parse_target("cpu-8"))
+    from runtime.artifact import read_manifest
+    from runtime.cache_request import CacheRequest
+    from runtime.pipeline import Pipeline
+    from wan.configs import ModelConfig
+
+    shape = ["--res", "320x192", "--frames", "17", "--batch", "1"]
+    with tempfile.TemporaryDirectory() as tmp:
+        weights = Path(tmp) / "weights"
+        subprocess.run(
+            [str(BIN / "python"), "-m", "wan.random_weights", "--model", "small",
+             "--out", str(weights)],
+            check=True,
+        )  # fmt: skip
+        folder = _build("small", shape, "cpu-8", Path(tmp) / "artifacts")
+        config = ModelConfig.from_folder(weights)
+        pipe = Pipeline.from_build(folder, read_manifest(folder), weights, config)
+
+        def run(cache: CacheRequest | None):
+            return pipe.generate(PROMPT, steps=steps, guidance=5.0, cache=cache)[1]
+
+        calibrate = CacheRequest(kind="magcache", threshold=0.06, calibrate=True)
+        ratios = run(calibrate).cache.mag_ratios
+        magcache = CacheRequest(kind="magcache", threshold=0.06, mag_ratios=ratios)
+        run(None)  # warm both paths once before timing
+        uncached, cached, skipped = [], [], None
+        for _ in range(repeats):
+            uncached.append(run(None).phases["denoise"])
+            report = run(magcache)
+            cached.append(report.phases["denoise"])
+            skipped = report.cache.skipped_steps
+    ratio = statistics.median(uncached) / statistics.median(cached)
+    return {
+        "model": "small", "shape": " ".join(shape), "target": "cpu-8", "steps": steps,
+        "cache": "magcache threshold 0.06, max_skip 3, retention 0.2, ratios from our calibrate",
+        "calibrated_ratios": list(ratios["transformer"]),
+        "skipped_steps": skipped,
+        "denoise_seconds_uncached": uncached, "denoise_seconds_magcache": cached,
+        "speedup_median": round(ratio, 3),
+    }  # fmt: skip
+
+
+def deviceless(steps: int) -> dict:
+    """Full vs cached step FLOPs of a 14B 720p tpu-v6e-8 build, and MagCache's transformer work
+    per video with the shipped Wan 2.1 14B ratios."""
+    from runtime.artifact import read_manifest
+    from runtime.step_cache import MagCacheSettings, shipped_mag_ratios, skipped_steps
+
+    shape = ["--res", "1280x720", "--frames", "81", "--batch", "1"]
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = _build("wan2.1-t2v-14b", shape, "tpu-v6e-8", Path(tmp))
+        manifest = read_manifest(folder)
+    full, cached = (manifest.programs[n] for n in ("cache_step", "cached_step"))
+    full_flops, cached_flops = (p.flops + p.kernel_flops for p in (full, cached))
+    ratios = shipped_mag_ratios("wan2.1-t2v-14b", ["transformer"])
+    skipped = skipped_steps(MagCacheSettings(), ratios, ["transformer"] * steps)
+    peak = manifest.peak_flops
+    uncached_seconds = steps * full_flops / peak
+    cached_seconds = ((steps - len(skipped)) * full_flops + len(skipped) * cached_flops) / peak
+    return {
+        "model": "wan2.1-t2v-14b", "shape": " ".join(shape), "target": "tpu-v6e-8",
+        "steps": steps, "full_step_tflop_per_device": round(full_flops / 1e12, 3),
+        "cached_step_tflop_per_device": round(cached_flops / 1e12, 4),
+        "peak_tflops_per_device": round(peak / 1e12, 1),
+        "skipped_steps_shipped_ratios": list(skipped),
+        "transformer_seconds_lower_bound_uncached": round(uncached_seconds, 2),
+        "transformer_seconds_lower_bound_magcache": round(cached_seconds, 2),
+        "work_ratio": round(uncached_seconds / cached_seconds, 3),
+        "peak_memory_per_device_gib": {
+            n: round(manifest.programs[n].memory["peak"] / 2**30, 2)
+            for n in ("cache_step", "cached_step")
+        },
+    }  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--part", choices=["measured", "deviceless"], required=True)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    row = measured(args.repeats, steps=20) if args.part == "measured" else deviceless(steps=50)
+    command = f"python bench/step_cache.py --part {args.part} --out {args.out}"
+    record.save(args.out, {"command": command, **row})
+    print(row)
+
+
+if __name__ == "__main__":
+    main()
