@@ -216,6 +216,7 @@ def _compile_all(
         vae_mesh_axes=dict(zip(sharding.VAE_AXES, layout.vae_mesh, strict=True)),
         hbm_bytes=plan.target.hbm_bytes,
         peak_flops=peak_flops(plan.target, devs[0].device_kind),
+        peak_8bit_flops=plan.target.chip.peak_8bit if plan.target.chip else None,
         ulysses_all_to_alls=ulysses_all_to_alls(plan),
         notes=notes,
         programs=entries,

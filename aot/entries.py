@@ -51,6 +51,7 @@ def program_entry(
         peak_rss_bytes=rss,
         memory=memory_stats(compiled),
         flops=hlo_cost.flops(module),
+        eight_bit_flops=hlo_cost.eight_bit_flops(module),
         xla_flops=float(cost.get("flops", 0.0)),
         collectives=hlo.collective_summary(module),
         gathered_bytes_per_latent_frame=(

@@ -344,6 +344,40 @@ class _Counter:
     }
 
 
+# 8-bit operand types: the MXU's 8-bit path (int8 on v5e/v5p/v6e, fp8 on tpu7x, both on GPUs).
+EIGHT_BIT = frozenset({"s8", "u8", "f8e4m3fn", "f8e5m2", "f8e4m3", "f8e4m3fnuz", "f8e5m2fnuz"})
+
+
+class _EightBitDots(_Counter):
+    """Only the dots (and the convolutions TPU lowers dots to) whose two operands are 8-bit
+    (`aot build --quant w8a8-*`), loop trip counts applied: the work at the 8-bit rate."""
+
+    def _eight_bit(self, ins: Instruction) -> bool:
+        return {self.module.operand(ins, i).shape.dtype for i in (0, 1)} <= EIGHT_BIT
+
+    def dot(self, ins: Instruction) -> tuple[float, float]:
+        return super().dot(ins) if self._eight_bit(ins) else (0.0, 0.0)
+
+    def convolution(self, ins: Instruction) -> tuple[float, float]:
+        # TPU lowers dots to convolutions.
+        return super().convolution(ins) if self._eight_bit(ins) else (0.0, 0.0)
+
+    RULES = {
+        "dot": dot,
+        "scaled-dot": dot,
+        "convolution": convolution,
+        "fusion": _Counter.fusion,
+        "while": _Counter.loop,
+        "call": _Counter.call,
+        "conditional": _Counter.conditional,
+    }
+
+
+def eight_bit_flops(module: Module) -> float:
+    """FLOPs of the dots on 8-bit operands per execution (part of `flops`)."""
+    return _EightBitDots(module).computation(module.entry)[0]
+
+
 def cost(module: Module) -> Cost:
     """FLOPs and transcendentals of one execution, counted like XLA's HloCostAnalysis (dots
     2 x output x contracted size, convolutions 2 x output x kernel window x input features per

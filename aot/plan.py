@@ -18,7 +18,7 @@ from runtime.build_options import OPTIONS
 from runtime.json_checks import ArtifactError
 from wan import attention as attention_lib
 from wan import programs as wan_programs
-from wan import sharding
+from wan import quant, sharding
 from wan.configs import ModelConfig, VideoShape
 from wan.errors import InputError
 
@@ -75,8 +75,10 @@ def plan_build(
     check_model_name(model_name)
     check_shape(config, shape)
     options = plain_option_values(plain)
+    quant_mode = dict(options)["quant"]
+    check_quant(quant_mode, target)
     default = sharding.default_mesh(
-        num_devices, shape.step_batch, transformer_bytes(config), target.hbm_bytes
+        num_devices, shape.step_batch, transformer_bytes(config, quant_mode), target.hbm_bytes
     )
     mesh = mesh or default
     if mesh.size != num_devices:
@@ -343,8 +345,26 @@ def _mesh_text(mesh: sharding.MeshShape) -> str:
     return ",".join(f"{a}={n}" for a, n in mesh.items())
 
 
+def check_quant(mode: str, target: Target) -> None:
+    """A w8a8 mode runs its matmuls on the target's 8-bit MXU format: refused on a TPU without
+    it (fp8 on v5e, v5p, v6e; int8 on tpu7x). Weight-only modes dequantize: any target."""
+    s = quant.scheme(mode)
+    chip = target.chip
+    if s is None or not s.activations or chip is None or chip.eight_bit == s.eight_bit:
+        return
+    others = [
+        m for m, o in quant.SCHEMES.items() if not o.activations or o.eight_bit == chip.eight_bit
+    ]
+    raise BuildError(
+        f"--quant {mode}: {target.name} has no {s.eight_bit} matrix unit (its 8-bit format is "
+        f"{chip.eight_bit}); use --quant {' or '.join(others)} or none"
+    )
+
+
 @functools.cache
-def transformer_bytes(config: ModelConfig) -> int:
+def transformer_bytes(config: ModelConfig, quant_mode: str = "none") -> int:
     """Bytes of one transformer's weights (one expert's), from its abstract state."""
-    _, params, _ = wan_programs.split_abstract(wan_programs.abstract_module(config, "transformer"))
+    _, params, _ = wan_programs.split_abstract(
+        wan_programs.abstract_module(config, "transformer", quant=quant_mode)
+    )
     return sum(math.prod(p.shape) * p.dtype.itemsize for p in jax.tree.leaves(params))

@@ -57,6 +57,10 @@ def _step_flops(manifest: Manifest) -> float:
     return step.flops + step.kernel_flops
 
 
+def _eight_bit_flops(manifest: Manifest) -> float:
+    return manifest.programs[manifest.key.step_program].eight_bit_flops
+
+
 def _lower_bound_text(manifest: Manifest) -> str:
     bound = manifest.step_lower_bound()
     return "unknown peak" if bound is None else f"{bound:.3f} s"
@@ -137,11 +141,18 @@ def inspect_text(m: Manifest) -> str:
         f"target     {k.target}: {m.platform} {m.device_kind}, devices {m.device_ids}, {m.process_count} process(es)",
         f"mesh       {m.mesh_axes}; vae {m.vae_mesh_axes}, spatial axis {k.vae_axis}",
         f"attention  {k.attention}, context parallelism {k.context_parallel}",
+        *([f"quant      {k.option('quant')} (wan.quant)"] if k.option("quant") != "none" else []),
         *([f"vae vmem   {k.vae_vmem_mib} MiB scoped VMEM (--vae-vmem)"] if k.vae_vmem_mib else []),
         *(
             [
                 f"roofline   step lower bound {_lower_bound_text(m)}: {_step_flops(m) / 1e12:.3f} "
                 f"TFLOP per device at {m.peak_flops / 1e12:.0f} TFLOP/s bf16"
+                + (
+                    f" ({_eight_bit_flops(m) / 1e12:.3f} of them 8-bit, at "
+                    f"{m.peak_8bit_flops / 1e12:.0f} TOP/s)"
+                    if _eight_bit_flops(m) and m.peak_8bit_flops
+                    else ""
+                )
             ]
             if m.peak_flops
             else []
@@ -163,12 +174,14 @@ def inspect_text(m: Manifest) -> str:
             name, f"{p.compile_seconds:.1f}", f"{p.peak_rss_bytes / GiB:.2f}",
             f"{mem['argument'] / GiB:.3f}", f"{mem['output'] / GiB:.3f}", f"{mem['temp'] / GiB:.3f}",
             f"{mem['peak'] / GiB:.3f}", f"{p.replicated_param_bytes / GiB:.3f}",
-            f"{p.flops / 1e12:.4f}", f"{p.kernel_flops / 1e12:.4f}", f"{p.xla_flops / 1e12:.4f}",
+            f"{p.flops / 1e12:.4f}", f"{p.eight_bit_flops / 1e12:.4f}",
+            f"{p.kernel_flops / 1e12:.4f}", f"{p.xla_flops / 1e12:.4f}",
             _collectives_text(p.collectives), f"{p.executable.size / 1e6:.1f}",
         ])  # fmt: skip
     header = [
         "program", "compile s", "RSS GiB", "args GiB", "out GiB", "temp GiB", "peak GiB",
-        "replicated weights GiB", "HLO TFLOP/device", "kernel TFLOP/device", "XLA TFLOP",
+        "replicated weights GiB", "HLO TFLOP/device", "of it 8-bit", "kernel TFLOP/device",
+        "XLA TFLOP",
         "collectives", "exec MB",
     ]  # fmt: skip
     return "\n".join(head) + text_table(header, rows)

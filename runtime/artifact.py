@@ -222,6 +222,7 @@ class ProgramEntry:
     # per device: bytes of `params` left whole on every device of a multi-device mesh
     replicated_param_bytes: int = 0
     program_id: str = ""  # its identity in the program store (aot.store.program_id)
+    eight_bit_flops: float = 0.0  # the part of `flops` in dots on 8-bit operands (--quant w8a8)
 
     @classmethod
     def from_json(cls, raw: Any, where: str = "program") -> ProgramEntry:
@@ -249,6 +250,7 @@ _PROGRAM_FIELDS: dict[str, Check] = {
     "compiler_options": jc.dict_of(jc.option),
     "replicated_param_bytes": jc.BYTES,
     "program_id": jc.string,
+    "eight_bit_flops": jc.number,
 }
 
 
@@ -286,14 +288,17 @@ class Manifest:
     ulysses_all_to_alls: int  # all-to-alls per denoise step that Ulysses attention puts there
     notes: list[str]
     programs: dict[str, ProgramEntry]
+    peak_8bit_flops: float | None = None  # 8-bit OP/s per device (its format: the target's)
 
     def step_lower_bound(self) -> float | None:
-        """Seconds a denoise step takes at the device's peak bf16 rate (the roofline): a
-        measured step over it is the step's MFU."""
+        """Seconds a denoise step takes at the device's peak rates (the roofline): its 8-bit
+        dots at the 8-bit rate, the rest at bf16's; a measured step over it is the step's MFU."""
         step = self.programs.get(self.key.step_program)
         if step is None or not self.peak_flops:
             return None
-        return (step.flops + step.kernel_flops) / self.peak_flops
+        eight_bit = step.eight_bit_flops
+        seconds = (step.flops - eight_bit + step.kernel_flops) / self.peak_flops
+        return seconds + eight_bit / (self.peak_8bit_flops or self.peak_flops)
 
     def to_json(self) -> dict[str, Any]:
         raw = dataclasses.asdict(self)
@@ -318,7 +323,8 @@ class Manifest:
                 f"manifest schema {repr(version)[:20]} is not {SCHEMA_VERSION} (made by another "
                 "version of aot)"
             )
-        fields = jc.fields(raw, "", _MANIFEST_FIELDS, {})
+        # Fields added within schema 3 default for the manifests written before them.
+        fields = jc.fields(raw, "", _MANIFEST_FIELDS, {"peak_8bit_flops": None})
         _check_device_layout(fields)
         _check_pipeline(fields)
         return cls(**fields)
@@ -346,6 +352,7 @@ _MANIFEST_FIELDS: dict[str, Check] = {
     "vae_mesh_axes": jc.dict_of(jc.POSITIVE),
     "hbm_bytes": jc.optional(jc.BYTES),
     "peak_flops": jc.optional(jc.number),
+    "peak_8bit_flops": jc.optional(jc.number),
     "ulysses_all_to_alls": jc.BYTES,
     "notes": jc.list_of(jc.string),
     "programs": _programs,

@@ -19,6 +19,9 @@ from typing import Any
 from runtime import json_checks
 from wan.interface import DEFAULT_PIPELINE, PIPELINES
 
+# wan.quant.MODES (that module imports flax; this one is read before jax starts).
+QUANT_MODES = ("none", "w8a8-int8", "w8a8-fp8", "w8-int8", "w8-fp8")
+
 
 @dataclasses.dataclass(frozen=True)
 class BuildOption:
@@ -102,6 +105,17 @@ _DECLARED = (
         is_flag=True,
         check=json_checks.boolean,
         parse=bool,
+    ),
+    BuildOption(
+        "quant", "--quant",
+        "The transformer blocks' Linear layers in 8 bits (wan.quant): w8a8-int8 / w8a8-fp8 "
+        "(8-bit weights and per-token 8-bit activations, the matmul on the 8-bit path), w8-int8 "
+        "/ w8-fp8 (8-bit weights dequantized in the matmul: memory only), or none.",
+        token=lambda k: "" if k.option("quant") == "none" else f"_{k.option('quant')}",
+        argv=lambda k: ["--quant", k.option("quant")],
+        default="none",
+        choices=QUANT_MODES,
+        check=json_checks.one_of(*QUANT_MODES),
     ),
 )  # fmt: skip
 # The registry: a new option is one entry (tests add theirs with monkeypatch.setitem).

@@ -27,8 +27,9 @@ from runtime.artifact import REBUILD, ArtifactError
 # looked up, then resolved as a plain attribute of its imported module: no dotted names, no
 # builtins (the containers are pickle opcodes). Derived by recording every find_class call
 # while loading real builds made with jax 0.10.2: tiny cpu-1, cpu-4 (batch 2, no CFG), cpu-8
-# (dot; blockwise with Ulysses), cpu-2x4, a bf16 two-expert model (adds ml_dtypes.bfloat16) and
-# deviceless tpu-v6e-8 builds (dot; splash) all ask for this same set. After a jax upgrade,
+# (dot; blockwise with Ulysses), cpu-2x4, a bf16 two-expert model (adds ml_dtypes.bfloat16), an
+# fp8 --quant build (adds ml_dtypes.float8_e4m3fn) and deviceless tpu-v6e-8 builds (dot;
+# splash) all ask for this same set. After a jax upgrade,
 # tests/test_hostile_artifacts.py::test_allowed_globals_cover_a_real_build records the globals of
 # a fresh build and names any one missing here.
 ALLOWED_GLOBALS: dict[str, frozenset[tuple[str, str]]] = {
@@ -54,6 +55,7 @@ ALLOWED_GLOBALS: dict[str, frozenset[tuple[str, str]]] = {
         ("jax._src.stages", "ArgInfo"),
         ("jaxlib._jax", "DeviceList"),
         ("ml_dtypes", "bfloat16"),
+        ("ml_dtypes", "float8_e4m3fn"),  # --quant w8a8-fp8 / w8-fp8 kernels
         ("numpy", "dtype"),
         ("numpy", "ndarray"),
         ("numpy._core.multiarray", "_reconstruct"),

@@ -22,7 +22,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import safetensors.numpy
 
-from wan import kinds, weights
+from wan import kinds, quant, weights
 from wan.atomic import atomic_folder, owned_files
 from wan.configs import CHECKPOINT_MARKER as MARKER
 from wan.configs import ModelConfig, diffusers_component
@@ -99,31 +99,76 @@ def load_component(
     folder = Path(folder)
     deltas = deltas or {}
     flat_abstract = weights.flatten(abstract)
+    path = folder / component
+    if is_checkpoint(folder) and path.is_dir() and not (path / PARAMS).is_file():
+        return _load_orbax(path, component, abstract, deltas)
+    host, pending = read_host(folder, component, flat_abstract)
+    return _place_all(host, flat_abstract, deltas, abstract, pending)
+
+
+def read_host(
+    folder: str | Path, component: str, flat_abstract: Mapping[weights.Path_, Any]
+) -> tuple[dict[weights.Path_, np.ndarray], dict[weights.Path_, Any]]:
+    """A component's parameters on the host (a checkpoint's memory-mapped, a diffusers
+    folder's imported), checked against `flat_abstract`, and the 8-bit kernels among them still
+    to quantize: by path, the full precision they are held in (`quantized`)."""
+    folder = Path(folder)
+    quantized = _quantized_kernels(flat_abstract)
     if is_checkpoint(folder):
         path = folder / component
-        if not path.is_dir():
-            raise weights.WeightError(f"checkpoint {folder} has no {component}/")
-        if (path / PARAMS).is_file():
-            host = _read_params(path / PARAMS, flat_abstract)
-            return _place_all(host, flat_abstract, deltas, abstract)
-        stored = _orbax_shapes(path, component)
-        _check_shapes(stored, flat_abstract)
-        restored = _orbax_restore(path, abstract)
-        if not deltas:
-            return restored
-        flat = weights.flatten(restored)
-        merged = _in_threads(lambda p: _merge_placed(flat[p], deltas[p]), deltas)
-        return weights.unflatten_like(abstract, {**flat, **merged})
+        if not (path / PARAMS).is_file():
+            raise weights.WeightError(f"checkpoint {folder} has no {component}/{PARAMS}")
+        return _read_params(path / PARAMS, flat_abstract, quantized)
     source = folder / component
     if not source.is_dir():
         raise weights.WeightError(
             f"{folder} has no {component}/ (expected a diffusers-format folder)"
         )
-    expected = {p: (tuple(a.shape), np.dtype(a.dtype)) for p, a in flat_abstract.items()}
+    # A diffusers folder holds full precision: the 8-bit kernels are imported as their layer's
+    # precision and quantized at placement; their scales are made there.
+    made = {(*k[:-1], "scale") for k in quantized}
+    expected = {
+        p: (tuple(a.shape), quantized.get(p, np.dtype(a.dtype)))
+        for p, a in flat_abstract.items()
+        if p not in made
+    }
     # The tensor names of a diffusers folder are its component kind's (config.json says which).
     rule = kinds.of(diffusers_component(folder, component)).weight_rule
-    host = weights.import_folder(source, expected, rule)
-    return _place_all(host, flat_abstract, deltas, abstract)
+    return weights.import_folder(source, expected, rule), quantized
+
+
+def _load_orbax(
+    path: Path, component: str, abstract: Tree, deltas: Mapping[weights.Path_, ParamDelta]
+) -> Tree:
+    """A format-1 (orbax) checkpoint restored straight into the shardings of `abstract`, a
+    parameter with updates then rewritten one shard at a time through the host."""
+    flat_abstract = weights.flatten(abstract)
+    if _quantized_kernels(flat_abstract):
+        raise weights.WeightError(
+            f"{path} is a format-1 (orbax) checkpoint, which an 8-bit (--quant) build does "
+            "not read: write it again as format 2 or use its diffusers folder"
+        )
+    stored = _orbax_shapes(path, component)
+    _check_shapes(stored, flat_abstract)
+    restored = _orbax_restore(path, abstract)
+    if not deltas:
+        return restored
+    flat = weights.flatten(restored)
+    merged = _in_threads(lambda p: _merge_placed(flat[p], deltas[p]), deltas)
+    return weights.unflatten_like(abstract, {**flat, **merged})
+
+
+def _quantized_kernels(flat_abstract: Mapping[weights.Path_, Any]) -> dict[weights.Path_, Any]:
+    """The 8-bit kernels of a --quant build's parameters (wan.quant_linear.QuantLinear: a
+    kernel of an 8-bit dtype beside its `scale`), each with the precision of its layer (its
+    bias's), which the full-precision weights are read as before they are quantized."""
+    return {
+        p: np.dtype(flat_abstract[(*p[:-1], "bias")].dtype)
+        for p, a in flat_abstract.items()
+        if p[-1] == "kernel"
+        and quant.is_quantized_dtype(a.dtype)
+        and (*p[:-1], "scale") in flat_abstract
+    }
 
 
 def _place_all(
@@ -131,26 +176,73 @@ def _place_all(
     flat_abstract: dict[weights.Path_, jax.ShapeDtypeStruct],
     deltas: Mapping[weights.Path_, ParamDelta],
     abstract: Tree,
+    pending: Mapping[weights.Path_, Any],
 ) -> Tree:
     """Every parameter placed, its updates merged shard by shard; each host array is dropped
-    once placed."""
-    placed = _in_threads(
-        lambda p: _place(host.pop(p), flat_abstract[p], deltas.get(p)), flat_abstract
-    )
+    once placed. The kernels in `pending` (full precision) are first merged with their updates
+    and quantized a layer at a time, then placed with their scales."""
+    scales = {(*k[:-1], "scale") for k in pending}
+
+    def place(p: weights.Path_) -> dict[weights.Path_, jax.Array]:
+        if p not in pending:
+            return {p: _place(host.pop(p), flat_abstract[p], deltas.get(p))}
+        kernel, scale = quantized(host.pop(p), deltas.get(p), flat_abstract[p].dtype, pending[p])
+        scale_path = (*p[:-1], "scale")
+        return {
+            p: _place(kernel, flat_abstract[p]),
+            scale_path: _place(scale, flat_abstract[scale_path]),
+        }
+
+    placed = {}
+    for arrays in _in_threads(place, [p for p in flat_abstract if p not in scales]).values():
+        placed.update(arrays)
     return weights.unflatten_like(abstract, placed)
 
 
+def quantized(
+    value: np.ndarray, delta: ParamDelta | None, dtype: Any, precision: Any
+) -> tuple[np.ndarray, np.ndarray]:
+    """A stacked kernel (layers..., in, out) in `dtype` and its scales, quantized one layer at
+    a time from `value` as `precision` with `delta` merged (wan.quant.quantize_kernel): what
+    quantizing the merged full-precision weights gives."""
+    layers = value.shape[:-2]
+    kernel = np.empty(value.shape, dtype)
+    scale = np.empty((*layers, value.shape[-1]), np.float32)
+    for layer in np.ndindex(layers):
+        w = np.array(value[layer], dtype=precision)[None]
+        if delta is not None:
+            delta.merge_into(w, tuple(slice(i, i + 1) for i in layer))
+        kernel[layer], scale[layer] = quant.quantize_kernel(w[0], np.dtype(dtype).name)
+    return kernel, scale
+
+
 def _read_params(
-    file: Path, flat_abstract: Mapping[weights.Path_, jax.ShapeDtypeStruct]
-) -> dict[weights.Path_, np.ndarray]:
+    file: Path,
+    flat_abstract: Mapping[weights.Path_, jax.ShapeDtypeStruct],
+    quantized: Mapping[weights.Path_, Any],
+) -> tuple[dict[weights.Path_, np.ndarray], dict[weights.Path_, Any]]:
     """A checkpoint component's parameters as read-only memory maps, checked against
     `flat_abstract`; others the file holds are left (a VAE written with its encoder's
-    weights)."""
+    weights). The 8-bit kernels of `quantized` are read as stored when the checkpoint holds
+    them quantized (with their scales), else pending: full precision, quantized at placement."""
     stored = {tuple(name.split("/")): array for name, array in weights.read_safetensors(file)}
-    _check_shapes({p: a.shape for p, a in stored.items()}, flat_abstract)
-    for p, want in flat_abstract.items():
-        weights.check_dtype(f"{file}: {'/'.join(p)}", stored[p].dtype, want.dtype)
-    return {p: stored[p] for p in flat_abstract}
+    pending = {
+        k: precision
+        for k, precision in quantized.items()
+        if k in stored and not quant.is_quantized_dtype(stored[k].dtype)
+    }
+    made = {(*k[:-1], "scale") for k in pending}  # the scales quantizing will make
+    needed = {p: a for p, a in flat_abstract.items() if p not in made}
+    _check_shapes({p: a.shape for p, a in stored.items()}, needed)
+    for p, want in needed.items():
+        name = f"{file}: {'/'.join(p)}"
+        if quant.is_quantized_dtype(stored[p].dtype) and not quant.is_quantized_dtype(want.dtype):
+            raise weights.WeightError(
+                f"{name} holds 8-bit weights ({stored[p].dtype}): a checkpoint quantized for "
+                "a --quant build; use such a build, or the full-precision weights here"
+            )
+        weights.check_dtype(name, stored[p].dtype, pending.get(p, want.dtype))
+    return {p: stored[p] for p in needed}, pending
 
 
 def _in_threads(fn: Callable[[weights.Path_], Any], paths: Iterable[weights.Path_]) -> dict:

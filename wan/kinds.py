@@ -173,7 +173,7 @@ register(
         config="wan.configs:TransformerConfig",
         module="wan.transformer:WanTransformer",
         rule="wan.weights.transformer:rule",
-        module_options=("attention", "context_parallel"),
+        module_options=("attention", "context_parallel", "quant"),
         patch=lambda config: tuple(config.patch_size),
     )
 )

@@ -48,12 +48,13 @@ def make_module(
     attention: str = "dot",
     rngs: nnx.Rngs | None = None,
     context_parallel: str = "gather",
+    quant: str = "none",
 ) -> nnx.Module:
     """The module of a component with freshly initialised (random) weights: the module of the
     component's kind (`wan.kinds`), given the build options it takes."""
     part = kinds.part(config, component)
     kind = kinds.of(part)
-    options = {"attention": attention, "context_parallel": context_parallel}
+    options = {"attention": attention, "context_parallel": context_parallel, "quant": quant}
     return kind.module_factory(
         part,
         dtype=jnp.dtype(config.dtype),
@@ -64,11 +65,17 @@ def make_module(
 
 
 def abstract_module(
-    config: ModelConfig, component: str, attention: str = "dot", context_parallel: str = "gather"
+    config: ModelConfig,
+    component: str,
+    attention: str = "dot",
+    context_parallel: str = "gather",
+    quant: str = "none",
 ) -> nnx.Module:
     """The module of a component, built abstractly (no weights allocated)."""
     return nnx.eval_shape(
-        lambda: make_module(config, component, attention, context_parallel=context_parallel)
+        lambda: make_module(
+            config, component, attention, context_parallel=context_parallel, quant=quant
+        )
     )
 
 
@@ -173,8 +180,12 @@ def text_encode_program(config: ModelConfig, shape: VideoShape) -> Program:
     )
 
 
-def kv_cache_program(config: ModelConfig, shape: VideoShape, attention: str) -> Program:
-    graphdef, params, param_axes = split_abstract(abstract_module(config, "transformer", attention))
+def kv_cache_program(
+    config: ModelConfig, shape: VideoShape, attention: str, quant: str = "none"
+) -> Program:
+    graphdef, params, param_axes = split_abstract(
+        abstract_module(config, "transformer", attention, quant=quant)
+    )
     tc = config.transformer
     emb = _sds((shape.step_batch, config.text_encoder.max_length, tc.text_dim), config.dtype)
     kv_axes = (axes.LAYERS, axes.BATCH, axes.KV_LENGTH, axes.HEADS)
@@ -224,6 +235,7 @@ def _step_program(
     shape: VideoShape,
     attention: str,
     context_parallel: str,
+    quant: str,
     transformer_pass: TransformerPass = _all_blocks,
     extra_args: dict[str, Tree] | None = None,
     extra_axes: dict[str, Tree] | None = None,
@@ -234,7 +246,7 @@ def _step_program(
     """A denoise step: the transformer on the latents (both CFG passes at once), guidance and
     the sampler's update; `transformer_pass` runs the blocks (or stands in for them)."""
     graphdef, params, param_axes = split_abstract(
-        abstract_module(config, "transformer", attention, context_parallel)
+        abstract_module(config, "transformer", attention, context_parallel, quant)
     )
     latents = _sds(shape.latent_shape(config), jnp.float32)
     kv = kv_shape(config, shape)
@@ -287,9 +299,13 @@ def _step_program(
 
 
 def denoise_step_program(
-    config: ModelConfig, shape: VideoShape, attention: str = "dot", context_parallel: str = "gather"
+    config: ModelConfig,
+    shape: VideoShape,
+    attention: str = "dot",
+    context_parallel: str = "gather",
+    quant: str = "none",
 ) -> Program:
-    return _step_program("denoise_step", config, shape, attention, context_parallel)
+    return _step_program("denoise_step", config, shape, attention, context_parallel, quant)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -358,14 +374,18 @@ def _cached_pass(model, embedded, kv, extra):
 
 
 def cache_step_program(
-    config: ModelConfig, shape: VideoShape, attention: str = "dot", context_parallel: str = "gather"
+    config: ModelConfig,
+    shape: VideoShape,
+    attention: str = "dot",
+    context_parallel: str = "gather",
+    quant: str = "none",
 ) -> Program:
     """A full step that also leaves its residuals on the devices and their per-token norms for
     the host (MagCache's calibration), or, under the first-block cache's threshold, reuses the
     given residual after the first block."""
     residual = _residual_shape(config, shape)
     return _step_program(
-        "cache_step", config, shape, attention, context_parallel, _cache_pass(shape.cfg),
+        "cache_step", config, shape, attention, context_parallel, quant, _cache_pass(shape.cfg),
         {"first_residual": residual, "residual": residual, "threshold": _sds((), jnp.float32)},
         {"first_residual": RESIDUAL_AXES, "residual": RESIDUAL_AXES, "threshold": ()},
         {"first_residual": RESIDUAL_AXES, "residual": RESIDUAL_AXES,
@@ -375,12 +395,16 @@ def cache_step_program(
 
 
 def cached_step_program(
-    config: ModelConfig, shape: VideoShape, attention: str = "dot", context_parallel: str = "gather"
+    config: ModelConfig,
+    shape: VideoShape,
+    attention: str = "dot",
+    context_parallel: str = "gather",
+    quant: str = "none",
 ) -> Program:
     """A step whose blocks are replaced by the given residuals (MagCache's skipped step)."""
     residual = _residual_shape(config, shape)
     return _step_program(
-        "cached_step", config, shape, attention, context_parallel, _cached_pass,
+        "cached_step", config, shape, attention, context_parallel, quant, _cached_pass,
         {"first_residual": residual, "residual": residual},
         {"first_residual": RESIDUAL_AXES, "residual": RESIDUAL_AXES},
         analyses=(),  # no attention runs: its kernels' FLOPs are not this step's
@@ -466,15 +490,20 @@ class ProgramOptions:
     # option reads it here.
     build: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
+    @property
+    def quant(self) -> str:
+        """The transformer's 8-bit mode (`--quant`, wan.quant)."""
+        return self.build.get("quant", "none")
+
 
 # The program of each name, made for a model, a video shape and the build's options: a new
 # program is one maker here, its Signature in wan.interface and its place in a pipeline there.
 MAKERS: dict[str, Callable[[ModelConfig, VideoShape, ProgramOptions], Program]] = {
     "text_encode": lambda config, shape, o: text_encode_program(config, shape),
-    "kv_cache": lambda config, shape, o: kv_cache_program(config, shape, o.attention),
+    "kv_cache": lambda config, shape, o: kv_cache_program(config, shape, o.attention, o.quant),
     **{
         name: lambda config, shape, o, make=make: make(
-            config, shape, o.attention, o.context_parallel
+            config, shape, o.attention, o.context_parallel, o.quant
         )
         for name, make in (
             ("denoise_step", denoise_step_program),

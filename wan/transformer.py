@@ -31,6 +31,8 @@ from wan.attention import CONTEXT_PARALLEL
 from wan.attention import attention as multi_head_attention
 from wan.attention import resolve as resolve_attention
 from wan.configs import TransformerConfig
+from wan.quant import Scheme, scheme
+from wan.quant_linear import QuantLinear
 from wan.sharding import constrain, logical_init
 
 Axes = tuple[str | None, ...]
@@ -52,9 +54,21 @@ KV: Axes = (axes.BATCH, axes.KV_LENGTH, axes.HEADS)
 
 
 def _linear(
-    din: int, dout: int, logical: Axes, *, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs
-) -> nnx.Linear:
-    """nnx.Linear whose kernel/bias carry the logical axis names `logical` = (in, out)."""
+    din: int,
+    dout: int,
+    logical: Axes,
+    *,
+    dtype: DTypeLike,
+    param_dtype: DTypeLike,
+    rngs: nnx.Rngs,
+    quant: Scheme | None = None,
+) -> nnx.Linear | QuantLinear:
+    """nnx.Linear whose kernel/bias carry the logical axis names `logical` = (in, out); with a
+    `quant` scheme, its 8-bit form (wan.quant)."""
+    if quant is not None:
+        return QuantLinear(
+            din, dout, logical, quant, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+        )
     return nnx.Linear(
         din,
         dout,
@@ -107,8 +121,9 @@ class MLP(nnx.Module):
         dtype: DTypeLike,
         param_dtype: DTypeLike,
         rngs: nnx.Rngs,
+        quant: Scheme | None = None,
     ):
-        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs, quant=quant)
         self.linear_1 = _linear(din, hidden, (in_axis, axes.MLP), **kw)
         self.linear_2 = _linear(hidden, dout, (axes.MLP, axes.EMBED), **kw)
         self.activation = activation
@@ -179,8 +194,9 @@ class Attention(nnx.Module):
         dtype: DTypeLike,
         param_dtype: DTypeLike,
         rngs: nnx.Rngs,
+        quant: Scheme | None = None,
     ):
-        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs, quant=quant)
         self.to_q = _linear(dim, dim, (axes.EMBED, axes.HEADS), **kw)
         self.to_k = _linear(dim, dim, (axes.EMBED, axes.HEADS), **kw)
         self.to_v = _linear(dim, dim, (axes.EMBED, axes.HEADS), **kw)
@@ -224,9 +240,10 @@ class WanBlock(nnx.Module):
         dtype: DTypeLike,
         param_dtype: DTypeLike,
         rngs: nnx.Rngs,
+        quant: Scheme | None = None,
     ):
         dim, eps = cfg.inner_dim, cfg.eps
-        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs, quant=quant)
         self.norm1 = _layer_norm(dim, eps, affine=False, rngs=rngs)
         heads = cfg.num_attention_heads
         self.attn1 = Attention(dim, heads, eps, impl, context_parallel, **kw)
@@ -308,10 +325,12 @@ class WanTransformer(nnx.Module):
         *,
         attention: str = "dot",
         context_parallel: str = "gather",
+        quant: str = "none",
         dtype: DTypeLike = jnp.float32,
         param_dtype: DTypeLike = jnp.float32,
         rngs: nnx.Rngs,
     ):
+        """`quant`: the blocks' Linear layers in 8 bits (a wan.quant mode, `aot build --quant`)."""
         resolve_attention(attention)  # fail at construction on an unknown implementation
         if context_parallel not in CONTEXT_PARALLEL:
             raise ValueError(f"context parallelism {context_parallel!r}: use gather or ulysses")
@@ -337,7 +356,7 @@ class WanTransformer(nnx.Module):
         @nnx.split_rngs(splits=cfg.num_layers)
         @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: axes.LAYERS})
         def stacked_blocks(rngs: nnx.Rngs) -> WanBlock:
-            return WanBlock(cfg, attention, context_parallel, rngs=rngs, **kw)
+            return WanBlock(cfg, attention, context_parallel, rngs=rngs, quant=scheme(quant), **kw)
 
         self.blocks = stacked_blocks(rngs)
         self.norm_out = _layer_norm(dim, cfg.eps, affine=False, rngs=rngs)

@@ -1,0 +1,184 @@
+"""8-bit transformer Linear layers (`aot build --quant`, wan.quant): the layer against a numpy
+float64 reference of the same scheme, quantizing at load (LoRA merged first) against quantizing
+the merged weights, quantized checkpoints, and whole tiny pipelines per mode against the
+full-precision build (their difference reported and bounded)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import TINY_SHAPE, run_cli
+from flax import nnx
+from safetensors.numpy import save_file
+
+from wan import checkpoint, lora, programs, quant, sharding, weights
+from wan.presets import PRESETS
+from wan.quant_linear import QuantLinear
+from wan.random_weights import write_random_checkpoint
+
+RTOL = 1e-5
+
+
+def _reference(x: np.ndarray, q: np.ndarray, scale: np.ndarray, b: np.ndarray, s: quant.Scheme):
+    """The scheme in numpy float64: per-token activation scales (w8a8), rounding half to even
+    and clipping for int8, a cast to float8_e4m3fn for fp8."""
+    w = q.astype(np.float64)
+    if not s.activations:
+        return x.astype(np.float64) @ (w * scale) + b
+    x_scale = np.abs(x).max(axis=-1, keepdims=True).astype(np.float32) / np.float32(s.qmax)
+    x_scale = np.where(x_scale == 0, 1, x_scale).astype(np.float32)
+    scaled = x.astype(np.float32) / x_scale
+    if s.weight_dtype == "int8":
+        xq = np.clip(np.round(scaled), -127, 127).astype(np.float64)
+    else:
+        xq = scaled.astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    return (xq @ w) * x_scale * scale + b
+
+
+@pytest.mark.parametrize("mode", sorted(quant.SCHEMES))
+def test_the_layer_is_its_scheme(mode):
+    s = quant.SCHEMES[mode]
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 5, 48), np.float32)
+    x[0, 1] = 0  # an all-zero token quantizes to zero, not NaN
+    w = rng.standard_normal((48, 40), np.float32)
+    w[:, 3] = 0  # an all-zero output channel
+    b = rng.standard_normal(40, np.float32)
+    q, scale = quant.quantize_kernel(w, s.weight_dtype)
+    assert q.dtype == np.dtype(s.weight_dtype) and scale.shape == (40,)
+    layer = QuantLinear(48, 40, (None, None), s, dtype=jnp.float32, param_dtype=jnp.float32,
+                        rngs=nnx.Rngs(0))  # fmt: skip
+    layer.kernel.value, layer.scale.value, layer.bias.value = (
+        jnp.asarray(q),
+        jnp.asarray(scale),
+        jnp.asarray(b),
+    )
+    got = np.asarray(jax.jit(lambda v: layer(v))(x), np.float64)
+    expected = _reference(x, q, scale, b, s)
+    np.testing.assert_allclose(got, expected, rtol=RTOL, atol=RTOL * np.abs(expected).max())
+    assert np.all(got[0, 1] == b.astype(np.float32))
+    # The scheme is not the identity: it moves the output from the float one.
+    assert np.abs(got - (x @ w + b)).max() > 100 * RTOL * np.abs(expected).max()
+
+
+def test_weights_quantize_per_output_channel():
+    w = np.array([[1.0, -0.5], [-2.0, 0.25]], np.float32)
+    q, scale = quant.quantize_kernel(w, "int8")
+    np.testing.assert_allclose(scale, [2 / 127, 0.5 / 127])
+    np.testing.assert_array_equal(q, [[64, -127], [-127, 64]])  # 63.5 rounds half to even: 64
+
+
+def _abstract(config, mode, mesh):
+    _, params, axes = programs.split_abstract(
+        programs.abstract_module(config, "transformer", quant=mode)
+    )
+    shards = programs.shardings(mesh, params, axes, sharding.TRANSFORMER_RULES)
+    return jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params, shards
+    )
+
+
+def test_a_lora_is_merged_before_the_weights_are_quantized(tmp_path):
+    """Loading full-precision weights into a w8a8-int8 build with a LoRA gives what quantizing
+    the merged weights gives, shard by shard in the build's sharding."""
+    config = PRESETS["tiny"]
+    folder = write_random_checkpoint(config, tmp_path / "ckpt", seed=1)
+    mesh = sharding.make_mesh(
+        jax.devices()[:8], (("data", 2), ("fsdp", 2), ("context", 1), ("tensor", 2))
+    )
+    full, quantized = (_abstract(config, m, mesh) for m in ("none", "w8a8-int8"))
+    rng = np.random.default_rng(2)
+    file = tmp_path / "l.safetensors"
+    save_file({
+        "blocks.0.ffn.net.0.proj.lora_A.weight": rng.standard_normal((2, 32), np.float32),
+        "blocks.0.ffn.net.0.proj.lora_B.weight": rng.standard_normal((64, 2), np.float32),
+    }, file)  # fmt: skip
+    shapes = {p: a.shape for p, a in weights.flatten(full).items()}
+    deltas, _ = lora.prepare([(file, 1.0)], shapes)
+    merged = weights.flatten(checkpoint.load_component(folder, "transformer", full, deltas))
+    loaded = weights.flatten(checkpoint.load_component(folder, "transformer", quantized, deltas))
+    flat = weights.flatten(quantized)
+    kernels = [p for p in flat if p[-1] == "kernel" and quant.is_quantized_dtype(flat[p].dtype)]
+    assert len(kernels) == 10  # q, k, v, out of both attentions and the two FFN layers
+    for kernel in kernels:
+        expected_q, expected_scale = quant.quantize_kernel(np.asarray(merged[kernel]), "int8")
+        scale = (*kernel[:-1], "scale")
+        assert loaded[kernel].sharding == flat[kernel].sharding
+        np.testing.assert_array_equal(np.asarray(loaded[kernel]), expected_q, err_msg=str(kernel))
+        np.testing.assert_array_equal(np.asarray(loaded[scale]), expected_scale)
+    ffn = ("blocks", "ffn", "linear_1", "kernel")
+    plain = weights.flatten(checkpoint.load_component(folder, "transformer", quantized))
+    assert not np.array_equal(np.asarray(plain[ffn]), np.asarray(loaded[ffn]))
+
+
+@pytest.fixture(scope="module")
+def quant_builds(tmp_path_factory):
+    """The tiny model's full-precision build and a build per --quant mode, in one artifacts
+    folder (their text encoder and decode are compiled once); the full-precision one's name."""
+    root = tmp_path_factory.mktemp("quant")
+    for mode in quant.MODES:
+        run_cli("aot", "build", "--model", "tiny", *TINY_SHAPE, "--target", "cpu-8",
+                "--quant", mode, "--out", str(root))  # fmt: skip
+    (full,) = [p.name for p in root.iterdir() if not p.name.startswith(".") and "_w8" not in p.name]
+    return root, full
+
+
+def _frames(root, weights_folder, build, tmp_path):
+    out = tmp_path / f"{build}.npy"
+    run_cli(
+        "runtime", "run", "--artifacts", str(root), "--weights", str(weights_folder),
+        *TINY_SHAPE, "--prompt", "a red cat running in the rain", "--steps", "4", "--seed", "3",
+        "--build", build, "--save-frames", str(out), "--out", str(tmp_path / "v.mp4"),
+    )  # fmt: skip
+    return np.load(out).astype(np.float64)
+
+
+# Measured on the tiny model (192x320, 9 frames, 4 steps) against its float32 build (this
+# test prints them): max 4-40/255, mean 0.14-1.97/255, PSNR 39.2-56.5 dB, fp8 activations
+# furthest (3 mantissa bits). A broken scheme (a wrong scale, a transposed kernel) gives noise.
+MIN_PSNR_DB = 35.0
+MAX_MEAN = 3.0  # /255
+
+
+@pytest.mark.parametrize("mode", sorted(quant.SCHEMES))
+def test_every_mode_runs_close_to_full_precision(quant_builds, tiny_weights, tmp_path, mode):
+    root, name = quant_builds
+    full = _frames(root, tiny_weights, name, tmp_path)
+    frames = _frames(root, tiny_weights, f"{name}_{mode}", tmp_path)
+    diff = np.abs(frames - full)
+    psnr = 10 * np.log10(255**2 / max((diff**2).mean(), 1e-12))
+    print(f"{mode}: max {diff.max():.0f}/255, mean {diff.mean():.2f}/255, PSNR {psnr:.1f} dB")
+    assert diff.max() > 0  # the weights are 8-bit
+    assert diff.mean() <= MAX_MEAN and psnr >= MIN_PSNR_DB
+
+
+def test_a_quantized_checkpoint_loads_as_stored(quant_builds, tiny_weights, tmp_path):
+    """`python -m wan.quantize` writes what quantizing at load makes: the same frames; a build
+    without --quant refuses it in one line."""
+    root, name = quant_builds
+    build = f"{name}_w8a8-int8"
+    stored = tmp_path / "int8"
+    run_cli("python", "-m", "wan.quantize", "--weights", str(tiny_weights), "--quant",
+            "w8a8-int8", "--out", str(stored))  # fmt: skip
+    assert np.array_equal(
+        _frames(root, stored, build, tmp_path / "a"), _frames(root, tiny_weights, build, tmp_path)
+    )
+    refused = run_cli(
+        "runtime", "run", "--artifacts", str(root), "--weights", str(stored), *TINY_SHAPE,
+        "--prompt", "a", "--steps", "2", "--build", name,
+        "--out", str(tmp_path / "x.mp4"), check=False,
+    )  # fmt: skip
+    assert (
+        refused.returncode == 2 and "8-bit" in refused.stderr and "Traceback" not in refused.stderr
+    )
+    assert len(refused.stderr.strip().splitlines()) == 1
+
+
+def test_a_target_without_the_8bit_unit_is_refused(tmp_path):
+    result = run_cli("aot", "build", "--model", "tiny", *TINY_SHAPE, "--target", "tpu-v6e-8",
+                     "--quant", "w8a8-fp8", "--out", str(tmp_path), check=False)  # fmt: skip
+    assert result.returncode == 2 and "no fp8 matrix unit" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not any(tmp_path.iterdir())
