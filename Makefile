@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 $(BIN)/aot: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e ".[tpu,test]"
+	$(BIN)/pip install -q -e ".[tpu,gpu,test]"
 	touch $@
 
 setup: $(BIN)/aot

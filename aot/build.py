@@ -42,11 +42,14 @@ class BuildResult:
 
 def compiler_fingerprint(target: Target) -> str:
     """What besides a lowered module decides its executable: the compiler's versions and the
-    target (with its host layout). The model's code is not part of it: the lowered module is
-    (`aot.store.program_id`), so an edit that lowers to the same module reuses its program."""
+    target (with its host layout, or its GPU target config's digest). The model's code is not
+    part of it: the lowered module is (`aot.store.program_id`), so an edit that lowers to the
+    same module reuses its program."""
     versions_text = "|".join(f"{k}={v}" for k, v in sorted(installed_versions().items()))
     hosts = f"|hosts={target.chips_per_host}" if target.chips_per_host else ""
-    return f"{versions_text}|{target.name}{hosts}"
+    # A deviceless GPU target is its config: an edited or re-captured one is another target.
+    config = f"|gpu_config={target.config_digest}" if target.config_digest else ""
+    return f"{versions_text}|{target.name}{hosts}{config}"
 
 
 @dataclasses.dataclass

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import click
 
-from aot import targets
+from aot import gpu, targets
 from runtime.build_options import OPTIONS
 from runtime.cli_args import CliError, OneLineErrors, os_error_text, parse_resolution
 
@@ -53,7 +53,9 @@ _MATRIX = [
             "cpu-N, cpu-PxN (P processes of N), current, single-host TPU VMs, one "
             f"process ({targets.describe_aliases()}), tpu-<gen>:<topology> (a slice in hosts of the "
             f"generation's VM: {targets.describe_hosts()}), tpu-<gen>:<topology>/<host> "
-            "(other VM sizes, e.g. tpu-v6e:4x4/2x2)."
+            "(other VM sizes, e.g. tpu-v6e:4x4/2x2), NVIDIA GPUs compiled for without one: "
+            f"{', '.join(f'gpu-{k}[xN]' for k in gpu.KINDS)} (N GPUs of one host), "
+            "gpu:FILE.txtpb[xN] (a config from `aot gpu-target capture`)."
         ),
     ),
     click.option(
@@ -327,6 +329,51 @@ def check_cmd(artifacts: tuple[Path, ...], policy_path: Path | None, as_json: bo
         click.echo(check.text(results, policy))
     if any(r.violations for r in results):
         raise click.exceptions.Exit(1)
+
+
+@cli.group("gpu-target")
+def gpu_target_cmd() -> None:
+    """GPU target configs: what a deviceless GPU build (--target gpu-...) compiles for."""
+
+
+@gpu_target_cmd.command("capture")
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--device", default=0, show_default=True, help="CUDA device ordinal.")
+def capture_cmd(out: Path, device: int) -> None:
+    """Write the target config of this host's GPU to OUT (.txtpb), for `aot build --target
+    gpu:OUT[xN]` on any host. Run it on the GPU host."""
+    if out.suffix != ".txtpb":
+        raise CliError(f"{out}: name the config FILE.txtpb (as --target gpu:FILE.txtpb reads it)")
+    text = gpu.capture(device)
+    config = gpu.parse_config(text, "the captured config")
+    try:
+        out.write_text(text)
+    except OSError as e:
+        raise CliError(f"cannot write {out}: {os_error_text(e)}") from None
+    click.echo(
+        f"{config.device_kind}: {config.hbm_bytes / (1 << 30):.0f} GiB, "
+        f"{config.peak_bf16 / 1e12:.0f} bf16 TFLOP/s, compute capability "
+        f"{config.compute_capability}; build with --target gpu:{out}"
+    )
+
+
+@gpu_target_cmd.command("diff")
+@click.argument("first")
+@click.argument("second")
+def diff_cmd(first: str, second: str) -> None:
+    """The device fields that differ between two configs, each a shipped kind
+    ({kinds}) or a .txtpb file. Exit 1 when they differ."""
+
+    def config(name: str) -> gpu.GpuConfig:
+        return gpu.shipped_config(name) if name in gpu.KINDS else gpu.read_config(name)
+
+    lines = gpu.diff_configs(config(first), config(second))
+    click.echo("\n".join(lines) if lines else "same device fields")
+    if lines:
+        raise click.exceptions.Exit(1)
+
+
+diff_cmd.help = diff_cmd.help.format(kinds=", ".join(gpu.KINDS))
 
 
 def _prepare_from_argv(argv: list[str]) -> None:

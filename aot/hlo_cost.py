@@ -10,6 +10,7 @@ nothing) and multiplies loop bodies and conditions by the trip counts `aot.hlo` 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Callable
 
@@ -78,6 +79,12 @@ _ELEMENTWISE = _TRANSCENDENTAL | frozenset(
 
 # Custom-call targets known to do no arithmetic (TPU scratch allocation).
 _BOOKKEEPING_CUSTOM_CALLS = frozenset(["AllocateBuffer"])
+# GPU library calls that XLA's GPU compiler rewrites dots and convolutions into: counted as the
+# dot or convolution they replace.
+_CUBLAS_GEMMS = frozenset(["__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8"])
+_CUDNN_CONVOLUTIONS = frozenset(
+    ["__cudnn$convForward", "__cudnn$convBiasActivationForward", "__cudnn$convForwardGraph"]
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,6 +206,13 @@ def _callees(ins: Instruction) -> list[str]:
     return [c for _, c in ins.calls]
 
 
+def _first_output(ins: Instruction) -> Instruction:
+    """A library call's instruction as the op it replaces: its result is the output tuple's
+    first array (the others are workspace)."""
+    shape = ins.shape.tuple_shapes[0] if ins.shape.is_tuple else ins.shape
+    return dataclasses.replace(ins, shape=shape)
+
+
 class _Counter:
     """HloCostAnalysis-style recursion over computations, with loop trip counts applied. Each
     opcode that costs anything has a rule in `RULES`; every other opcode costs nothing."""
@@ -312,9 +326,22 @@ class _Counter:
 
     def custom_call(self, ins: Instruction) -> tuple[float, float]:
         target = unquote(ins.attrs.get("custom_call_target", ""))
+        if target in _CUBLAS_GEMMS:
+            return self.cublas_gemm(ins), 0.0
+        if target in _CUDNN_CONVOLUTIONS:  # keeps the convolution's window and dim_labels
+            return _convolution_flops(self.module, _first_output(ins)), 0.0
         if target not in _BOOKKEEPING_CUSTOM_CALLS:
             self.custom_calls[ins.name] = target
         return 0.0, 0.0
+
+    def cublas_gemm(self, ins: Instruction) -> float:
+        """A dot XLA's GPU compiler gave to cuBLAS: 2 x output x contracted size, as the dot
+        (the output is the tuple's first array, its second the workspace)."""
+        numbers = json.loads(ins.attrs["backend_config"])["gemm_backend_config"]
+        lhs = self.module.operand(ins, 0).shape
+        contracted = numbers["dot_dimension_numbers"]["lhs_contracting_dimensions"]
+        out = _first_output(ins).shape
+        return 2.0 * out.elements * math.prod(lhs.dims[int(d)] for d in contracted)
 
     RULES: dict[str, Callable[[_Counter, Instruction], tuple[float, float]]] = {
         **dict.fromkeys(_ELEMENTWISE - _TRANSCENDENTAL, elementwise),

@@ -22,6 +22,7 @@ from wan import quant, sharding
 from wan.configs import ModelConfig, VideoShape
 from wan.errors import InputError
 
+DEVICELESS_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 BLOCKWISE_MIN_TOKENS = 8192  # above this, naive attention's temporaries dominate memory
 # Bounds of a request, far above any WAN use (720p, 81 frames: 75,600 tokens a video), so that
 # a mistyped size is a one-line error before anything is traced or allocated.
@@ -162,20 +163,25 @@ def check_shape(config: ModelConfig, shape: VideoShape) -> None:
 
 def choose_attention(requested: str | None, target: Target, tokens: int) -> str:
     """The attention kernel of a build, with its block sizes: `auto` (None) is dot for short
-    sequences, else the target's flash kernel (splash on TPU, cuDNN on GPU, blockwise on CPU)."""
+    sequences, else the target's flash kernel (splash on TPU, cuDNN on a GPU present, the Pallas
+    Triton kernel for a deviceless GPU target, blockwise on CPU)."""
     platform = target_platform(target)
     if requested is None:
-        requested = (
-            "dot"
-            if tokens <= BLOCKWISE_MIN_TOKENS
-            else {"tpu": "splash", "gpu": "cudnn"}.get(platform, "blockwise")
-        )
+        flash = {"tpu": "splash", "gpu": "cudnn"}.get(platform, "blockwise")
+        flash = "triton" if target.deviceless_gpu else flash
+        requested = "dot" if tokens <= BLOCKWISE_MIN_TOKENS else flash
     kernel = attention_lib.kernel_name(requested)
-    runs_on = {"splash": "tpu", "cudnn": "gpu"}.get(kernel, platform)
+    runs_on = attention_lib.KERNEL_PLATFORM.get(kernel, platform)
     if runs_on != platform:
         raise BuildError(
             f"--attention {requested}: {kernel} runs on {runs_on} targets, {target.name} is "
             f"{platform}: use blockwise or dot"
+        )
+    if kernel == "cudnn" and target.deviceless_gpu:
+        raise BuildError(
+            f"--attention cudnn: cuDNN builds its attention graph only with the GPU attached, so "
+            f"a deviceless {target.name} build would not run: use triton (the default), "
+            "blockwise or dot, or build on the GPU host with --target current"
         )
     if requested == "splash":
         requested = "splash:" + ":".join(map(str, SPLASH_BLOCKS[target.generation]))
@@ -283,7 +289,11 @@ def choose_vae_vmem(requested: int | None, target: Target) -> int | None:
 
 def compiler_options(plan: BuildPlan, program: wan_programs.Program) -> dict[str, Any]:
     """The XLA options one program of `plan` compiles with (part of its identity in the store):
-    the build's scoped VMEM for the programs that declare it."""
+    the build's scoped VMEM for the programs that declare it; for a deviceless GPU target,
+    matmuls left to cuBLAS, which picks its algorithm at run time (without the GPU nothing is
+    autotuned, and XLA's Triton GEMMs would all get its smallest default tiles)."""
+    if plan.target.deviceless_gpu:
+        return dict(DEVICELESS_GPU_OPTIONS)
     if program.scoped_vmem and plan.key.vae_vmem_mib:
         return {"xla_tpu_scoped_vmem_limit_kib": plan.key.vae_vmem_mib * 1024}
     return {}

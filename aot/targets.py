@@ -2,10 +2,11 @@
 
 `cpu-N` is N host devices of this process, `cpu-PxN` P processes of N host devices each (a
 multi-host job emulated on this machine, see aot.local_job), `current` whatever this machine has
-(GPU included), and TPU slices come from libtpu's topology description, so a CPU host compiles
-for them. A TPU target names its host layout too (chips per host, hence the processes of the job
-that runs it): an executable is compiled for one layout and a process holds its host's chips.
-`prepare_environment` must run before jax is imported: host device counts and libtpu's
+(GPU included), TPU slices come from libtpu's topology description and NVIDIA GPUs
+(`gpu-h100[xN]`, `gpu:FILE.txtpb[xN]`: N GPUs of one host) from the CUDA plugin's compile-only
+devices for a target config (aot.gpu), so a CPU host compiles for them. A TPU target names its
+host layout too (chips per host, hence the processes of the job that runs it): an executable is
+compiled for one layout and a process holds its host's chips. `prepare_environment` must run before jax is imported: host device counts and libtpu's
 deviceless mode are process-wide settings.
 """
 
@@ -19,6 +20,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from aot import gpu
 from runtime import processes
 from wan.errors import InputError
 
@@ -102,8 +104,11 @@ TPU_HBM = {g.name: g.hbm_bytes for g in GENERATIONS.values()}
 SPLASH_BLOCKS = {g.name: g.splash_blocks for g in GENERATIONS.values()}
 # Short names for the common single-host VMs: one process with all of the host's chips.
 TPU_ALIASES = {g.alias: g.vm_topology for g in GENERATIONS.values()}
-# Peak dense bf16 FLOP/s of a GPU `current` target's device, by device kind.
+# Peak dense bf16 FLOP/s of a GPU `current` target's device, by device kind (deviceless GPU
+# targets read theirs from the target config, aot.gpu).
 GPU_PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}
+MAX_GPUS = 64  # GPUs of one host: 8 today (HGX), NVL72 trays expose fewer
+_GPU_COUNT = r"(?:x(\d{1,3}))?"
 
 # Scoped VMEM (MiB) that the VAE decode's kernels are emitted for on TPU. libtpu tiles each conv
 # fusion as large as the scoped VMEM allows (32 MiB by default on v6e) and its emit time follows
@@ -133,6 +138,7 @@ class Target:
     num_devices: int | None = None  # all processes' (cpu); TPU and current: from the devices
     num_processes: int = 1
     chips_per_host: tuple[int, int, int] | None = None  # TPU host layout (x, y, z)
+    gpu_config: gpu.GpuConfig | None = None  # deviceless GPU targets: what XLA compiles for
 
     @property
     def generation(self) -> str | None:
@@ -146,14 +152,28 @@ class Target:
 
     @property
     def hbm_bytes(self) -> int | None:
-        """HBM of one device (None when unknown: CPUs, GPUs)."""
+        """HBM of one device (None when unknown: CPUs, `current`)."""
+        if self.gpu_config:
+            return self.gpu_config.hbm_bytes
         return self.chip.hbm_bytes if self.chip else None
+
+    @property
+    def deviceless_gpu(self) -> bool:
+        """Compiled for GPUs this process does not have (no autotuning, no cuDNN graphs)."""
+        return self.gpu_config is not None
+
+    @property
+    def config_digest(self) -> str | None:
+        """sha256 of a deviceless GPU target's config: part of the compiler fingerprint."""
+        return self.gpu_config.sha256 if self.gpu_config else None
 
 
 def peak_flops(target: Target, device_kind: str) -> float | None:
     """Peak bf16 FLOP/s of one device of `target` (None when unknown: CPUs, other GPUs)."""
     if target.chip:
         return target.chip.peak_bf16
+    if target.gpu_config:
+        return target.gpu_config.peak_bf16
     return next((v for k, v in GPU_PEAK_BF16_FLOPS.items() if k in device_kind), None)
 
 
@@ -171,10 +191,20 @@ def parse_target(name: str) -> Target:
         return Target(name, "cpu", num_devices=procs * local, num_processes=procs)
     if name == "current":
         return Target(name, "current")
+    if name.startswith("gpu"):
+        return parse_gpu_target(name)
     spec = TPU_ALIASES.get(name) or (name[4:] if name.startswith("tpu-") else "")
     if not (m := _TOPOLOGY.match(spec)):
         known = ", ".join(
-            ["cpu-N", "cpu-PxN", "current", *TPU_ALIASES, "tpu-<gen>:<AxB[xC]>[/<host AxB[xC]>]"]
+            [
+                "cpu-N",
+                "cpu-PxN",
+                "current",
+                *TPU_ALIASES,
+                "tpu-<gen>:<AxB[xC]>[/<host AxB[xC]>]",
+                *(f"gpu-{k}[xN]" for k in gpu.KINDS),
+                "gpu:FILE.txtpb[xN]",
+            ]
         )
         raise TargetError(f"unknown target {name!r}: use one of {known}")
     generation, chips, host = m.groups()
@@ -186,6 +216,27 @@ def parse_target(name: str) -> Target:
         topology=f"{generation}:{chips}",
         chips_per_host=host_bounds(generation, _dims(chips), _dims(host) if host else None),
     )
+
+
+def parse_gpu_target(name: str) -> Target:
+    """`gpu-<kind>[xN]` (a config the project ships, aot.gpu.KINDS) or `gpu:FILE.txtpb[xN]` (one
+    captured with `aot gpu-target capture`): N GPUs of one host, 1 by default."""
+    if m := re.fullmatch(rf"gpu-({'|'.join(gpu.KINDS)}){_GPU_COUNT}", name):
+        config, count = gpu.shipped_config(m.group(1)), m.group(2)
+    elif m := re.fullmatch(rf"gpu:(.+\.txtpb){_GPU_COUNT}", name):
+        try:
+            config, count = gpu.read_config(m.group(1)), m.group(2)
+        except gpu.GpuConfigError as e:
+            raise TargetError(str(e)) from None
+    else:
+        raise TargetError(
+            f"unknown GPU target {name!r}: use {', '.join(f'gpu-{k}[xN]' for k in gpu.KINDS)}, "
+            "gpu:FILE.txtpb[xN] (a config from `aot gpu-target capture FILE.txtpb`) or current"
+        )
+    gpus = int(count or 1)
+    if not 1 <= gpus <= MAX_GPUS:
+        raise TargetError(f"{name}: 1 to {MAX_GPUS} GPUs of one host")
+    return Target(name, "gpu", num_devices=gpus, gpu_config=config)
 
 
 def _dims(text: str) -> tuple[int, int, int]:
@@ -244,6 +295,10 @@ def prepare_environment(target: Target) -> None:
         os.environ.setdefault("TPU_MIN_LOG_LEVEL", "3")
         os.environ.setdefault("TPU_STDERR_LOG_LEVEL", "3")
         os.environ["JAX_PLATFORMS"] = "cpu"
+    elif target.deviceless_gpu:
+        # The CUDA plugin makes compile-only devices only while jax computes on the CPU (with
+        # JAX_PLATFORMS unset it tries the GPU and fails to load where there is none).
+        os.environ["JAX_PLATFORMS"] = "cpu"
     else:
         os.environ.pop("JAX_PLATFORMS", None)
 
@@ -262,6 +317,8 @@ def devices(target: Target) -> list[Any]:
         return found[: target.num_devices]
     if target.platform == "current":
         return jax.devices()
+    if target.deviceless_gpu:
+        return gpu_devices(target)
     if importlib.util.find_spec("libtpu") is None:
         raise TargetError(
             f"target {target.name} needs libtpu: install the tpu extra (pip install -e '.[tpu]')"
@@ -288,6 +345,28 @@ def devices(target: Target) -> list[Any]:
             "one the project knows; install the tpu extra's version (pip install -e '.[tpu]')"
         )
     return found
+
+
+def gpu_devices(target: Target) -> list[Any]:
+    """Compile-only devices of a deviceless GPU target: its GPUs as one host's (1x1xN)."""
+    if importlib.util.find_spec("jax_plugins.xla_cuda13") is None:
+        raise TargetError(
+            f"target {target.name} needs the CUDA plugin and ptxas: install the gpu extra "
+            "(pip install -e '.[gpu]')"
+        )
+    from jax.experimental import topologies
+
+    try:
+        found = topologies.get_topology_desc(
+            platform="cuda",
+            target_config=target.gpu_config.text,
+            topology=f"1x1x{target.num_devices}",
+        ).devices
+    except Exception as e:  # the plugin raises plain runtime errors for configs it rejects
+        raise TargetError(
+            f"the CUDA plugin rejects the target config of {target.name}: {str(e).splitlines()[0]}"
+        ) from None
+    return list(found)
 
 
 def devices_per_chip(tpu_devices: list[Any]) -> int:

@@ -123,6 +123,8 @@ def match_build(
     reasons = {folder.name: passed_over(m, request, present) for folder, m in builds}
     unreadable = {f.name: f"unreadable: {m}" for f, m in found if isinstance(m, ArtifactError)}
     fits = [(f, m) for f, m in builds if reasons[f.name] is None]
+    if builds and not unreadable and all(m.platform != present.platform for _, m in builds):
+        raise ArtifactError(other_platforms(artifacts, builds, present))
     if build is not None:
         chosen = [(f, m) for f, m in builds if f.name == build]
         if chosen and reasons[build] is None:
@@ -151,6 +153,19 @@ def match_build(
     lines.update(unreadable)
     head = f"{why} (builds in {artifacts}: {len(found)})"
     raise ArtifactError("\n".join([head, *(f"  {name}: {lines[name]}" for name in sorted(lines))]))
+
+
+def other_platforms(artifacts: Path, builds: list[tuple[Path, Manifest]], present: Present) -> str:
+    """One line for builds that are all for other devices than these (a GPU build on a CPU
+    host): each build's devices, and what to do."""
+    each = "; ".join(
+        f"{folder.name}: for {m.platform} devices ({len(m.device_ids)} x {m.device_kind})"
+        for folder, m in builds
+    )
+    return (
+        f"no build in {artifacts} runs on this host's {present.platform} devices ({each}): run "
+        "it on the host of the devices it was built for, or build for this host's devices"
+    )
 
 
 def installed_versions() -> dict[str, str]:

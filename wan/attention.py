@@ -3,7 +3,9 @@
 Kernels: `dot` materialises the full score matrix; `blockwise` is the flash-attention recurrence
 in pure JAX (online softmax over key blocks, linear memory: at 720p x 81 frames, 75,600 tokens
 and 40 heads, the full score matrix alone would be ~0.9 TB in fp32); `splash` is the Pallas TPU
-flash kernel; `cudnn` is cuDNN's fused flash attention on NVIDIA GPUs.
+flash kernel; `triton` a Pallas Triton flash kernel for NVIDIA GPUs, which compiles without the
+GPU (deviceless builds); `cudnn` is cuDNN's fused flash attention on NVIDIA GPUs (its graph is
+built only with the GPU attached).
 
 Context parallelism (the video tokens sharded over devices): `gather` keeps queries sharded on
 length and gives every device all keys and values; `ulysses` all-to-alls q, k and v from
@@ -22,6 +24,8 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
 from jax.experimental.pallas.ops.tpu.splash_attention import (
     splash_attention_kernel as splash_kernel,
 )
@@ -178,6 +182,84 @@ def splash_attention(
     return out.reshape(b, heads, q_pad, d).transpose(0, 2, 1, 3)[:, :q_len].astype(q.dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class TritonBlocks:
+    """Flash blocks of the Triton kernel: queries a program instance, keys a loop step."""
+
+    q: int = 128
+    kv: int = 64
+
+
+TRITON_MIN_BLOCK = 16  # Triton's dot needs every side of a tile >= 16
+
+
+def _triton_kernel(q_ref, k_ref, v_ref, o_ref, *, kv_len: int, block_kv: int, scale: float):
+    """One query block of one (video, head) against every key block: the online softmax of
+    `blockwise_attention`, in base 2 (exp2), keys past `kv_len` (padding) masked out."""
+    block_q, d = q_ref.shape
+    q = q_ref[...]
+
+    def step(i, carry):
+        acc, m, denom = carry
+        start = i * block_kv
+        k = k_ref[pl.ds(start, block_kv), :]
+        v = v_ref[pl.ds(start, block_kv), :]
+        s = pl_triton.dot(q, k, trans_b=True) * (scale * math.log2(math.e))  # fp32 accumulation
+        if kv_len % block_kv:  # static: only a padded sequence needs the mask
+            s = jnp.where((start + jnp.arange(block_kv) < kv_len)[None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        p = jnp.exp2(s - m_new[:, None])
+        correction = jnp.exp2(m - m_new)
+        acc = acc * correction[:, None] + pl_triton.dot(p.astype(v.dtype), v)
+        return acc, m_new, denom * correction + p.sum(axis=-1)
+
+    init = (
+        jnp.zeros((block_q, d), jnp.float32),
+        jnp.full((block_q,), -jnp.inf, jnp.float32),
+        jnp.zeros((block_q,), jnp.float32),
+    )
+    acc, _, denom = jax.lax.fori_loop(0, k_ref.shape[0] // block_kv, step, init)
+    o_ref[...] = (acc / denom[:, None]).astype(o_ref.dtype)
+
+
+def _power_of_two(n: int) -> int:
+    """The least power of two >= n."""
+    return 1 << (n - 1).bit_length()
+
+
+def triton_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, blocks: TritonBlocks, interpret: bool
+) -> jax.Array:
+    """Pallas Triton flash attention (NVIDIA GPUs; `interpret` runs it in plain JAX elsewhere).
+
+    Any lengths: queries and keys are zero-padded to their blocks, padded keys masked in the
+    kernel and padded query rows sliced off; the head dim is zero-padded to a power of two
+    (zero columns add nothing to q.k and give zero output columns, sliced off)."""
+    b, q_len, heads, d = q.shape
+    kv_len = k.shape[1]
+    bq = min(blocks.q, max(TRITON_MIN_BLOCK, _power_of_two(q_len)))
+    bkv = min(blocks.kv, max(TRITON_MIN_BLOCK, _power_of_two(kv_len)))
+    q_pad, kv_pad, d_pad = _round_up(q_len, bq), _round_up(kv_len, bkv), _power_of_two(d)
+
+    def padded(x: jax.Array, length: int) -> jax.Array:
+        return jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0), (0, d_pad - d)))
+
+    kernel = functools.partial(_triton_kernel, kv_len=kv_len, block_kv=bkv, scale=d**-0.5)
+    kv_spec = pl.BlockSpec((None, kv_pad, None, d_pad), lambda i, j, h: (j, 0, h, 0))
+    q_spec = pl.BlockSpec((None, bq, None, d_pad), lambda i, j, h: (j, i, h, 0))
+    out = pl.pallas_call(
+        kernel,
+        grid=(q_pad // bq, b, heads),
+        in_specs=[q_spec, kv_spec, kv_spec],
+        out_specs=q_spec,
+        out_shape=jax.ShapeDtypeStruct((b, q_pad, heads, d_pad), q.dtype),
+        compiler_params=pl_triton.CompilerParams(num_warps=4 if d_pad <= 64 else 8, num_stages=2),
+        interpret=interpret,
+        name="wan_triton_flash_attention",
+    )(padded(q, q_pad), padded(k, kv_pad), padded(v, kv_pad))
+    return out[:, :q_len, :, :d]
+
+
 def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """cuDNN's fused flash attention (NVIDIA GPUs), any lengths."""
     return jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
@@ -186,6 +268,8 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
 CONTEXT_PARALLEL = ("gather", "ulysses")
 # Kernels XLA's SPMD partitioner can split by itself; the others run inside shard_map.
 PARTITIONABLE = ("dot", "blockwise")
+# The platform each hardware kernel runs on (elsewhere only interpreted); the rest run anywhere.
+KERNEL_PLATFORM = {"splash": "tpu", "triton": "gpu", "cudnn": "gpu"}
 Q_AXES = (axes.BATCH, axes.LENGTH, axes.HEADS, None)
 KV_AXES = (axes.BATCH, axes.KV_LENGTH, axes.HEADS, None)  # gathered: every query sees every key
 
@@ -206,7 +290,8 @@ def flops(q_shape: tuple[int, ...], kv_length: int) -> int:
 def resolve(impl: str, *, interpret: bool = False) -> Attention:
     """The attention function an implementation name selects: 'dot', 'blockwise' (default
     blocks), 'blockwise:<q_block>:<kv_block>', 'splash:<q>:<kv>:<kv_compute>' (largest block
-    sizes) or 'cudnn'. `interpret`: run Pallas kernels in interpret mode (not on a TPU)."""
+    sizes), 'triton[:<q>:<kv>]' or 'cudnn'. `interpret`: run Pallas kernels in interpret mode
+    (not on their hardware)."""
     if impl == "dot":
         return dot_product_attention
     if impl == "cudnn":
@@ -215,6 +300,13 @@ def resolve(impl: str, *, interpret: bool = False) -> Attention:
         return blockwise_attention
     if sizes := re.fullmatch(f"blockwise{_SIZES}{_SIZES}", impl):
         return functools.partial(blockwise_attention, q_block=int(sizes[1]), kv_block=int(sizes[2]))
+    if sizes := re.fullmatch(f"triton(?:{_SIZES}{_SIZES})?", impl):
+        blocks = TritonBlocks(*(int(n) for n in sizes.groups() if n))
+        if any(n & (n - 1) or n < TRITON_MIN_BLOCK for n in (blocks.q, blocks.kv)):
+            raise ValueError(
+                f"attention {impl!r}: triton block sizes must be powers of two >= {TRITON_MIN_BLOCK}"
+            )
+        return functools.partial(triton_attention, blocks=blocks, interpret=interpret)
     if sizes := re.fullmatch(f"splash{_SIZES}{_SIZES}{_SIZES}", impl):
         blocks = SplashBlocks(*(int(s) for s in sizes.groups()))
         if (
@@ -228,7 +320,7 @@ def resolve(impl: str, *, interpret: bool = False) -> Attention:
         return functools.partial(splash_attention, blocks=blocks, interpret=interpret)
     raise ValueError(
         f"unknown attention implementation {impl!r}: use 'dot', 'blockwise[:<q>:<kv>]', "
-        "'splash:<q>:<kv>:<kv_compute>' or 'cudnn'"
+        "'splash:<q>:<kv>:<kv_compute>', 'triton[:<q>:<kv>]' or 'cudnn'"
     )
 
 
@@ -245,7 +337,8 @@ def attention(
         raise ValueError(f"context parallelism {context_parallel!r}: use gather or ulysses")
     mesh = jax.sharding.get_abstract_mesh()
     platform = jax.default_backend() if mesh.empty else mesh.abstract_device.platform
-    kernel = resolve(impl, interpret=platform != "tpu")
+    runs_on = KERNEL_PLATFORM.get(kernel_name(impl))
+    kernel = resolve(impl, interpret=runs_on is not None and platform != runs_on)
     kv_axes = Q_AXES if context_parallel == "ulysses" else KV_AXES
     q_spec = sharding.current_spec(Q_AXES, q.shape)
     kv_spec = sharding.current_spec(kv_axes, k.shape)
