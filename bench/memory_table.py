@@ -39,16 +39,16 @@ TRANSFORMER_PROGRAMS = ["text_encode", "kv_cache", "denoise_step"]
 
 
 def compile_one(model: str, target_name: str, batch: int, res: str, frames: int,
-                only: list[str], attention: str) -> dict:  # fmt: skip
+                only: list[str], attention: str, quant: str = "none") -> dict:  # fmt: skip
     """Runs in its own process: plan as `aot build` does, compile `only`, measure."""
     from aot import targets
 
     target = targets.parse_target(target_name)
     targets.prepare_environment(target)
     from aot import check, hlo, hlo_cost
-    from aot.entries import memory_stats
+    from aot.entries import memory_stats, replicated_param_bytes
     from aot.lower import compile_plan
-    from aot.plan import kernel_flops, plan_build, ulysses_all_to_alls
+    from aot.plan import kernel_flops, plan_build, transformer_bytes, ulysses_all_to_alls
     from wan.configs import VideoShape
     from wan.presets import resolve_model
 
@@ -57,7 +57,7 @@ def compile_one(model: str, target_name: str, batch: int, res: str, frames: int,
     num_devices = len(targets.devices(target))
     shape = VideoShape(width, height, frames, batch)
     requested = None if attention == "auto" else attention
-    plan = plan_build(model, config, shape, target, num_devices, attention=requested)
+    plan = plan_build(model, config, shape, target, num_devices, attention=requested, quant=quant)
     policy = check.load_policy()
     facts = check.BuildFacts(plan.key.target, target.hbm_bytes, ulysses_all_to_alls(plan))
     programs = {}
@@ -73,6 +73,8 @@ def compile_one(model: str, target_name: str, batch: int, res: str, frames: int,
             "compile_seconds": round(seconds, 1),
             "peak_rss_gib": round(rss / GiB, 2),
             "tflops": round(hlo_cost.flops(module) / 1e12, 3),
+            "eight_bit_tflops": round(hlo_cost.eight_bit_flops(module) / 1e12, 3),
+            "replicated_param_gib": round(replicated_param_bytes(program.name, compiled) / GiB, 3),
             # the custom-call kernels' FLOPs, which the HLO count cannot see (denoise_step)
             "kernel_tflops": round(
                 (kernel_flops(plan) if program.name == "denoise_step" else 0) / 1e12, 3
@@ -95,29 +97,34 @@ def compile_one(model: str, target_name: str, batch: int, res: str, frames: int,
         "context_parallel": plan.key.context_parallel,
         "ulysses_all_to_alls": ulysses_all_to_alls(plan),
         "peak_tflops": (targets.peak_flops(target, "") or 0) / 1e12,
+        "peak_8bit_tops": target.chip.peak_8bit / 1e12 if target.chip else None,
+        "quant": quant,
+        "transformer_weight_gib": round(transformer_bytes(config, quant) / GiB, 2),
         "hbm_gib": target.hbm_bytes / GiB if target.hbm_bytes else None,
         "programs": programs,
     }
 
 
 def run_one(model: str, target: str, batch: int, attention: str, args: argparse.Namespace,
-            only: list[str]) -> dict:  # fmt: skip
+            only: list[str], quant: str = "none") -> dict:  # fmt: skip
     cmd = [sys.executable, __file__, "--one", model, target, str(batch), "--res", args.res,
-           "--frames", str(args.frames), "--attentions", attention, "--only", *only]  # fmt: skip
+           "--frames", str(args.frames), "--attentions", attention, "--quants", quant,
+           "--only", *only]  # fmt: skip
     start = time.time()
     result = subprocess.run(cmd, capture_output=True, text=True)
     command = (f"python bench/memory_table.py --models {model} --targets {target} --batches "
                f"{batch} --res {args.res} --frames {args.frames} --attentions {attention} "
-               f"--programs {' '.join(only)}")  # fmt: skip
+               f"--programs {' '.join(only)}"
+               + (f" --quants {quant}" if quant != "none" else ""))  # fmt: skip
     row = {"model": model, "target": target, "batch": batch, "requested_attention": attention,
-           "command": command}  # fmt: skip
+           "command": command, "quant": quant}  # fmt: skip
     if result.returncode != 0:
         return row | {"error": result.stderr.strip().splitlines()[-1:]}
     return row | {"wall_seconds": round(time.time() - start, 1)} | json.loads(result.stdout)
 
 
 def _order(row: dict) -> tuple:
-    return row["model"], row["target"], row["batch"], row.get("attention", "")
+    return row["model"], row["target"], row["batch"], row.get("attention", ""), row["quant"]
 
 
 def _verdict(programs) -> str:
@@ -182,6 +189,9 @@ def main() -> None:
     )
     parser.add_argument("--programs", nargs="+", default=None, help="compile only these")
     parser.add_argument(
+        "--quants", nargs="+", default=["none"], help="aot build --quant values (wan.quant)"
+    )
+    parser.add_argument(
         "--out", type=Path, default=ROOT / "bench" / "results" / "memory_table.json"
     )
     parser.add_argument(
@@ -196,7 +206,14 @@ def main() -> None:
     if args.one:
         model, target, batch = args.one
         row = compile_one(
-            model, target, int(batch), args.res, args.frames, args.only, args.attentions[0]
+            model,
+            target,
+            int(batch),
+            args.res,
+            args.frames,
+            args.only,
+            args.attentions[0],
+            args.quants[0],
         )
         print(json.dumps(row))
         return
@@ -207,19 +224,23 @@ def main() -> None:
     for model in args.models[1:]:
         if resolve_model(model).vae != resolve_model(first).vae:
             parser.error(f"{model} has another VAE than {first}: run it separately")
-    keys = ("model", "target", "batch", "requested_attention", "res", "frames")
+    keys = ("model", "target", "batch", "requested_attention", "res", "frames", "quant")
+    absent = {"quant": "none"}  # rows from before --quants
     done = {
-        tuple(r.get(k, "auto") for k in keys) for r in record.rows(args.out) if "error" not in r
+        tuple(r.get(k, absent.get(k, "auto")) for k in keys)
+        for r in record.rows(args.out)
+        if "error" not in r
     }
     every = TRANSFORMER_PROGRAMS + ["vae_decode"]
     jobs = [
         (m, t, b, a, [p for p in every if p in (args.programs or every)
-                      and (p != "vae_decode" or m == first)])
+                      and (p != "vae_decode" or m == first)], q)
         for t in args.targets for b in args.batches for m in args.models for a in args.attentions
-        if (m, t, b, a, args.res, args.frames) not in done
+        for q in args.quants
+        if (m, t, b, a, args.res, args.frames, q) not in done
     ]  # fmt: skip
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        futures = [pool.submit(run_one, m, t, b, a, args, only) for m, t, b, a, only in jobs]
+        futures = [pool.submit(run_one, m, t, b, a, args, only, q) for m, t, b, a, only, q in jobs]
         for future in concurrent.futures.as_completed(futures):
             row = future.result() | {"res": args.res, "frames": args.frames}
             if "programs" in row and "vae_decode" not in row["programs"]:

@@ -51,6 +51,50 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float | None) -> 
     return value
 
 
+# Step caching's options (runtime.cache_request), shared by `run` and `serve`.
+_CACHE_OPTIONS = [
+    click.option(
+        "--cache",
+        type=click.Choice(["magcache", "fbcache"]),
+        help="Step caching (a build with --step-cache): skip the transformer blocks on steps where "
+        "their residual is predicted (MagCache) or the first block's barely changed (fbcache).",
+    ),
+    click.option(
+        "--cache-threshold",
+        type=float,
+        callback=_finite,
+        help="MagCache: accumulated error allowed (default 0.06); fbcache: the first block's "
+        "relative change under which a step reuses the other blocks (default 0.05).",
+    ),
+    click.option(
+        "--cache-max-skip",
+        default=3,
+        show_default=True,
+        type=click.IntRange(min=0),
+        help="MagCache: most consecutive skipped steps.",
+    ),
+    click.option(
+        "--cache-retention",
+        default=0.2,
+        show_default=True,
+        type=click.FloatRange(0, 1),
+        help="MagCache: fraction of the first steps never skipped.",
+    ),
+    click.option(
+        "--mag-ratios",
+        type=click.Path(path_type=Path, exists=True, dir_okay=False),
+        help="MagCache: this model's ratios, a JSON list (two-expert models: an object per "
+        "transformer), e.g. from --calibrate-mag-ratios (default: the shipped ones of the preset).",
+    ),
+]
+
+
+def _cache_options(command: Callable) -> Callable:
+    for option in reversed(_CACHE_OPTIONS):
+        command = option(command)
+    return command
+
+
 @cli.command("run")
 @click.option(
     "--artifacts", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True
@@ -144,39 +188,7 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float | None) -> 
     "--coordinator",
     help="Multi-process builds: host:port of process 0; run one `runtime run` per process.",
 )
-@click.option(
-    "--cache",
-    type=click.Choice(["magcache", "fbcache"]),
-    help="Step caching (a build with --step-cache): skip the transformer blocks on steps where "
-    "their residual is predicted (MagCache) or the first block's barely changed (fbcache).",
-)
-@click.option(
-    "--cache-threshold",
-    type=float,
-    callback=_finite,
-    help="MagCache: accumulated error allowed (default 0.06); fbcache: the first block's "
-    "relative change under which a step reuses the other blocks (default 0.05).",
-)
-@click.option(
-    "--cache-max-skip",
-    default=3,
-    show_default=True,
-    type=click.IntRange(min=0),
-    help="MagCache: most consecutive skipped steps.",
-)
-@click.option(
-    "--cache-retention",
-    default=0.2,
-    show_default=True,
-    type=click.FloatRange(0, 1),
-    help="MagCache: fraction of the first steps never skipped.",
-)
-@click.option(
-    "--mag-ratios",
-    type=click.Path(path_type=Path, exists=True, dir_okay=False),
-    help="MagCache: this model's ratios, a JSON list (two-expert models: an object per "
-    "transformer), e.g. from --calibrate-mag-ratios (default: the shipped ones of the preset).",
-)
+@_cache_options
 @click.option(
     "--calibrate-mag-ratios",
     "calibrate_path",
@@ -575,9 +587,11 @@ def _loras(args: tuple[str, ...], option: str) -> list[tuple[Path, float]]:
     help="Keep each video's uint8 frames (F, H, W, 3) as .npy beside its MP4 "
     "(GET /v1/videos/ID/content?variant=frames).",
 )
+@_cache_options
 def serve_cmd(
     artifacts, weights, lora_args, build_names, host, port, out_dir, max_queue, batch_window,
-    drain_timeout, save_frames,
+    drain_timeout, save_frames, cache, cache_threshold, cache_max_skip, cache_retention,
+    mag_ratios,
 ) -> None:  # fmt: skip
     """Serve the builds in --artifacts over HTTP (OpenAI's Videos API shape): load once, queue
     the requests, run them in the builds' batches, compile nothing."""
@@ -588,6 +602,10 @@ def serve_cmd(
     loras = _loras(lora_args, "--lora")
     config = ModelConfig.from_folder(weights)
     model_name = model_spec(config, weights)
+    cache_request = _cache_request(
+        cache, cache_threshold, cache_max_skip, cache_retention, mag_ratios, None,
+        config.num_experts,
+    )  # fmt: skip
 
     def builds(present: Present) -> list[tuple[Path, Manifest]]:
         return _serving_builds(artifacts, config.hash(), model_name, present, build_names)
@@ -602,15 +620,25 @@ def serve_cmd(
     from runtime.pipeline import CompileCounter, Pipeline
     from runtime.server import Service, serve
 
+    served = builds(Present.of(jax.devices()))
+    # Before any weight loads: every build served takes the cache (its ratios read once).
+    for _, manifest in served if cache_request else ():
+        ratios = check_cache(
+            manifest.key, cache_request, config.num_experts, model_name, str(artifacts)
+        )
+        cache_request = dataclasses.replace(cache_request, mag_ratios=ratios)
     placed: dict = {}
     pipelines = {
         folder.name: Pipeline.from_build(folder, manifest, weights, config, loras, (), placed)
-        for folder, manifest in builds(Present.of(jax.devices()))
+        for folder, manifest in served
     }
     store = JobStore(out_dir)
     requeued = store.recover()
     counter = CompileCounter()
-    service = Service(pipelines, store, max_queue, batch_window, lambda: counter.count, save_frames)
+    service = Service(
+        pipelines, store, max_queue, batch_window, lambda: counter.count, save_frames,
+        cache_request,
+    )  # fmt: skip
     if requeued:
         click.echo(f"{requeued} video(s) queued from the last run", err=True)
     serve(service, sock, drain_timeout, lambda line: click.echo(line, err=True))

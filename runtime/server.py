@@ -116,8 +116,11 @@ class Service:
         batch_window: float,
         compile_count: Callable[[], int],
         save_frames: bool = False,
+        cache: Any = None,
     ):
+        """`cache`: the step caching every batch runs with (runtime.cache_request)."""
         self.pipelines, self.store, self.save_frames = pipelines, store, save_frames
+        self.cache = cache
         self.max_queue, self.batch_window, self.compile_count = (
             max_queue,
             batch_window,
@@ -162,6 +165,11 @@ class Service:
             raise ApiError(429, "queue_full", str(e)) from None
         self.wake.set()
         return job
+
+    def video_object(self, job: Job) -> dict[str, Any]:
+        """The job as the API's video object, at its build's frame rate."""
+        pipe = self.pipelines.get(group_build(job.group))
+        return video_object(job, pipe.config.fps if pipe else FPS)
 
     def fail_unserved(self) -> None:
         """Jobs queued for a build this start does not load fail instead of waiting forever."""
@@ -211,7 +219,9 @@ class Service:
             self.store.progress(ids, 100 * done // total)
 
         try:
-            frames, report = generate_batch(pipe, videos, group_settings(group), on_step)
+            frames, report = generate_batch(
+                pipe, videos, group_settings(group), on_step, self.cache
+            )
         except Exception as e:  # any failure fails this batch's videos, not the server
             self.store.fail(ids, "generation_failed", str(e) or type(e).__name__)
             self.metrics.failed += len(ids)
@@ -225,7 +235,7 @@ class Service:
             paths += [self.store.frames_path(job_id)] if self.save_frames else []
             try:
                 with staged(paths) as temporaries:
-                    write_mp4(video, temporaries[0])
+                    write_mp4(video, temporaries[0], pipe.config.fps)
                     if self.save_frames:
                         write_npy(temporaries[1], video)
             except OSError as e:
@@ -260,8 +270,8 @@ class Service:
         return "\n".join(lines) + "\n"
 
 
-def video_object(job: Job) -> dict[str, Any]:
-    """A job as the API's video object."""
+def video_object(job: Job, fps: int = FPS) -> dict[str, Any]:
+    """A job as the API's video object (`fps`: its model's frame rate)."""
     r = job.request
     return {
         "id": job.id,
@@ -273,7 +283,7 @@ def video_object(job: Job) -> dict[str, Any]:
         "completed_at": None if job.completed_at is None else int(job.completed_at),
         "size": r["size"],
         "frames": r["frames"],
-        "seconds": f"{r['frames'] / FPS:g}",
+        "seconds": f"{r['frames'] / fps:g}",
         "prompt": r["prompt"],
         "seed": r["seed"],
         "steps": r["steps"],
@@ -320,18 +330,18 @@ def make_app(service: Service) -> FastAPI:
 
     @app.post("/v1/videos", status_code=202)
     def create(body: VideoRequest) -> dict[str, Any]:
-        return video_object(service.submit(body))
+        return service.video_object(service.submit(body))
 
     @app.get("/v1/videos")
     def list_videos(limit: int = 100, after: str | None = None) -> dict[str, Any]:
         limit = min(max(limit, 1), 1000)
         jobs = store.jobs(limit + 1, after)
-        data = [video_object(j) for j in jobs[:limit]]
+        data = [service.video_object(j) for j in jobs[:limit]]
         return {"object": "list", "data": data, "has_more": len(jobs) > limit}
 
     @app.get("/v1/videos/{video_id}")
     def get_video(video_id: str) -> dict[str, Any]:
-        return video_object(found(video_id))
+        return service.video_object(found(video_id))
 
     @app.get("/v1/videos/{video_id}/content")
     def content(video_id: str, variant: Literal["video", "frames"] = "video") -> FileResponse:

@@ -300,3 +300,15 @@ def test_bad_cache_requests_are_one_line(tiny, tmp_path):
     # The tiny model has no shipped ratios: how to calibrate them.
     err = _fails(root, tmp_path, "--build", build, "--cache", "magcache")
     assert "--calibrate-mag-ratios" in err
+
+
+def test_serve_takes_the_cache_of_its_builds(tiny, tmp_path):
+    """`runtime serve --cache` checks every build it would serve before any weight loads."""
+    root, _ = tiny
+    result = run_cli(
+        "runtime", "serve", "--artifacts", str(root / "artifacts"), "--weights", str(root / "one"),
+        "--build", _plain_build(root, "one"), "--port", "0", "--out-dir", str(tmp_path / "srv"),
+        "--cache", "fbcache", check=False,
+    )  # fmt: skip
+    assert result.returncode == 2 and "--step-cache" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
