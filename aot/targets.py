@@ -6,8 +6,9 @@ multi-host job emulated on this machine, see aot.local_job), `current` whatever 
 (`gpu-h100[xN]`, `gpu:FILE.txtpb[xN]`: N GPUs of one host) from the CUDA plugin's compile-only
 devices for a target config (aot.gpu), so a CPU host compiles for them. A TPU target names its
 host layout too (chips per host, hence the processes of the job that runs it): an executable is
-compiled for one layout and a process holds its host's chips. `prepare_environment` must run before jax is imported: host device counts and libtpu's
-deviceless mode are process-wide settings.
+compiled for one layout and a process holds its host's chips. `prepare_environment` must run
+before jax is imported: host device counts and libtpu's deviceless mode are process-wide
+settings.
 """
 
 from __future__ import annotations
