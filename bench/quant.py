@@ -1,0 +1,81 @@
+"""What 8-bit weights cost at load: the `small` preset on cpu-8, its full-precision build and its
+`--quant w8a8-int8` build, loaded in one process, alternating, 3 rounds:
+
+- (A) full-precision weights into the full-precision build;
+- (B) the same weights into the w8a8-int8 build (quantized on the host at load, layer by layer);
+- (C) a checkpoint written by `python -m wan.quantize` into the w8a8-int8 build (read as stored).
+
+The figure is each load's `weights` phase (Pipeline.load_phases), with the checkpoints' sizes.
+
+    python bench/quant.py --out bench/results/quant_load.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import record  # noqa: E402  (bench/record.py, beside this script)
+
+BIN = Path(sys.executable).parent
+SHAPE = ["--res", "320x192", "--frames", "17", "--batch", "1"]
+
+
+def _size(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*.safetensors"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    from aot import targets
+
+    targets.prepare_environment(targets.parse_target("cpu-8"))
+    from runtime.artifact import read_manifest
+    from runtime.pipeline import Pipeline
+    from wan.configs import ModelConfig
+    from wan.quantize import quantize_checkpoint
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        full = root / "weights"
+        subprocess.run([str(BIN / "python"), "-m", "wan.random_weights", "--model", "small",
+                        "--out", str(full)], check=True)  # fmt: skip
+        stored = quantize_checkpoint(full, "w8a8-int8", root / "weights-int8")
+        for mode in ("none", "w8a8-int8"):
+            subprocess.run([str(BIN / "aot"), "build", "--model", "small", *SHAPE, "--target",
+                            "cpu-8", "--quant", mode, "--out", str(root / "artifacts")],
+                           check=True)  # fmt: skip
+        builds = sorted(p for p in (root / "artifacts").iterdir() if not p.name.startswith("."))
+        plain, int8 = (next(b for b in builds if ("_w8a8" in b.name) == q) for q in (False, True))
+        config = ModelConfig.from_folder(full)
+        variants = {"A": (plain, full), "B": (int8, full), "C": (int8, stored)}
+        seconds: dict[str, list[float]] = {v: [] for v in variants}
+        for _ in range(args.rounds):
+            for name, (build, weights) in variants.items():
+                pipe = Pipeline.from_build(build, read_manifest(build), weights, config)
+                seconds[name].append(pipe.load_phases["weights"])
+                del pipe
+        sizes = {"full": _size(full), "int8": _size(stored)}
+    medians = {v: statistics.median(s) for v, s in seconds.items()}
+    row = {
+        "command": f"python bench/quant.py --out {args.out}",
+        "model": "small", "shape": " ".join(SHAPE), "target": "cpu-8",
+        "weights_seconds": seconds, "median": medians,
+        "ratio_B_over_A": round(medians["B"] / medians["A"], 3),
+        "ratio_C_over_A": round(medians["C"] / medians["A"], 3),
+        "checkpoint_bytes": sizes,
+    }  # fmt: skip
+    record.save(args.out, row)
+    print(row)
+
+
+if __name__ == "__main__":
+    main()
