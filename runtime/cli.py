@@ -51,6 +51,15 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float | None) -> 
     return value
 
 
+_ARTIFACTS = click.option(
+    "--artifacts", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True
+)
+_WEIGHTS = click.option(
+    "--weights",
+    type=click.Path(path_type=Path),
+    required=True,
+    help="diffusers-format folder or project checkpoint.",
+)
 # Step caching's options (runtime.cache_request), shared by `run` and `serve`.
 _CACHE_OPTIONS = [
     click.option(
@@ -96,15 +105,8 @@ def _cache_options(command: Callable) -> Callable:
 
 
 @cli.command("run")
-@click.option(
-    "--artifacts", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True
-)
-@click.option(
-    "--weights",
-    type=click.Path(path_type=Path),
-    required=True,
-    help="diffusers-format folder or project checkpoint.",
-)
+@_ARTIFACTS
+@_WEIGHTS
 @click.option("--prompt", callback=_utf8_text, help="The prompt (or --prompts).")
 @click.option(
     "--prompts",
@@ -535,15 +537,8 @@ def _loras(args: tuple[str, ...], option: str) -> list[tuple[Path, float]]:
 
 
 @cli.command("serve")
-@click.option(
-    "--artifacts", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True
-)
-@click.option(
-    "--weights",
-    type=click.Path(path_type=Path),
-    required=True,
-    help="diffusers-format folder or project checkpoint.",
-)
+@_ARTIFACTS
+@_WEIGHTS
 @click.option(
     "--lora",
     "lora_args",
