@@ -20,17 +20,16 @@ import click
 import numpy as np
 from tqdm import tqdm
 
-from runtime import clock, processes
+from runtime import cli_options, cli_serve, clock, processes
 from runtime.artifact import ArtifactError, Manifest
 from runtime.batching import PromptLine, Settings, generate_batch, read_prompts_file
-from runtime.cache_request import DEFAULT_THRESHOLDS, CacheRequest, check_cache
+from runtime.cache_request import CacheRequest
 from runtime.cli_args import CliError, OneLineErrors, parse_resolution
-from runtime.loader import Present, Request, candidate_builds, match_build, passed_over
+from runtime.loader import Present, Request, match_build
 from runtime.outputs import OutputError, check_outputs, npy_path, staged, write_npy
-from runtime.request import check_finite, check_text, latent_shape, read_init_noise
-from runtime.step_cache import read_mag_ratios, write_mag_ratios
+from runtime.request import latent_shape, read_init_noise
+from runtime.step_cache import write_mag_ratios
 from runtime.video import video_paths
-from wan import interface
 from wan.configs import ModelConfig, VideoShape
 from wan.presets import model_spec
 
@@ -40,74 +39,10 @@ def cli() -> None:
     """Run WAN text-to-video from `aot build` artifacts."""
 
 
-def _utf8_text(ctx: click.Context, param: click.Parameter, text: str | None) -> str | None:
-    if text is not None:
-        check_text(param.opts[0], text)
-    return text
-
-
-def _finite(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
-    check_finite(param.opts[0], value)
-    return value
-
-
-_ARTIFACTS = click.option(
-    "--artifacts", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True
-)
-_WEIGHTS = click.option(
-    "--weights",
-    type=click.Path(path_type=Path),
-    required=True,
-    help="diffusers-format folder or project checkpoint.",
-)
-# Step caching's options (runtime.cache_request), shared by `run` and `serve`.
-_CACHE_OPTIONS = [
-    click.option(
-        "--cache",
-        type=click.Choice(["magcache", "fbcache"]),
-        help="Step caching (a build with --step-cache): skip the transformer blocks on steps where "
-        "their residual is predicted (MagCache) or the first block's barely changed (fbcache).",
-    ),
-    click.option(
-        "--cache-threshold",
-        type=float,
-        callback=_finite,
-        help="MagCache: accumulated error allowed (default 0.06); fbcache: the first block's "
-        "relative change under which a step reuses the other blocks (default 0.05).",
-    ),
-    click.option(
-        "--cache-max-skip",
-        default=3,
-        show_default=True,
-        type=click.IntRange(min=0),
-        help="MagCache: most consecutive skipped steps.",
-    ),
-    click.option(
-        "--cache-retention",
-        default=0.2,
-        show_default=True,
-        type=click.FloatRange(0, 1),
-        help="MagCache: fraction of the first steps never skipped.",
-    ),
-    click.option(
-        "--mag-ratios",
-        type=click.Path(path_type=Path, exists=True, dir_okay=False),
-        help="MagCache: this model's ratios, a JSON list (two-expert models: an object per "
-        "transformer), e.g. from --calibrate-mag-ratios (default: the shipped ones of the preset).",
-    ),
-]
-
-
-def _cache_options(command: Callable) -> Callable:
-    for option in reversed(_CACHE_OPTIONS):
-        command = option(command)
-    return command
-
-
 @cli.command("run")
-@_ARTIFACTS
-@_WEIGHTS
-@click.option("--prompt", callback=_utf8_text, help="The prompt (or --prompts).")
+@cli_options.ARTIFACTS
+@cli_options.WEIGHTS
+@click.option("--prompt", callback=cli_options.utf8_text, help="The prompt (or --prompts).")
 @click.option(
     "--prompts",
     "prompts_file",
@@ -116,7 +51,7 @@ def _cache_options(command: Callable) -> Callable:
     "file's folder), optionally negative_prompt and seed (default --seed); the lines fill the "
     "build's batches, one load for the whole file.",
 )
-@click.option("--negative-prompt", default="", show_default=True, callback=_utf8_text)
+@click.option("--negative-prompt", default="", show_default=True, callback=cli_options.utf8_text)
 @click.option("--res", "resolution", required=True, help="WxH, e.g. 720x1280 (portrait).")
 @click.option("--frames", required=True, type=click.IntRange(min=1))
 @click.option("--batch", default=1, show_default=True, type=click.IntRange(min=1))
@@ -126,14 +61,14 @@ def _cache_options(command: Callable) -> Callable:
     default=5.0,
     show_default=True,
     type=float,
-    callback=_finite,
+    callback=cli_options.finite,
     help="CFG scale (> 1 uses a CFG build).",
 )
 @click.option(
     "--guidance-2",
     default=None,
     type=float,
-    callback=_finite,
+    callback=cli_options.finite,
     help="Two-expert models: scale for the low-noise expert.",
 )
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
@@ -145,7 +80,7 @@ def _cache_options(command: Callable) -> Callable:
 @click.option(
     "--shift",
     type=click.FloatRange(min=0, min_open=True),
-    callback=_finite,
+    callback=cli_options.finite,
     help="Flow-matching timestep shift (default: the model's scheduler's).",
 )
 @click.option(
@@ -190,7 +125,7 @@ def _cache_options(command: Callable) -> Callable:
     "--coordinator",
     help="Multi-process builds: host:port of process 0; run one `runtime run` per process.",
 )
-@_cache_options
+@cli_options.cache_options
 @click.option(
     "--calibrate-mag-ratios",
     "calibrate_path",
@@ -206,6 +141,7 @@ def _cache_options(command: Callable) -> Callable:
     type=click.IntRange(min=1),
     help="Seconds to wait for the other processes of the job.",
 )
+# Longer than most: the command in order, each check before the load it protects.
 def run_cmd(
     artifacts, weights, prompt, prompts_file, negative_prompt, resolution, frames, batch, steps,
     guidance,
@@ -220,48 +156,37 @@ def run_cmd(
     width, height = parse_resolution(resolution)
     _check_arguments(weights, coordinator, num_processes, process_id)
     lines = _prompt_lines(prompt, prompts_file, out, seed, save_frames, init_noise, calibrate_path)
-    if lines is None:
-        _check_outputs(_outputs(out, batch, save_frames, report_path, calibrate_path))
-    else:
-        report_output = [] if report_path is None else [(report_path, "--report")]
-        _check_outputs([(line.out, f"--prompts line {line.out}") for line in lines] + report_output)
+    _check_outputs(
+        _outputs(out, batch, save_frames, report_path, calibrate_path)
+        if lines is None
+        else [(line.out, f"--prompts line {line.out}") for line in lines]
+        + ([] if report_path is None else [(report_path, "--report")])
+    )
     # Imported once the paths are known good: wan.lora brings ml_dtypes (a second or more).
     from wan import lora
 
-    loras, loras_2 = _loras(lora_args, "--lora"), _loras(lora_2_args, "--lora-2")
+    loras, loras_2 = (
+        cli_options.loras(lora_args, "--lora"),
+        cli_options.loras(lora_2_args, "--lora-2"),
+    )
     try:
         config = ModelConfig.from_folder(weights)
         request = Request(VideoShape(width, height, frames, batch, guidance > 1.0), config.hash())
         lora.check_experts(config.num_experts, loras_2)
-        cache_request = _cache_request(
+        cache_request = cli_options.cache_request(
             cache, cache_threshold, cache_max_skip, cache_retention, mag_ratios, calibrate_path,
             config.num_experts,
         )  # fmt: skip
     except (ValueError, OSError) as e:  # LoraError is a ValueError
         raise CliError(str(e)) from None
 
-    def match(present: Present) -> tuple[Path, Manifest]:
-        """The build, and the LoRAs checked against its transformer's shapes: a LoRA that does
-        not fit fails before anything loads."""
-        try:
-            found = match_build(
-                artifacts, request, model_spec(config, weights), present, build_name
-            )
-            for specs in (loras, loras_2):
-                lora.check(
-                    specs, found[1].parameter_shapes("kv_cache"), kind=config.transformer.kind
-                )
-            return found
-        except (ArtifactError, lora.LoraError, OSError) as e:
-            raise CliError(str(e)) from None
-
-    folder, manifest = _start(match, coordinator, num_processes, process_id, join_timeout)
-    # Before any weight loads: a build without step caching, or a model without ratios.
-    ratios = check_cache(
-        manifest.key, cache_request, config.num_experts, model_spec(config, weights), str(artifacts)
+    match = _matcher(artifacts, request, config, weights, build_name, (loras, loras_2))
+    folder, manifest = cli_options.start(
+        match, coordinator, num_processes, process_id, join_timeout
     )
-    if ratios is not None:
-        cache_request = dataclasses.replace(cache_request, mag_ratios=ratios)
+    cache_request = cli_options.with_cache_ratios(
+        manifest.key, cache_request, config, model_spec(config, weights), artifacts
+    )
     from runtime.pipeline import Pipeline
     from wan.tokenizer import TokenizerError
     from wan.weights import WeightError
@@ -285,6 +210,34 @@ def run_cmd(
 
     if jax.process_index() == 0:
         _write(videos, report, imports, out, save_frames, report_path, calibrate_path, config.fps)
+
+
+def _matcher(
+    artifacts: Path,
+    request: Request,
+    config: ModelConfig,
+    weights: Path,
+    build_name: str | None,
+    lora_specs: tuple[list, list],
+) -> Callable[[Present], tuple[Path, Manifest]]:
+    """Present devices -> the build, and the LoRAs checked against its transformer's shapes: a
+    LoRA that does not fit fails before anything loads."""
+    from wan import lora
+
+    def match(present: Present) -> tuple[Path, Manifest]:
+        try:
+            found = match_build(
+                artifacts, request, model_spec(config, weights), present, build_name
+            )
+            for specs in lora_specs:
+                lora.check(
+                    specs, found[1].parameter_shapes("kv_cache"), kind=config.transformer.kind
+                )
+            return found
+        except (ArtifactError, lora.LoraError, OSError) as e:
+            raise CliError(str(e)) from None
+
+    return match
 
 
 def _prompt_lines(
@@ -398,39 +351,6 @@ def _outputs(
     return outputs
 
 
-def _cache_request(
-    cache: str | None,
-    threshold: float | None,
-    max_skip: int,
-    retention: float,
-    mag_ratios: Path | None,
-    calibrate_path: Path | None,
-    num_experts: int,
-) -> CacheRequest | None:
-    """The step caching asked for, its ratios file read and checked."""
-    if cache is None:
-        if threshold is not None or mag_ratios or calibrate_path:
-            raise CliError(
-                "--cache-threshold, --mag-ratios and --calibrate-mag-ratios need --cache"
-            )
-        return None
-    if cache != "magcache" and (mag_ratios or calibrate_path):
-        raise CliError(
-            "--mag-ratios and --calibrate-mag-ratios are MagCache's: use --cache magcache"
-        )
-    if mag_ratios and calibrate_path:
-        raise CliError("--calibrate-mag-ratios measures the ratios: leave out --mag-ratios")
-    experts = interface.components(num_experts)[1:-1]
-    return CacheRequest(
-        kind=cache,
-        threshold=DEFAULT_THRESHOLDS[cache] if threshold is None else threshold,
-        max_skip=max_skip,
-        retention=retention,
-        mag_ratios=read_mag_ratios(mag_ratios, experts) if mag_ratios else None,
-        calibrate=calibrate_path is not None,
-    )
-
-
 def _check_outputs(outputs: list[tuple[Path, str]]) -> None:
     """Every path the run will write can be written, and each is its own file, before anything
     loads."""
@@ -438,33 +358,6 @@ def _check_outputs(outputs: list[tuple[Path, str]]) -> None:
         check_outputs(outputs)
     except (OutputError, OSError) as e:
         raise CliError(str(e)) from None
-
-
-def _start(
-    match: Callable[[Present], tuple[Path, Manifest]],
-    coordinator: str | None,
-    num_processes: int,
-    process_id: int,
-    join_timeout: int,
-) -> tuple[Path, Manifest]:
-    """Start jax for the build that `match` finds on the present devices, and return it. Host
-    CPU devices are arranged for a cpu-N/cpu-PxN build before jax starts (so the build is
-    matched first); accelerators are counted once jax has started."""
-    on_cpu = processes.host_platform() == "cpu"
-    if on_cpu:
-        folder, manifest = match(Present.host_cpu(num_processes))
-        if manifest.key.target.startswith("cpu-"):
-            processes.use_host_devices(manifest.local_device_count)
-    if num_processes > 1:
-        try:
-            processes.join(coordinator, num_processes, process_id, join_timeout)
-        except processes.JobError as e:
-            raise CliError(str(e)) from None
-    if on_cpu:
-        return folder, manifest
-    import jax
-
-    return match(Present.of(jax.devices()))
 
 
 def _write(
@@ -525,148 +418,7 @@ def _writing(path: Path) -> Iterator[None]:
         raise CliError(f"cannot write {path}: {e.strerror or e}") from None
 
 
-def _loras(args: tuple[str, ...], option: str) -> list[tuple[Path, float]]:
-    """FILE[:SCALE] arguments as (path, scale); a missing file fails before anything loads."""
-    from wan import lora
-
-    specs = [lora.parse_spec(a) for a in args]
-    for path, _ in specs:
-        if not path.is_file():
-            raise CliError(f"{option} {path}: no such file")
-    return specs
-
-
-@cli.command("serve")
-@_ARTIFACTS
-@_WEIGHTS
-@click.option(
-    "--lora",
-    "lora_args",
-    multiple=True,
-    metavar="FILE[:SCALE]",
-    help="A LoRA merged into the transformer at load (repeatable; scales add up; default 1).",
-)
-@click.option(
-    "--build",
-    "build_names",
-    multiple=True,
-    help="Serve only these build folders (repeatable; default: every build that serves the "
-    "weights' model on these devices).",
-)
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
-@click.option(
-    "--out-dir",
-    type=click.Path(path_type=Path, file_okay=False),
-    required=True,
-    help="The job database and the MP4s; a restart on the same folder resumes its queue.",
-)
-@click.option("--max-queue", default=64, show_default=True, type=click.IntRange(min=1))
-@click.option(
-    "--batch-window",
-    default=0.5,
-    show_default=True,
-    type=click.FloatRange(min=0),
-    help="Seconds a request waits for others to share its batch (a full batch runs at once).",
-)
-@click.option(
-    "--drain-timeout",
-    default=300.0,
-    show_default=True,
-    type=click.FloatRange(min=0),
-    help="On SIGTERM: seconds to finish the batch in flight (else it is queued again).",
-)
-@click.option(
-    "--save-frames",
-    is_flag=True,
-    help="Keep each video's uint8 frames (F, H, W, 3) as .npy beside its MP4 "
-    "(GET /v1/videos/ID/content?variant=frames).",
-)
-@_cache_options
-def serve_cmd(
-    artifacts, weights, lora_args, build_names, host, port, out_dir, max_queue, batch_window,
-    drain_timeout, save_frames, cache, cache_threshold, cache_max_skip, cache_retention,
-    mag_ratios,
-) -> None:  # fmt: skip
-    """Serve the builds in --artifacts over HTTP (OpenAI's Videos API shape): load once, queue
-    the requests, run them in the builds' batches, compile nothing."""
-    if not weights.is_dir():
-        raise CliError(
-            f"--weights {weights} is not a folder (a diffusers-format folder or a checkpoint)"
-        )
-    loras = _loras(lora_args, "--lora")
-    config = ModelConfig.from_folder(weights)
-    model_name = model_spec(config, weights)
-    cache_request = _cache_request(
-        cache, cache_threshold, cache_max_skip, cache_retention, mag_ratios, None,
-        config.num_experts,
-    )  # fmt: skip
-
-    def builds(present: Present) -> list[tuple[Path, Manifest]]:
-        return _serving_builds(artifacts, config.hash(), model_name, present, build_names)
-
-    from runtime.server import listen  # before jax: a taken port fails in a second
-
-    sock = listen(host, port)
-    _start(lambda present: builds(present)[0], None, 1, 0, processes.JOIN_TIMEOUT_S)
-    import jax
-
-    from runtime.job_store import JobStore
-    from runtime.pipeline import CompileCounter, Pipeline
-    from runtime.server import Service, serve
-
-    served = builds(Present.of(jax.devices()))
-    # Before any weight loads: every build served takes the cache (its ratios read once).
-    for _, manifest in served if cache_request else ():
-        ratios = check_cache(
-            manifest.key, cache_request, config.num_experts, model_name, str(artifacts)
-        )
-        cache_request = dataclasses.replace(cache_request, mag_ratios=ratios)
-    placed: dict = {}
-    pipelines = {
-        folder.name: Pipeline.from_build(folder, manifest, weights, config, loras, (), placed)
-        for folder, manifest in served
-    }
-    store = JobStore(out_dir)
-    requeued = store.recover()
-    counter = CompileCounter()
-    service = Service(
-        pipelines, store, max_queue, batch_window, lambda: counter.count, save_frames,
-        cache_request,
-    )  # fmt: skip
-    if requeued:
-        click.echo(f"{requeued} video(s) queued from the last run", err=True)
-    serve(service, sock, drain_timeout, lambda line: click.echo(line, err=True))
-
-
-def _serving_builds(
-    artifacts: Path, model_hash: str, model_name: str, present: Present, names: tuple[str, ...]
-) -> list[tuple[Path, Manifest]]:
-    """The builds to serve: those named, else one per shape among the builds of the weights'
-    model that fit `present` devices (chosen per shape as `runtime run` chooses)."""
-    if names:
-        shapes = {}
-        for folder, manifest in candidate_builds(artifacts):
-            if folder.name in names and isinstance(manifest, Manifest):
-                shapes[folder.name] = manifest.key.shape
-        return [
-            match_build(artifacts, Request(shapes.get(n), model_hash), model_name, present, n)
-            for n in names
-        ]
-    shapes = []
-    for _, manifest in candidate_builds(artifacts):
-        if not isinstance(manifest, Manifest):
-            continue
-        fits = passed_over(manifest, Request(manifest.key.shape, model_hash), present) is None
-        if fits and manifest.key.shape not in shapes:
-            shapes.append(manifest.key.shape)
-    if not shapes:
-        raise ArtifactError(
-            f"no build in {artifacts} serves the model of these weights on this host: build one "
-            f"with `aot build --model {model_name} ... --out {artifacts}` (`runtime run` with the "
-            "same shape says why each build is passed over)"
-        )
-    return [match_build(artifacts, Request(s, model_hash), model_name, present) for s in shapes]
+cli.add_command(cli_serve.serve_cmd)
 
 
 def main() -> None:

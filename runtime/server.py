@@ -304,6 +304,7 @@ def _validation_message(e: RequestValidationError) -> str:
     return "; ".join(parts)
 
 
+# Longer than most: the API's routes, read top to bottom as the API.
 def make_app(service: Service) -> FastAPI:
     app = FastAPI(title="wan-aot runtime serve")
     store = service.store

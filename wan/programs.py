@@ -229,6 +229,7 @@ def _all_blocks(model: WanTransformer, embedded: Embedded, kv: Any, extra: dict)
     return model.run_blocks(embedded, kv), {}
 
 
+# Longer than most: the step and its whole interface (inputs, axes, outputs) in one place.
 def _step_program(
     name: str,
     config: ModelConfig,

@@ -1,0 +1,169 @@
+"""What `runtime run` and `runtime serve` share: their common options (the artifacts, the
+weights, step caching), the checks of their values before anything loads, and how a command
+starts jax for the build it serves."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from runtime import processes
+from runtime.artifact import Manifest
+from runtime.cache_request import DEFAULT_THRESHOLDS, CacheRequest, check_cache
+from runtime.cli_args import CliError
+from runtime.loader import Present
+from runtime.request import check_finite, check_text
+from runtime.step_cache import read_mag_ratios
+from wan import interface
+
+
+def utf8_text(ctx: click.Context, param: click.Parameter, text: str | None) -> str | None:
+    if text is not None:
+        check_text(param.opts[0], text)
+    return text
+
+
+def finite(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    check_finite(param.opts[0], value)
+    return value
+
+
+ARTIFACTS = click.option(
+    "--artifacts", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True
+)
+
+
+WEIGHTS = click.option(
+    "--weights",
+    type=click.Path(path_type=Path),
+    required=True,
+    help="diffusers-format folder or project checkpoint.",
+)
+
+
+# Step caching's options (runtime.cache_request), shared by `run` and `serve`.
+CACHE_OPTIONS = [
+    click.option(
+        "--cache",
+        type=click.Choice(["magcache", "fbcache"]),
+        help="Step caching (a build with --step-cache): skip the transformer blocks on steps where "
+        "their residual is predicted (MagCache) or the first block's barely changed (fbcache).",
+    ),
+    click.option(
+        "--cache-threshold",
+        type=float,
+        callback=finite,
+        help="MagCache: accumulated error allowed (default 0.06); fbcache: the first block's "
+        "relative change under which a step reuses the other blocks (default 0.05).",
+    ),
+    click.option(
+        "--cache-max-skip",
+        default=3,
+        show_default=True,
+        type=click.IntRange(min=0),
+        help="MagCache: most consecutive skipped steps.",
+    ),
+    click.option(
+        "--cache-retention",
+        default=0.2,
+        show_default=True,
+        type=click.FloatRange(0, 1),
+        help="MagCache: fraction of the first steps never skipped.",
+    ),
+    click.option(
+        "--mag-ratios",
+        type=click.Path(path_type=Path, exists=True, dir_okay=False),
+        help="MagCache: this model's ratios, a JSON list (two-expert models: an object per "
+        "transformer), e.g. from --calibrate-mag-ratios (default: the shipped ones of the preset).",
+    ),
+]
+
+
+def cache_options(command: Callable) -> Callable:
+    for option in reversed(CACHE_OPTIONS):
+        command = option(command)
+    return command
+
+
+def cache_request(
+    cache: str | None,
+    threshold: float | None,
+    max_skip: int,
+    retention: float,
+    mag_ratios: Path | None,
+    calibrate_path: Path | None,
+    num_experts: int,
+) -> CacheRequest | None:
+    """The step caching asked for, its ratios file read and checked."""
+    if cache is None:
+        if threshold is not None or mag_ratios or calibrate_path:
+            raise CliError(
+                "--cache-threshold, --mag-ratios and --calibrate-mag-ratios need --cache"
+            )
+        return None
+    if cache != "magcache" and (mag_ratios or calibrate_path):
+        raise CliError(
+            "--mag-ratios and --calibrate-mag-ratios are MagCache's: use --cache magcache"
+        )
+    if mag_ratios and calibrate_path:
+        raise CliError("--calibrate-mag-ratios measures the ratios: leave out --mag-ratios")
+    experts = interface.components(num_experts)[1:-1]
+    return CacheRequest(
+        kind=cache,
+        threshold=DEFAULT_THRESHOLDS[cache] if threshold is None else threshold,
+        max_skip=max_skip,
+        retention=retention,
+        mag_ratios=read_mag_ratios(mag_ratios, experts) if mag_ratios else None,
+        calibrate=calibrate_path is not None,
+    )
+
+
+def with_cache_ratios(
+    key: Any, request: CacheRequest | None, config: Any, model: str, artifacts: Path
+) -> CacheRequest | None:
+    """`request` checked against the build of `key` before any weight loads (a build without
+    step caching, a model without ratios: one line), with MagCache's ratios resolved."""
+    ratios = check_cache(key, request, config.num_experts, model, str(artifacts))
+    return request if ratios is None else dataclasses.replace(request, mag_ratios=ratios)
+
+
+def start(
+    match: Callable[[Present], tuple[Path, Manifest]],
+    coordinator: str | None,
+    num_processes: int,
+    process_id: int,
+    join_timeout: int,
+) -> tuple[Path, Manifest]:
+    """Start jax for the build that `match` finds on the present devices, and return it. Host
+    CPU devices are arranged for a cpu-N/cpu-PxN build before jax starts (so the build is
+    matched first); accelerators are counted once jax has started."""
+    on_cpu = processes.host_platform() == "cpu"
+    if on_cpu:
+        folder, manifest = match(Present.host_cpu(num_processes))
+        if manifest.key.target.startswith("cpu-"):
+            processes.use_host_devices(manifest.local_device_count)
+    if num_processes > 1:
+        try:
+            processes.join(coordinator, num_processes, process_id, join_timeout)
+        except processes.JobError as e:
+            raise CliError(str(e)) from None
+    if on_cpu:
+        return folder, manifest
+    import jax
+
+    return match(Present.of(jax.devices()))
+
+
+def loras(args: tuple[str, ...], option: str) -> list[tuple[Path, float]]:
+    """FILE[:SCALE] arguments as (path, scale); a missing file fails before anything loads."""
+    from wan import lora
+
+    specs = [lora.parse_spec(a) for a in args]
+    for path, _ in specs:
+        if not path.is_file():
+            raise CliError(f"{option} {path}: no such file")
+    return specs

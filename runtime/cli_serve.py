@@ -1,0 +1,147 @@
+"""`runtime serve`: the builds in --artifacts as an HTTP service (runtime.server), loaded once,
+compiling nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from runtime import cli_options, processes
+from runtime.artifact import ArtifactError, Manifest
+from runtime.cli_args import CliError
+from runtime.loader import Present, Request, candidate_builds, match_build, passed_over
+from wan.configs import ModelConfig
+from wan.presets import model_spec
+
+
+@click.command("serve")
+@cli_options.ARTIFACTS
+@cli_options.WEIGHTS
+@click.option(
+    "--lora",
+    "lora_args",
+    multiple=True,
+    metavar="FILE[:SCALE]",
+    help="A LoRA merged into the transformer at load (repeatable; scales add up; default 1).",
+)
+@click.option(
+    "--build",
+    "build_names",
+    multiple=True,
+    help="Serve only these build folders (repeatable; default: every build that serves the "
+    "weights' model on these devices).",
+)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
+@click.option(
+    "--out-dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    required=True,
+    help="The job database and the MP4s; a restart on the same folder resumes its queue.",
+)
+@click.option("--max-queue", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option(
+    "--batch-window",
+    default=0.5,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="Seconds a request waits for others to share its batch (a full batch runs at once).",
+)
+@click.option(
+    "--drain-timeout",
+    default=300.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="On SIGTERM: seconds to finish the batch in flight (else it is queued again).",
+)
+@click.option(
+    "--save-frames",
+    is_flag=True,
+    help="Keep each video's uint8 frames (F, H, W, 3) as .npy beside its MP4 "
+    "(GET /v1/videos/ID/content?variant=frames).",
+)
+@cli_options.cache_options
+def serve_cmd(
+    artifacts, weights, lora_args, build_names, host, port, out_dir, max_queue, batch_window,
+    drain_timeout, save_frames, cache, cache_threshold, cache_max_skip, cache_retention,
+    mag_ratios,
+) -> None:  # fmt: skip
+    """Serve the builds in --artifacts over HTTP (OpenAI's Videos API shape): load once, queue
+    the requests, run them in the builds' batches, compile nothing."""
+    if not weights.is_dir():
+        raise CliError(
+            f"--weights {weights} is not a folder (a diffusers-format folder or a checkpoint)"
+        )
+    loras = cli_options.loras(lora_args, "--lora")
+    config = ModelConfig.from_folder(weights)
+    model_name = model_spec(config, weights)
+    cache_request = cli_options.cache_request(
+        cache, cache_threshold, cache_max_skip, cache_retention, mag_ratios, None,
+        config.num_experts,
+    )  # fmt: skip
+
+    def builds(present: Present) -> list[tuple[Path, Manifest]]:
+        return _serving_builds(artifacts, config.hash(), model_name, present, build_names)
+
+    from runtime.server import listen  # before jax: a taken port fails in a second
+
+    sock = listen(host, port)
+    cli_options.start(lambda present: builds(present)[0], None, 1, 0, processes.JOIN_TIMEOUT_S)
+    import jax
+
+    from runtime.job_store import JobStore
+    from runtime.pipeline import CompileCounter, Pipeline
+    from runtime.server import Service, serve
+
+    served = builds(Present.of(jax.devices()))
+    # Before any weight loads: every build served takes the cache (its ratios read once).
+    for _, manifest in served if cache_request else ():
+        cache_request = cli_options.with_cache_ratios(
+            manifest.key, cache_request, config, model_name, artifacts
+        )
+    placed: dict = {}
+    pipelines = {
+        folder.name: Pipeline.from_build(folder, manifest, weights, config, loras, (), placed)
+        for folder, manifest in served
+    }
+    store = JobStore(out_dir)
+    requeued = store.recover()
+    counter = CompileCounter()
+    service = Service(
+        pipelines, store, max_queue, batch_window, lambda: counter.count, save_frames,
+        cache_request,
+    )  # fmt: skip
+    if requeued:
+        click.echo(f"{requeued} video(s) queued from the last run", err=True)
+    serve(service, sock, drain_timeout, lambda line: click.echo(line, err=True))
+
+
+def _serving_builds(
+    artifacts: Path, model_hash: str, model_name: str, present: Present, names: tuple[str, ...]
+) -> list[tuple[Path, Manifest]]:
+    """The builds to serve: those named, else one per shape among the builds of the weights'
+    model that fit `present` devices (chosen per shape as `runtime run` chooses)."""
+    if names:
+        shapes = {}
+        for folder, manifest in candidate_builds(artifacts):
+            if folder.name in names and isinstance(manifest, Manifest):
+                shapes[folder.name] = manifest.key.shape
+        return [
+            match_build(artifacts, Request(shapes.get(n), model_hash), model_name, present, n)
+            for n in names
+        ]
+    shapes = []
+    for _, manifest in candidate_builds(artifacts):
+        if not isinstance(manifest, Manifest):
+            continue
+        fits = passed_over(manifest, Request(manifest.key.shape, model_hash), present) is None
+        if fits and manifest.key.shape not in shapes:
+            shapes.append(manifest.key.shape)
+    if not shapes:
+        raise ArtifactError(
+            f"no build in {artifacts} serves the model of these weights on this host: build one "
+            f"with `aot build --model {model_name} ... --out {artifacts}` (`runtime run` with the "
+            "same shape says why each build is passed over)"
+        )
+    return [match_build(artifacts, Request(s, model_hash), model_name, present) for s in shapes]
