@@ -182,3 +182,21 @@ def test_a_target_without_the_8bit_unit_is_refused(tmp_path):
                      "--quant", "w8a8-fp8", "--out", str(tmp_path), check=False)  # fmt: skip
     assert result.returncode == 2 and "no fp8 matrix unit" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not any(tmp_path.iterdir())
+
+
+def test_the_tpu_step_runs_its_linear_layers_on_8bit_operands(tmp_path):
+    """A deviceless tpu-v6e-8 w8a8-int8 build: the denoise step's and kv_cache's optimized HLO
+    hold dots on s8 x s8 operands, counted apart in the manifest, and the step lower bound takes
+    them at the chip's 8-bit rate (twice bf16's on v6e)."""
+    from runtime.artifact import read_manifest
+
+    run_cli("aot", "build", "--model", "tiny", *TINY_SHAPE, "--target", "tpu-v6e-8",
+            "--quant", "w8a8-int8", "--out", str(tmp_path))  # fmt: skip
+    (folder,) = [p for p in tmp_path.iterdir() if not p.name.startswith(".")]
+    manifest = read_manifest(folder)
+    step, kv = manifest.programs["denoise_step"], manifest.programs["kv_cache"]
+    assert 0 < step.eight_bit_flops < step.flops and kv.eight_bit_flops > 0
+    assert manifest.peak_8bit_flops == 2 * manifest.peak_flops
+    all_at_bf16 = (step.flops + step.kernel_flops) / manifest.peak_flops
+    saved = step.eight_bit_flops / manifest.peak_8bit_flops
+    assert manifest.step_lower_bound() == pytest.approx(all_at_bf16 - saved)
