@@ -229,7 +229,8 @@ def test_kill_9_mid_batch_then_restart(small_builds, tiny_weights, tmp_path):
     seen, bad, stop = set(), [], threading.Event()
 
     def watch() -> None:  # every MP4 that ever appears must decode whole
-        while not stop.is_set():
+        while True:
+            stopping = stop.is_set()  # then one last pass: the last video may be just written
             for path in (out / "videos").glob("*.mp4") if (out / "videos").exists() else []:
                 if path not in seen:
                     try:
@@ -238,6 +239,8 @@ def test_kill_9_mid_batch_then_restart(small_builds, tiny_weights, tmp_path):
                     except (RuntimeError, ValueError, OSError) as e:
                         bad.append((path, e))
                     seen.add(path)
+            if stopping:
+                return
             time.sleep(0.05)
 
     watcher = threading.Thread(target=watch, daemon=True)
@@ -294,6 +297,7 @@ class FakePipeline:
 
     def __init__(self, batch: int, fail: bool = False):
         self.key = type("Key", (), {"batch": batch})()
+        self.config = type("Config", (), {"fps": 16})()
         self.fail, self.calls = fail, []
 
     def generate(self, prompt, negative_prompt, **kwargs):
