@@ -83,13 +83,7 @@ def cli() -> None:
     callback=cli_options.finite,
     help="Flow-matching timestep shift (default: the model's scheduler's).",
 )
-@click.option(
-    "--lora",
-    "lora_args",
-    multiple=True,
-    metavar="FILE[:SCALE]",
-    help="A LoRA merged into the transformer at load (repeatable; scales add up; default 1).",
-)
+@cli_options.LORA
 @click.option(
     "--lora-2",
     "lora_2_args",

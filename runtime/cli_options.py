@@ -45,6 +45,13 @@ WEIGHTS = click.option(
 )
 
 
+LORA = click.option(
+    "--lora",
+    "lora_args",
+    multiple=True,
+    metavar="FILE[:SCALE]",
+    help="A LoRA merged into the transformer at load (repeatable; scales add up; default 1).",
+)
 # Step caching's options (runtime.cache_request), shared by `run` and `serve`.
 CACHE_OPTIONS = [
     click.option(

@@ -18,13 +18,7 @@ from wan.presets import model_spec
 @click.command("serve")
 @cli_options.ARTIFACTS
 @cli_options.WEIGHTS
-@click.option(
-    "--lora",
-    "lora_args",
-    multiple=True,
-    metavar="FILE[:SCALE]",
-    help="A LoRA merged into the transformer at load (repeatable; scales add up; default 1).",
-)
+@cli_options.LORA
 @click.option(
     "--build",
     "build_names",
