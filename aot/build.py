@@ -220,6 +220,7 @@ def _compile_all(
         hbm_bytes=plan.target.hbm_bytes,
         peak_flops=peak_flops(plan.target, devs[0].device_kind),
         peak_8bit_flops=plan.target.chip.peak_8bit if plan.target.chip else None,
+        fps=plan.config.fps,
         ulysses_all_to_alls=ulysses_all_to_alls(plan),
         notes=notes,
         programs=entries,

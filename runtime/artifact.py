@@ -289,6 +289,7 @@ class Manifest:
     notes: list[str]
     programs: dict[str, ProgramEntry]
     peak_8bit_flops: float | None = None  # 8-bit OP/s per device (its format: the target's)
+    fps: int | None = None  # frames per second of the model's videos (ModelConfig.fps)
 
     def step_lower_bound(self) -> float | None:
         """Seconds a denoise step takes at the device's peak rates (the roofline): its 8-bit
@@ -324,7 +325,7 @@ class Manifest:
                 "version of aot)"
             )
         # Fields added within schema 3 default for the manifests written before them.
-        fields = jc.fields(raw, "", _MANIFEST_FIELDS, {"peak_8bit_flops": None})
+        fields = jc.fields(raw, "", _MANIFEST_FIELDS, {"peak_8bit_flops": None, "fps": None})
         _check_device_layout(fields)
         _check_pipeline(fields)
         return cls(**fields)
@@ -353,6 +354,7 @@ _MANIFEST_FIELDS: dict[str, Check] = {
     "hbm_bytes": jc.optional(jc.BYTES),
     "peak_flops": jc.optional(jc.number),
     "peak_8bit_flops": jc.optional(jc.number),
+    "fps": jc.optional(jc.integer(1, 1000)),
     "ulysses_all_to_alls": jc.BYTES,
     "notes": jc.list_of(jc.string),
     "programs": _programs,

@@ -27,6 +27,7 @@ from test_sharding import CPU8, place, single_device, vae_mesh
 
 from aot import hlo
 from aot.plan import BuildError, check_shape
+from runtime.artifact import read_manifest
 from wan import kinds, programs, sharding
 from wan.configs import ModelConfig, TransformerConfig, VAE22Config, VideoShape
 from wan.presets import PRESETS
@@ -192,6 +193,8 @@ def test_runtime_matches_diffusers_expand_timesteps(ti2v_folder, tmp_path, orien
     reader = imageio_ffmpeg.read_frames(str(tmp_path / "v.mp4"))
     assert next(reader)["fps"] == 24
     reader.close()
+    (build,) = [p for p in artifacts.iterdir() if not p.name.startswith(".")]
+    assert read_manifest(build).fps == 24  # recorded in the manifest
 
 
 # ----------------------------------------------------------------------------------------------
