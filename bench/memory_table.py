@@ -124,7 +124,11 @@ def run_one(model: str, target: str, batch: int, attention: str, args: argparse.
 
 
 def _order(row: dict) -> tuple:
-    return row["model"], row["target"], row["batch"], row.get("attention", ""), row["quant"]
+    return row["model"], row["target"], row["batch"], row.get("attention", ""), _quant(row)
+
+
+def _quant(row: dict) -> str:
+    return row.get("quant", "none")  # rows from before --quants are full precision
 
 
 def _verdict(programs) -> str:
@@ -168,7 +172,8 @@ def markdown(rows: list[dict]) -> str:
             else "-"
         )
         lines.append(
-            f"| {r['model']} | {r['target']}{hbm} | {r['batch']} | {mesh} | "
+            f"| {r['model']}{'' if _quant(r) == 'none' else ' --quant ' + _quant(r)} | "
+            f"{r['target']}{hbm} | {r['batch']} | {mesh} | "
             f"{tuple(r['vae_mesh'])} {r['vae_axis']} | {attention} | "
             + " | ".join(cells)
             + f" | {bound} | {_verdict(r['programs'].values())} |"
