@@ -93,7 +93,7 @@ class Denoiser:
         request = self.request
         settings = {} if request is None else {"threshold": request.threshold}
         if request is not None and request.kind == "magcache":
-            settings |= {"max_skip": request.max_skip, "retention": request.retention}
+            settings = request.magcache_settings().to_json()
         return CacheOutcome(
             cache=None if request is None else request.kind,
             settings=settings,

@@ -171,40 +171,6 @@ class MagCalibration:
         return {expert: tuple(values) for expert, values in self._ratios.items()}
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class CacheReport:
-    """What a run's report says of its step cache."""
-
-    cache: str  # "magcache", ...
-    settings: Mapping[str, float | int]
-    skipped_steps: tuple[int, ...]  # global step indices
-    block_steps_run: int  # transformer blocks run, summed over the steps
-    block_steps_total: int  # the same without the cache
-
-    @classmethod
-    def of(
-        cls,
-        cache: str,
-        settings: Mapping[str, float | int],
-        skipped: Sequence[int],
-        steps: int,
-        num_blocks: int,
-        blocks_on_skip: int = 0,
-    ) -> CacheReport:
-        """A run of `steps` steps of a `num_blocks`-block transformer that skipped the steps
-        `skipped`, each still running `blocks_on_skip` blocks (MagCache none)."""
-        return cls(
-            cache=cache,
-            settings=dict(settings),
-            skipped_steps=tuple(skipped),
-            block_steps_run=(steps - len(skipped)) * num_blocks + len(skipped) * blocks_on_skip,
-            block_steps_total=steps * num_blocks,
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "skipped_steps": list(self.skipped_steps)}
-
-
 _WANTED = "give a JSON list of positive numbers, one per step (for two experts an object of two)"
 
 

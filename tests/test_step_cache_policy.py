@@ -15,7 +15,6 @@ from diffusers.hooks.mag_cache import nearest_interp
 from runtime.step_cache import (
     MAX_RATIOS,
     MAX_RATIOS_FILE_BYTES,
-    CacheReport,
     MagCache,
     MagCacheSettings,
     MagCalibration,
@@ -327,11 +326,3 @@ def test_unshipped_model_says_how_to_calibrate():
     assert "--mag-ratios OUT.json" in str(error.value) and "\n" not in str(error.value)
     with pytest.raises(StepCacheError, match="--calibrate-mag-ratios"):
         shipped_mag_ratios("wan2.2-t2v-a14b", ONE)
-
-
-def test_cache_report():
-    report = CacheReport.of("magcache", MagCacheSettings().to_json(), (5, 6, 9), 12, 40)
-    assert (report.block_steps_run, report.block_steps_total) == (9 * 40, 12 * 40)
-    assert report.to_json()["skipped_steps"] == [5, 6, 9]
-    first_block = CacheReport.of("fbcache", {"threshold": 0.1}, (3,), 4, 40, blocks_on_skip=1)
-    assert first_block.block_steps_run == 3 * 40 + 1
