@@ -18,9 +18,7 @@ from typing import Any
 
 from runtime import json_checks
 from wan.interface import DEFAULT_PIPELINE, PIPELINES
-
-# wan.quant.MODES (that module imports flax; this one is read before jax starts).
-QUANT_MODES = ("none", "w8a8-int8", "w8a8-fp8", "w8-int8", "w8-fp8")
+from wan.quant import MODES as QUANT_MODES
 
 
 @dataclasses.dataclass(frozen=True)

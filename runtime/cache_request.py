@@ -16,7 +16,7 @@ from wan import interface
 
 CACHES = ("magcache", "fbcache")
 # MagCache's and diffusers' FirstBlockCacheConfig's defaults.
-DEFAULT_THRESHOLDS = {"magcache": 0.06, "fbcache": 0.05}
+DEFAULT_THRESHOLDS = {"magcache": step_cache.MagCacheSettings().threshold, "fbcache": 0.05}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -25,8 +25,8 @@ class CacheRequest:
 
     kind: str  # one of CACHES
     threshold: float  # MagCache: accumulated error; fbcache: the first block's relative change
-    max_skip: int = 3  # MagCache: most consecutive skipped steps
-    retention: float = 0.2  # MagCache: fraction of the first steps never skipped
+    max_skip: int = step_cache.MagCacheSettings.max_skip  # MagCache: most consecutive skips
+    retention: float = step_cache.MagCacheSettings.retention  # MagCache: first steps kept
     mag_ratios: Mapping[str, Sequence[float]] | None = None  # per expert; None: shipped ratios
     calibrate: bool = False  # MagCache: skip nothing, measure this model's ratios
 

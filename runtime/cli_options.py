@@ -17,7 +17,7 @@ from runtime.cache_request import DEFAULT_THRESHOLDS, CacheRequest, check_cache
 from runtime.cli_args import CliError
 from runtime.loader import Present
 from runtime.request import check_finite, check_text
-from runtime.step_cache import read_mag_ratios
+from runtime.step_cache import MagCacheSettings, read_mag_ratios
 from wan import interface
 
 
@@ -69,14 +69,14 @@ CACHE_OPTIONS = [
     ),
     click.option(
         "--cache-max-skip",
-        default=3,
+        default=MagCacheSettings.max_skip,
         show_default=True,
         type=click.IntRange(min=0),
         help="MagCache: most consecutive skipped steps.",
     ),
     click.option(
         "--cache-retention",
-        default=0.2,
+        default=MagCacheSettings.retention,
         show_default=True,
         type=click.FloatRange(0, 1),
         help="MagCache: fraction of the first steps never skipped.",
