@@ -16,11 +16,11 @@ from aot.targets import SPLASH_BLOCKS, VAE_VMEM_MIB, Target, devices
 from runtime.artifact import BuildKey, plain_values
 from runtime.build_options import OPTIONS
 from runtime.json_checks import ArtifactError
-from wan import attention as attention_lib
 from wan import programs as wan_programs
 from wan import quant, sharding
 from wan.configs import ModelConfig, VideoShape
 from wan.errors import InputError
+from wan.models import attention as attention_lib
 
 DEVICELESS_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 BLOCKWISE_MIN_TOKENS = 8192  # above this, naive attention's temporaries dominate memory

@@ -44,7 +44,7 @@ class Generation:
     eight_bit: str  # the 8-bit format of that rate
     devices_per_chip: int  # JAX devices per chip in the layout the real VMs run
     # Largest splash attention blocks (queries, keys, keys per compute step), balanced to each
-    # sequence at trace time (wan.attention.balanced_block); the kernel's scratch must fit the
+    # sequence at trace time (wan.models.attention.balanced_block); the kernel's scratch must fit the
     # generation's scoped VMEM (tests/test_attention.py compiles each).
     splash_blocks: tuple[int, int, int]
     chip_config: str | None = None  # libtpu chip config the VMs run (default: libtpu's)

@@ -42,7 +42,7 @@ def upsampler_input_bytes(config: Any, width: int, height: int) -> int:
     """Bytes of every upsampler's input in the decode of one latent frame (steady state: after
     each temporal upsampler the frames double), in the decode's dtype: what a decoder that
     gathers each upsampler's input whole receives per device. Upsampler i takes the output of
-    up block i (`wan.vae.Decoder`: out_dim channels), at the latent size times 2**i."""
+    up block i (`wan.models.vae.Decoder`: out_dim channels), at the latent size times 2**i."""
     import jax.numpy as jnp
 
     vae = config.vae
@@ -60,7 +60,7 @@ def upsampler_input_bytes(config: Any, width: int, height: int) -> int:
 def per_activation_constrain(vae_spatial: int) -> Callable[[Any, Any], Any]:
     """The alternative to choosing the axis once: each VAE activation picks its axis from its
     own shape (width where vae_spatial divides it, else height). A stand-in for `constrain`
-    inside wan.vae, to show the all-to-alls that choosing once avoids."""
+    inside wan.models.vae, to show the all-to-alls that choosing once avoids."""
     from wan import sharding
 
     def constrain_per_activation(x: Any, logical: Any) -> Any:
@@ -118,7 +118,7 @@ def main() -> None:
     targets.prepare_environment(target)
     choice = "per-activation" if args.per_activation else "once"
     if args.per_activation:
-        from wan import vae
+        from wan.models import vae
 
         vae.constrain = per_activation_constrain(args.vae_spatial)
     for res in args.res or ["1280x720", "720x1280"]:

@@ -60,7 +60,7 @@ class BuildKey:
     vae_mesh: tuple[int, int]  # (redundant, vae_spatial)
     vae_axis: str  # "width" or "height": the VAE's sharded spatial axis, chosen once
     attention: str  # kernel and its largest blocks, e.g. "splash:3072:2048:1024"
-    context_parallel: str = "gather"  # or "ulysses" (wan.attention)
+    context_parallel: str = "gather"  # or "ulysses" (wan.models.attention)
     vae_vmem_mib: int | None = None  # TPU: scoped VMEM of the VAE decode's kernels; None: XLA's
     # The plain options' values (runtime.build_options.plain_options), in declaration order.
     options: tuple[tuple[str, Any], ...] = ()

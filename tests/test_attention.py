@@ -8,7 +8,7 @@ import pytest
 from conftest import deviceless_tpu_devices
 
 from wan import sharding
-from wan.attention import (
+from wan.models.attention import (
     SplashBlocks,
     attention,
     balanced_block,

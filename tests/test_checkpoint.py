@@ -15,9 +15,9 @@ from jax.sharding import NamedSharding
 
 from wan import checkpoint, programs, sharding, weights
 from wan.configs import ModelConfig
+from wan.models.vae_encoder import WanVAEEncoder
 from wan.presets import PRESETS
 from wan.random_weights import random_params, write_random_checkpoint
-from wan.vae_encoder import WanVAEEncoder
 
 TINY = PRESETS["tiny"]
 

@@ -18,7 +18,7 @@ import pytest
 from conftest import TINY_SHAPE, run_cli
 
 from aot import build, gpu, plan, targets
-from wan import attention
+from wan.models import attention
 
 ROOT = Path(__file__).resolve().parent.parent
 GB = 1e9

@@ -39,12 +39,12 @@ from wan.configs import (
     VideoShape,
     WeightError,
 )
+from wan.models.text_encoder import UMT5Encoder
+from wan.models.transformer import WanTransformer
+from wan.models.vae import WanVAE
+from wan.models.vae22 import WanVAE22
 from wan.presets import PRESETS
 from wan.random_weights import write_random_checkpoint
-from wan.text_encoder import UMT5Encoder
-from wan.transformer import WanTransformer
-from wan.vae import WanVAE
-from wan.vae22 import WanVAE22
 from wan.weights import text_encoder as text_encoder_rules
 from wan.weights import transformer as transformer_rules
 from wan.weights import vae as vae_rules

@@ -45,7 +45,7 @@ def test_only_what_lowers_differently_is_compiled_again(tmp_path):
     assert set(first["programs"].values()) == {"compiled"}
 
     # A comment (and the line numbers below it) changes nothing that is lowered.
-    _edit(tree / "wan" / "transformer.py", '"""', '"""An edited docstring.\n\n')
+    _edit(tree / "wan" / "models" / "transformer.py", '"""', '"""An edited docstring.\n\n')
     assert _aot(tree, out)["skipped"]
     (tree / "wan" / "notes.py").write_text("# a new module changes no program\n")
     assert _aot(tree, out)["skipped"]

@@ -15,8 +15,8 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from wan import checkpoint, lora, programs, quant, sharding, weights
+from wan.models.quant_linear import QuantLinear
 from wan.presets import PRESETS
-from wan.quant_linear import QuantLinear
 from wan.random_weights import write_random_checkpoint
 
 RTOL = 1e-5

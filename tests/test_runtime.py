@@ -180,8 +180,8 @@ def test_loading_in_process_refuses_wrong_devices(build_copy, tiny_weights):
 def test_runtime_imports_no_model_code():
     code = (
         "import sys, runtime.cli, runtime.pipeline, runtime.loader;"
-        "bad = [m for m in sys.modules if m.startswith(('flax', 'wan.transformer', 'wan.vae',"
-        " 'wan.text_encoder', 'wan.programs', 'aot'))]; print(bad); assert not bad"
+        "bad = [m for m in sys.modules if m.startswith(('flax', 'wan.models.transformer', 'wan.models.vae',"
+        " 'wan.models.text_encoder', 'wan.programs', 'aot'))]; print(bad); assert not bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
 

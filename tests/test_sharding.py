@@ -284,7 +284,9 @@ def test_portrait_decode_has_no_all_to_all_and_no_padding_tpu(tpu_devices):
 
 
 def test_per_layer_axis_choice_is_caught(monkeypatch):
-    monkeypatch.setattr("wan.vae.constrain", BENCH.per_activation_constrain(PORTRAIT_MESH[1]))
+    monkeypatch.setattr(
+        "wan.models.vae.constrain", BENCH.per_activation_constrain(PORTRAIT_MESH[1])
+    )
     problems = portrait_violations(compile_portrait(CPU8, portrait_layout()))
     assert any("all-to-all" in p for p in problems), problems
 
@@ -460,7 +462,7 @@ def test_ulysses_all_to_alls_are_the_only_ones_at_720p():
     module = hlo.parse(compile_program(program, mesh, RULES).as_text())
     all_to_alls = [c for c in hlo.collectives(module) if c.kind == "all-to-all"]
     assert sum(c.count for c in all_to_alls) == 4 * EIGHT_HEADS.transformer.num_layers
-    assert all(c.source_file.endswith("wan/attention.py") for c in all_to_alls)
+    assert all(c.source_file.endswith("wan/models/attention.py") for c in all_to_alls)
 
 
 # Latent 8 x 6 (H x W): (1, 8) and (2, 4) shard height (6 divides by neither), (8, 1) the batch.

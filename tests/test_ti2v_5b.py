@@ -30,10 +30,10 @@ from aot.plan import BuildError, check_shape
 from runtime.artifact import read_manifest
 from wan import kinds, programs, sharding
 from wan.configs import ModelConfig, TransformerConfig, VAE22Config, VideoShape
+from wan.models.transformer import WanTransformer
+from wan.models.vae22 import WanVAE22
 from wan.presets import PRESETS
 from wan.random_weights import random_params
-from wan.transformer import WanTransformer
-from wan.vae22 import WanVAE22
 from wan.weights import flatten, import_folder, unflatten
 from wan.weights import transformer as transformer_rules
 from wan.weights import vae as vae_rules

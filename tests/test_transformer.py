@@ -12,9 +12,9 @@ from diffusers import WanTransformer3DModel
 from flax import nnx
 
 from wan.configs import TransformerConfig
+from wan.models.transformer import WanTransformer
 from wan.presets import PRESETS
 from wan.sharding import TRANSFORMER_RULES, axis_rules, make_mesh
-from wan.transformer import WanTransformer
 from wan.weights import WeightError, flatten, import_folder, import_tensors, unflatten
 from wan.weights.transformer import rule
 

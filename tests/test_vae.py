@@ -18,9 +18,9 @@ from flax import nnx
 
 from wan import sharding
 from wan.configs import VAEConfig
+from wan.models.vae import WanVAE, denormalize_latents
+from wan.models.vae_encoder import WanVAEEncoder
 from wan.presets import PRESETS
-from wan.vae import WanVAE, denormalize_latents
-from wan.vae_encoder import WanVAEEncoder
 from wan.weights import flatten, import_folder, unflatten
 from wan.weights.vae import encoder_rule, rule
 

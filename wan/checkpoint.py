@@ -159,7 +159,7 @@ def _load_orbax(
 
 
 def _quantized_kernels(flat_abstract: Mapping[weights.Path_, Any]) -> dict[weights.Path_, Any]:
-    """The 8-bit kernels of a --quant build's parameters (wan.quant_linear.QuantLinear: a
+    """The 8-bit kernels of a --quant build's parameters (wan.models.quant_linear.QuantLinear: a
     kernel of an 8-bit dtype beside its `scale`), each with the precision of its layer (its
     bias's), which the full-precision weights are read as before they are quantized."""
     return {

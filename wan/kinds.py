@@ -171,7 +171,7 @@ register(
         component="transformer",
         name="per_video",  # one timestep per video (Wan 2.1, Wan 2.2 A14B)
         config="wan.configs:TransformerConfig",
-        module="wan.transformer:WanTransformer",
+        module="wan.models.transformer:WanTransformer",
         rule="wan.weights.transformer:rule",
         module_options=("attention", "context_parallel", "quant"),
         patch=lambda config: tuple(config.patch_size),
@@ -182,7 +182,7 @@ register(
         component="vae",
         name="wan2.1",  # 16 channels, 4x time, 8x space (also Wan 2.2 A14B's)
         config="wan.configs:VAEConfig",
-        module="wan.vae:WanVAE",
+        module="wan.models.vae:WanVAE",
         rule="wan.weights.vae:rule",
         param_dtype="float32",  # the decoder's weights stay float32 (its activations do not)
         latent=_wan21_latent,
@@ -201,7 +201,7 @@ register(
         component="vae",
         name="wan2.2",  # TI2V-5B's: 48 channels, 4x time, 16x space (2x of it a pixel patch)
         config="wan.configs:VAE22Config",
-        module="wan.vae22:WanVAE22",
+        module="wan.models.vae22:WanVAE22",
         rule="wan.weights.vae:rule",  # the same module names: the same tensor mapping
         param_dtype="float32",
         latent=_wan22_latent,
@@ -213,7 +213,7 @@ register(
         component="text_encoder",
         name="umt5",
         config="wan.configs:TextEncoderConfig",
-        module="wan.text_encoder:UMT5Encoder",
+        module="wan.models.text_encoder:UMT5Encoder",
         rule="wan.weights.text_encoder:rule",
     )
 )

@@ -29,10 +29,10 @@ from flax import nnx
 
 from wan import axes, interface, kinds, schedulers, sharding
 from wan.configs import ModelConfig, VideoShape
+from wan.models.text_encoder import prompt_embeddings
+from wan.models.transformer import HIDDEN, Embedded, WanTransformer
+from wan.models.vae import WanVAE, denormalize_latents
 from wan.sharding import LATENTS, VIDEO
-from wan.text_encoder import prompt_embeddings
-from wan.transformer import HIDDEN, Embedded, WanTransformer
-from wan.vae import WanVAE, denormalize_latents
 
 Tree = Any
 Axes = tuple[str | None, ...]

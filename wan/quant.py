@@ -1,5 +1,5 @@
 """8-bit transformer Linear layers (`aot build --quant`): the one place the scheme is defined
-(the layer that runs it: wan.quant_linear). No jax: the checkpoint loader quantizes with it.
+(the layer that runs it: wan.models.quant_linear). No jax: the checkpoint loader quantizes with it.
 
 Weights: symmetric, one scale per output channel, `scale = max |w[:, j]| / QMAX` (a zero
 column gets scale 1); int8 rounds `w / scale` half to even and clips to [-127, 127]; fp8

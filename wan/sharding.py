@@ -11,11 +11,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import jax
 import numpy as np
-from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from wan import axes
@@ -29,12 +28,6 @@ VIDEO = (axes.VAE_BATCH, None, axes.VAE_HEIGHT, axes.VAE_WIDTH, None)
 LATENTS = (axes.BATCH, None, None, None, None)  # diffusion latents (B, T, h, w, C) between programs
 
 _state = threading.local()
-
-
-def logical_init(init: Callable, axes: LogicalAxes) -> Callable:
-    """An initializer whose parameters carry logical axis names (`out_sharding` metadata). They
-    are not mesh axes: the rules here map them, so flax must not shard eagerly with them."""
-    return nnx.with_partitioning(init, axes, eager_sharding=False)
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""Weight rule: transformers `UMT5EncoderModel` state dict -> `wan.text_encoder.UMT5Encoder`."""
+"""Weight rule: transformers `UMT5EncoderModel` state dict -> `wan.models.text_encoder.UMT5Encoder`."""
 
 from __future__ import annotations
 

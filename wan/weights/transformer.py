@@ -1,4 +1,4 @@
-"""diffusers `WanTransformer3DModel` state dict -> `wan.transformer.WanTransformer` params.
+"""diffusers `WanTransformer3DModel` state dict -> `wan.models.transformer.WanTransformer` params.
 
 The module tree mirrors diffusers', so the mapping is mechanical: `blocks.N.` becomes layer N
 of the stacked `blocks`, three submodules are renamed, and the leaf name and layout follow

@@ -1,5 +1,5 @@
-"""Weight rules: diffusers `AutoencoderKLWan` state dict -> `wan.vae.WanVAE` (the decode half,
-the VAE component of a model) and `wan.vae_encoder.WanVAEEncoder` (the encode half).
+"""Weight rules: diffusers `AutoencoderKLWan` state dict -> `wan.models.vae.WanVAE` (the decode half,
+the VAE component of a model) and `wan.models.vae_encoder.WanVAEEncoder` (the encode half).
 
 The module trees mirror diffusers' names, so the mapping is mechanical: `weight` -> `kernel`
 (every weight is a conv; diffusers' per-frame Conv2d layers are (1, kh, kw) Conv3d here), the

@@ -1,6 +1,6 @@
 """The Wan 2.2 video VAE's decoder (diffusers' `AutoencoderKLWan(is_residual=True,
 patch_size=2)`, TI2V-5B's) in Flax NNX, channels-last: what differs from the Wan 2.1 decoder of
-`wan.vae`, whose blocks, causal stream and single scan body it reuses.
+`wan.models.vae`, whose blocks, causal stream and single scan body it reuses.
 
 - Each up block is residual: its input, duplicated up to the block's output size (`dup_up`:
   channels spread over time and space, no weights), is added to the block's output, and its
@@ -10,7 +10,7 @@ patch_size=2)`, TI2V-5B's) in Flax NNX, channels-last: what differs from the Wan
   are 16x the latent in space (8x from the up blocks, 2x from the patch).
 
 On the first chunk diffusers keeps the last of `dup_up`'s `factor_t` frames; decoded at the
-later chunks' shapes, as `wan.vae` runs the first chunk, that frame is the last, where the real
+later chunks' shapes, as `wan.models.vae` runs the first chunk, that frame is the last, where the real
 frame is. Every reshape keeps the sharded height or width axis major, so it stays shard-local.
 The encoder is not here: text-to-video decodes only (image-to-video would need it).
 """
@@ -24,8 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from wan.configs import VAE22Config
-from wan.sharding import VIDEO, constrain
-from wan.vae import (
+from wan.models.vae import (
     Cache,
     Decoder,
     Make,
@@ -35,6 +34,7 @@ from wan.vae import (
     chain,
     pin,
 )
+from wan.sharding import VIDEO, constrain
 
 
 def dup_up(x: jax.Array, out_dim: int, factor_t: int) -> jax.Array:

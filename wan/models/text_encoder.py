@@ -15,7 +15,8 @@ from flax import nnx
 
 from wan import axes
 from wan.configs import TextEncoderConfig
-from wan.sharding import constrain, logical_init
+from wan.models.partitioned import logical_init
+from wan.sharding import constrain
 
 # Activation layouts. Prompt tokens are "kv_length" as in the transformer: short, kept whole.
 HIDDEN = (axes.BATCH, axes.KV_LENGTH, axes.ACT_EMBED)  # the residual stream (B, L, d_model)

@@ -27,13 +27,14 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from wan import axes
-from wan.attention import CONTEXT_PARALLEL
-from wan.attention import attention as multi_head_attention
-from wan.attention import resolve as resolve_attention
 from wan.configs import TransformerConfig
+from wan.models.attention import CONTEXT_PARALLEL
+from wan.models.attention import attention as multi_head_attention
+from wan.models.attention import resolve as resolve_attention
+from wan.models.partitioned import logical_init
+from wan.models.quant_linear import QuantLinear
 from wan.quant import Scheme, scheme
-from wan.quant_linear import QuantLinear
-from wan.sharding import constrain, logical_init
+from wan.sharding import constrain
 
 Axes = tuple[str | None, ...]
 KVCache = tuple[jax.Array, jax.Array]  # (keys, values), each (num_layers, B, L, inner_dim)

@@ -1,5 +1,5 @@
 """The Wan 2.1 video VAE's decoder (diffusers' `AutoencoderKLWan.decode`) in Flax NNX,
-channels-last, and the blocks its encoder shares (`wan.vae_encoder`, not part of the pipeline's
+channels-last, and the blocks its encoder shares (`wan.models.vae_encoder`, not part of the pipeline's
 programs).
 
 Video is (B, T, H, W, C). Every 3-D conv is causal in time: it sees the last CACHE_T frames of
@@ -34,7 +34,8 @@ from flax import nnx
 
 from wan import axes
 from wan.configs import VAEConfig
-from wan.sharding import VIDEO, constrain, current_spec, logical_init
+from wan.models.partitioned import logical_init
+from wan.sharding import VIDEO, constrain, current_spec
 
 CACHE_T = 2  # left context of a causal conv with temporal kernel 3
 RMS_EPS = 1e-12  # F.normalize's eps
@@ -340,7 +341,7 @@ def stream_padded_first(net: Block, chunks: jax.Array) -> jax.Array:
 class WanVAE(nnx.Module):
     """AutoencoderKLWan's decode half, what the pipeline's `vae_decode` runs: raw latents ->
     video in [-1, 1]. Its parameters are diffusers' `post_quant_conv` and `decoder`; the
-    encoder's (`encoder`, `quant_conv`) are `wan.vae_encoder.WanVAEEncoder`'s."""
+    encoder's (`encoder`, `quant_conv`) are `wan.models.vae_encoder.WanVAEEncoder`'s."""
 
     def __init__(
         self,

@@ -9,8 +9,8 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from wan import quant
+from wan.models.partitioned import logical_init
 from wan.quant import Scheme
-from wan.sharding import logical_init
 
 
 def quantized_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array, s: Scheme) -> jax.Array:

@@ -1,12 +1,12 @@
 """The Wan 2.1 video VAE's encoder (diffusers' `AutoencoderKLWan.encode`) in Flax NNX,
 channels-last: video -> latent posterior. No program of the text-to-video pipeline runs it (the
-decode component, `wan.vae.WanVAE`, holds none of its weights); it is kept for an image-to-video
+decode component, `wan.models.vae.WanVAE`, holds none of its weights); it is kept for an image-to-video
 pipeline, and tested against diffusers' encode (tests/test_vae.py).
 
 Like diffusers, video runs through the encoder chunk by chunk: the first frame alone (temporal
 downsampling is skipped on it, so its output has fewer frames), then 4 frames at a time in one
 `jax.lax.scan` whose carry is the feature cache. The blocks, the causal convs and the cache and
-sharding conventions are the decoder's (`wan.vae`).
+sharding conventions are the decoder's (`wan.models.vae`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from wan.configs import VAEConfig
-from wan.vae import (
+from wan.models.vae import (
     AttentionBlock,
     Cache,
     Make,
