@@ -9,11 +9,16 @@ import dataclasses
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from runtime.artifact import BuildKey
 from runtime.request import RequestError, check_text
+
+if TYPE_CHECKING:
+    from runtime.pipeline import GenerationReport
+    from runtime.step_cache import CacheRequest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,22 +42,19 @@ class Settings:
 
 
 class BatchPipeline(Protocol):
-    key: Any  # its `batch`: the videos one generate() makes
+    key: BuildKey  # its `batch`: the videos one generate() makes
 
-    def generate(self, prompt: Any, negative_prompt: Any, **kwargs: Any) -> tuple[Any, Any]: ...
-
-
-def group_key(build: str, settings: Settings) -> str:
-    """The requests that can share a batch: the same build and the same settings."""
-    return json.dumps([build, dataclasses.asdict(settings)], sort_keys=True)
+    def generate(
+        self, prompt: Any, negative_prompt: Any, **kwargs: Any
+    ) -> tuple[np.ndarray, GenerationReport]: ...
 
 
-def group_build(group: str) -> str:
-    return json.loads(group)[0]
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """The requests that can share a batch: the same build (by name) and the same settings."""
 
-
-def group_settings(group: str) -> Settings:
-    return Settings(**json.loads(group)[1])
+    build: str
+    settings: Settings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,12 +62,12 @@ class Waiting:
     """A queued request as the scheduler sees it."""
 
     id: str
-    group: str
+    group: Group
     created_at: float
 
 
 def next_batch(
-    queued: Sequence[Waiting], batch_of: Callable[[str], int], now: float, window: float
+    queued: Sequence[Waiting], batch_of: Callable[[Group], int], now: float, window: float
 ) -> tuple[list[Waiting], float]:
     """The batch to run now (ids of one group, oldest first) and, when there is none yet, the
     seconds to wait for one. The group whose oldest request waits longest goes first; it runs
@@ -87,8 +89,8 @@ def generate_batch(
     videos: Sequence[Video],
     settings: Settings,
     on_step: Callable[[int, int], None] | None = None,
-    cache: Any = None,
-) -> tuple[np.ndarray, Any]:
+    cache: CacheRequest | None = None,
+) -> tuple[np.ndarray, GenerationReport]:
     """The frames (N, F, H, W, 3) of up to the build's batch of `videos` in one generate()
     (`cache`: its step caching): the empty slots are filled with the last video again and their
     frames discarded."""

@@ -30,7 +30,7 @@ from runtime.outputs import OutputError, check_outputs, npy_path, staged, write_
 from runtime.request import latent_shape, read_init_noise
 from runtime.step_cache import write_mag_ratios
 from runtime.video import video_paths
-from wan.configs import ModelConfig, VideoShape
+from wan.configs import SAMPLERS, ModelConfig, VideoShape
 from wan.presets import model_spec
 
 
@@ -74,7 +74,7 @@ def cli() -> None:
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
 @click.option(
     "--sampler",
-    type=click.Choice(["unipc", "euler"]),
+    type=click.Choice(SAMPLERS),
     help="Sampler (default: the model's scheduler); a host-side table, any build serves it.",
 )
 @click.option(

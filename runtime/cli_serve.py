@@ -8,9 +8,18 @@ from pathlib import Path
 import click
 
 from runtime import cli_options, processes
-from runtime.artifact import ArtifactError, Manifest
+from runtime.artifact import ArtifactError, BuildKey, Manifest
 from runtime.cli_args import CliError
-from runtime.loader import Present, Request, candidate_builds, match_build, passed_over
+from runtime.loader import (
+    Present,
+    Request,
+    candidate_builds,
+    describe_route,
+    match_build,
+    passed_over,
+    route,
+    serving_routes,
+)
 from wan.configs import ModelConfig
 from wan.presets import model_spec
 
@@ -23,8 +32,8 @@ from wan.presets import model_spec
     "--build",
     "build_names",
     multiple=True,
-    help="Serve only these build folders (repeatable; default: every build that serves the "
-    "weights' model on these devices).",
+    help="Serve only these build folders (repeatable, one per size, frames and CFG; default: of "
+    "the builds that serve the weights' model on these devices, the largest batch of each).",
 )
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
@@ -114,28 +123,50 @@ def serve_cmd(
 def _serving_builds(
     artifacts: Path, model_hash: str, model_name: str, present: Present, names: tuple[str, ...]
 ) -> list[tuple[Path, Manifest]]:
-    """The builds to serve: those named, else one per shape among the builds of the weights'
-    model that fit `present` devices (chosen per shape as `runtime run` chooses)."""
+    """The builds to serve, one per route (runtime.loader.serving_routes, which the server routes
+    by): those named, two of one route refused; else, of the builds of the weights' model that
+    fit `present` devices, each route's largest batch (of builds of that shape, the one
+    `runtime run` would choose)."""
+    manifests = {f.name: m for f, m in candidate_builds(artifacts) if isinstance(m, Manifest)}
     if names:
-        shapes = {}
-        for folder, manifest in candidate_builds(artifacts):
-            if folder.name in names and isinstance(manifest, Manifest):
-                shapes[folder.name] = manifest.key.shape
+        named = {n: manifests[n].key for n in names if n in manifests}
+        _one_per_route(named)
         return [
-            match_build(artifacts, Request(shapes.get(n), model_hash), model_name, present, n)
-            for n in names
+            match_build(
+                artifacts,
+                Request(named[n].shape if n in named else None, model_hash),
+                model_name,
+                present,
+                n,
+            )
+            for n in dict.fromkeys(names)
         ]
-    shapes = []
-    for _, manifest in candidate_builds(artifacts):
-        if not isinstance(manifest, Manifest):
-            continue
-        fits = passed_over(manifest, Request(manifest.key.shape, model_hash), present) is None
-        if fits and manifest.key.shape not in shapes:
-            shapes.append(manifest.key.shape)
-    if not shapes:
+    fits = {
+        name: m.key
+        for name, m in manifests.items()
+        if passed_over(m, Request(m.key.shape, model_hash), present) is None
+    }
+    if not fits:
         raise ArtifactError(
             f"no build in {artifacts} serves the model of these weights on this host: build one "
             f"with `aot build --model {model_name} ... --out {artifacts}` (`runtime run` with the "
             "same shape says why each build is passed over)"
         )
-    return [match_build(artifacts, Request(s, model_hash), model_name, present) for s in shapes]
+    return [
+        match_build(artifacts, Request(fits[name].shape, model_hash), model_name, present)
+        for name in sorted(serving_routes(fits).values())
+    ]
+
+
+def _one_per_route(named: dict[str, BuildKey]) -> None:
+    """Builds named with --build serve different routes: a request picks its build by size,
+    frames and CFG only, so a second build of a route would be loaded and never used."""
+    chosen = serving_routes(named)
+    for name, key in named.items():
+        kept = chosen[route(key)]
+        if name != kept:
+            raise ArtifactError(
+                f"--build {name} and --build {kept} both serve {describe_route(route(key))} (a "
+                "request picks its build by size, frames and CFG only): name one of them, e.g. "
+                f"{kept} (batch {named[kept].batch})"
+            )

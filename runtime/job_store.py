@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from runtime.batching import Group, Settings
+
 DATABASE = "jobs.sqlite3"
 VIDEOS = "videos"
 STATUSES = ("queued", "in_progress", "completed", "failed")
@@ -41,7 +43,7 @@ class QueueFull(Exception):
 @dataclasses.dataclass(frozen=True)
 class Job:
     id: str
-    group: str  # the jobs that may share a batch (runtime.batching.group_key)
+    group: Group | None  # None: the stored group does not read (the server fails the job)
     request: dict[str, Any]
     status: str
     progress: int
@@ -80,7 +82,7 @@ class JobStore:
             ).fetchone()
         return queued
 
-    def add(self, group: str, request: dict[str, Any], max_queue: int) -> Job:
+    def add(self, group: Group, request: dict[str, Any], max_queue: int) -> Job:
         """A new queued job, unless `max_queue` jobs wait or run already (QueueFull)."""
         job_id = f"video_{secrets.token_hex(12)}"
         with self._lock, self._db:
@@ -88,7 +90,7 @@ class JobStore:
                 raise QueueFull(f"the queue is full ({max_queue} videos): retry later")
             self._db.execute(
                 "INSERT INTO jobs (id, grp, request, status, created_at) VALUES (?, ?, ?, ?, ?)",
-                (job_id, group, json.dumps(request), "queued", time.time()),
+                (job_id, _group_text(group), json.dumps(request), "queued", time.time()),
             )
         return self.get(job_id)
 
@@ -183,7 +185,7 @@ def _job(row: sqlite3.Row) -> Job:
         error = {"code": row["error_code"], "message": row["error_message"]}
     return Job(
         id=row["id"],
-        group=row["grp"],
+        group=_read_group(row["grp"]),
         request=json.loads(row["request"]),
         status=row["status"],
         progress=row["progress"],
@@ -191,3 +193,18 @@ def _job(row: sqlite3.Row) -> Job:
         completed_at=row["completed_at"],
         error=error,
     )
+
+
+def _group_text(group: Group) -> str:
+    return json.dumps([group.build, dataclasses.asdict(group.settings)], sort_keys=True)
+
+
+def _read_group(text: str) -> Group | None:
+    """A stored group (_group_text); None where the row holds none (edited by hand, damaged)."""
+    try:
+        build, settings = json.loads(text)
+        group = Group(build, Settings(**settings))
+        hash(group)  # every setting a JSON scalar
+    except (ValueError, TypeError, RecursionError):
+        return None
+    return group if isinstance(build, str) else None

@@ -8,13 +8,14 @@ import contextlib
 import dataclasses
 import importlib.metadata
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from runtime.artifact import (
     MANIFEST,
     ArtifactError,
+    BuildKey,
     Manifest,
     read_manifest,
     read_verified,
@@ -153,6 +154,29 @@ def match_build(
     lines.update(unreadable)
     head = f"{why} (builds in {artifacts}: {len(found)})"
     raise ArtifactError("\n".join([head, *(f"  {name}: {lines[name]}" for name in sorted(lines))]))
+
+
+Route = tuple[int, int, int, bool]  # (width, height, frames, CFG): what a request picks a build by
+
+
+def route(key: BuildKey) -> Route:
+    return key.width, key.height, key.frames, key.cfg
+
+
+def describe_route(r: Route) -> str:
+    width, height, frames, cfg = r
+    return f"{width}x{height} frames={frames} {'guidance>1' if cfg else 'guidance<=1'}"
+
+
+def serving_routes(keys: Mapping[str, BuildKey]) -> dict[Route, str]:
+    """For each route, the one build of `keys` (by name) that serves it: the largest batch,
+    whose generate() makes the most videos at once (of equal batches, the first name).
+    `runtime serve` loads one build of each route's shape chosen here (runtime.cli_serve) and
+    routes each request by this mapping of the builds it loaded."""
+    chosen: dict[Route, str] = {}
+    for name, key in sorted(keys.items(), key=lambda item: (-item[1].batch, item[0])):
+        chosen.setdefault(route(key), name)
+    return chosen
 
 
 def other_platforms(artifacts: Path, builds: list[tuple[Path, Manifest]], present: Present) -> str:

@@ -266,7 +266,7 @@ class Pipeline:
         else the noise of the whole batch from `seed`, or with one seed per video (a list), each
         video's from its own (video i then equals a batch-1 generation with seed[i]).
 
-        `sampler` ('unipc' or 'euler') and the flow `shift` default to the model's scheduler;
+        `sampler` (wan.configs.SAMPLERS) and the flow `shift` default to the model's scheduler;
         both only change the host-side step tables, so any build serves any choice (the
         solver order, which sizes the sampler state, is the build's). `cache`: step caching
         (a build with `--step-cache`); its report is the report's `cache`."""

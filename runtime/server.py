@@ -1,8 +1,8 @@
 """`runtime serve`: a resident video-generation service over HTTP, in the shape of OpenAI's Videos
-API. The builds are loaded once (runtime.cli chooses them), the requests are queued in a SQLite
-job store (runtime.job_store) and run in the compiled batches (runtime.batching) by one worker
-thread that calls the same `Pipeline` as `runtime run`; this module is only the HTTP layer, the
-worker loop and the drain on SIGTERM."""
+API. The builds are loaded once (runtime.cli_serve chooses them), the requests are queued in a
+SQLite job store (runtime.job_store) and run in the compiled batches (runtime.batching) by one
+worker thread that calls the same `Pipeline` as `runtime run`; this module is only the HTTP layer,
+the worker loop and the drain on SIGTERM."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -26,20 +26,17 @@ from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException
 
-from runtime.batching import (
-    Settings,
-    Video,
-    Waiting,
-    generate_batch,
-    group_build,
-    group_key,
-    group_settings,
-    next_batch,
-)
+from runtime.batching import Group, Settings, Video, Waiting, generate_batch, next_batch
 from runtime.job_store import Job, JobStore, QueueFull
+from runtime.loader import Route, describe_route, serving_routes
 from runtime.outputs import staged, write_npy
 from runtime.request import MAX_SCALE, check_text
 from runtime.video import FPS, write_mp4
+from wan.configs import SAMPLERS
+
+if TYPE_CHECKING:  # jax: imported by runtime.cli_serve once the port is bound
+    from runtime.pipeline import Pipeline
+    from runtime.step_cache import CacheRequest
 
 MAX_STEPS = 1000
 MAX_SEED = 2**63 - 1
@@ -59,7 +56,7 @@ class VideoRequest(BaseModel):
     guidance: float = Field(5.0, ge=-MAX_SCALE, le=MAX_SCALE)
     guidance_2: float | None = Field(None, ge=-MAX_SCALE, le=MAX_SCALE)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)  # None: a random one, recorded
-    sampler: Literal["unipc", "euler"] | None = None
+    sampler: Literal[SAMPLERS] | None = None
     shift: float | None = Field(None, gt=0, le=MAX_SCALE)
 
     @field_validator("prompt", "negative_prompt")
@@ -75,8 +72,8 @@ class VideoRequest(BaseModel):
             raise ValueError("give a finite number")
         return value
 
-    def shape(self) -> tuple[int, int, int, bool]:
-        """(width, height, frames, CFG): what picks the build."""
+    def shape(self) -> Route:
+        """What picks the build (runtime.loader.serving_routes)."""
         width, height = map(int, self.size.split("x"))
         return width, height, self.frames, self.guidance > 1.0
 
@@ -110,15 +107,15 @@ class Service:
 
     def __init__(
         self,
-        pipelines: dict[str, Any],
+        pipelines: dict[str, Pipeline],
         store: JobStore,
         max_queue: int,
         batch_window: float,
         compile_count: Callable[[], int],
         save_frames: bool = False,
-        cache: Any = None,
+        cache: CacheRequest | None = None,
     ):
-        """`cache`: the step caching every batch runs with (runtime.cache_request)."""
+        """`cache`: the step caching every batch runs with."""
         self.pipelines, self.store, self.save_frames = pipelines, store, save_frames
         self.cache = cache
         self.max_queue, self.batch_window, self.compile_count = (
@@ -132,17 +129,13 @@ class Service:
         self.idle.set()
         self.draining = False
         self._lock = threading.Lock()  # draining vs. the start of a batch
-        # (width, height, frames, cfg) -> the build serving it, the largest batch first.
-        self.shapes: dict[tuple[int, int, int, bool], str] = {}
-        for name, pipe in sorted(pipelines.items(), key=lambda item: -item[1].key.batch):
-            k = pipe.key
-            self.shapes.setdefault((k.width, k.height, k.frames, k.cfg), name)
+        # The rule runtime.cli_serve loaded the builds by, which gives each route one build.
+        self.shapes = serving_routes({name: pipe.key for name, pipe in pipelines.items()})
 
     def served(self) -> str:
         return ", ".join(
-            f"{w}x{h} frames={f} {'guidance>1' if cfg else 'guidance<=1'} "
-            f"(batch {self.pipelines[name].key.batch})"
-            for (w, h, f, cfg), name in sorted(self.shapes.items())
+            f"{describe_route(r)} (batch {self.pipelines[name].key.batch})"
+            for r, name in sorted(self.shapes.items())
         )
 
     def submit(self, body: VideoRequest) -> Job:
@@ -160,7 +153,7 @@ class Service:
         if request["seed"] is None:
             request["seed"] = secrets.randbelow(2**31)
         try:
-            job = self.store.add(group_key(build, body.settings()), request, self.max_queue)
+            job = self.store.add(Group(build, body.settings()), request, self.max_queue)
         except QueueFull as e:
             raise ApiError(429, "queue_full", str(e)) from None
         self.wake.set()
@@ -168,24 +161,35 @@ class Service:
 
     def video_object(self, job: Job) -> dict[str, Any]:
         """The job as the API's video object, at its build's frame rate."""
-        pipe = self.pipelines.get(group_build(job.group))
+        pipe = self.pipelines.get(job.group.build) if job.group else None
         return video_object(job, pipe.config.fps if pipe else FPS)
 
-    def fail_unserved(self) -> None:
-        """Jobs queued for a build this start does not load fail instead of waiting forever."""
+    def runnable(self) -> list[Waiting]:
+        """The queued jobs as the scheduler sees them. A job this start cannot run fails instead
+        of waiting forever: one of a build not loaded (queued by an earlier start), or one whose
+        stored group does not read."""
+        waiting = []
         for job in self.store.queued():
-            if group_build(job.group) not in self.pipelines:
+            if job.group is None:
                 self.store.fail(
-                    [job.id], "unsupported_shape", f"build {group_build(job.group)} is not served"
+                    [job.id],
+                    "unreadable_job",
+                    "its stored batch group does not read: submit the video again",
                 )
+            elif job.group.build not in self.pipelines:
+                self.store.fail(
+                    [job.id], "unsupported_shape", f"build {job.group.build} is not served"
+                )
+            else:
+                waiting.append(Waiting(job.id, job.group, job.created_at))
+        return waiting
 
     def run(self) -> None:
         """The worker loop: the next batch (runtime.batching.next_batch), until the drain."""
         while True:
-            waiting = [Waiting(j.id, j.group, j.created_at) for j in self.store.queued()]
             batch, wait = next_batch(
-                waiting,
-                lambda g: self.pipelines[group_build(g)].key.batch,
+                self.runnable(),
+                lambda g: self.pipelines[g.build].key.batch,
                 time.time(),
                 self.batch_window,
             )
@@ -209,8 +213,8 @@ class Service:
             self.draining = True
         self.wake.set()
 
-    def _run_batch(self, ids: list[str], group: str) -> None:
-        pipe = self.pipelines[group_build(group)]
+    def _run_batch(self, ids: list[str], group: Group) -> None:
+        pipe = self.pipelines[group.build]
         requests = [self.store.get(i).request for i in ids]
         self.store.start(ids)
         videos = [Video(r["prompt"], r["negative_prompt"], r["seed"]) for r in requests]
@@ -219,9 +223,7 @@ class Service:
             self.store.progress(ids, 100 * done // total)
 
         try:
-            frames, report = generate_batch(
-                pipe, videos, group_settings(group), on_step, self.cache
-            )
+            frames, report = generate_batch(pipe, videos, group.settings, on_step, self.cache)
         except Exception as e:  # any failure fails this batch's videos, not the server
             self.store.fail(ids, "generation_failed", str(e) or type(e).__name__)
             self.metrics.failed += len(ids)
@@ -276,7 +278,7 @@ def video_object(job: Job, fps: int = FPS) -> dict[str, Any]:
     return {
         "id": job.id,
         "object": "video",
-        "model": group_build(job.group),
+        "model": job.group.build if job.group else None,
         "status": job.status,
         "progress": job.progress,
         "created_at": int(job.created_at),
@@ -419,7 +421,6 @@ def serve(
     service: Service, sock: socket.socket, drain_timeout: float, log: Callable[[str], None]
 ) -> None:
     """Serve until SIGTERM (drained) or SIGINT; the jobs of an unfinished batch stay queued."""
-    service.fail_unserved()
     worker = threading.Thread(target=service.run, name="generation", daemon=True)
     worker.start()
     config = uvicorn.Config(

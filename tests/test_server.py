@@ -9,6 +9,7 @@ import io
 import os
 import signal
 import socket
+import sqlite3
 import subprocess
 import threading
 import time
@@ -20,12 +21,14 @@ import numpy as np
 import pytest
 from conftest import BIN, run_cli
 
-from runtime.batching import Settings, Video, Waiting, generate_batch, group_key, next_batch
-from runtime.job_store import JobStore, QueueFull
-from runtime.loader import Request
+from runtime.artifact import ArtifactError, BuildKey
+from runtime.batching import Group, Settings, Video, Waiting, generate_batch, next_batch
+from runtime.cli_serve import _serving_builds
+from runtime.job_store import DATABASE, JobStore, QueueFull
+from runtime.loader import Present, Request, serving_routes
 from runtime.pipeline import Pipeline
 from runtime.request import initial_latents
-from wan.configs import VideoShape
+from wan.configs import ModelConfig, VideoShape
 
 SHAPE = {"size": "64x96", "frames": 5}  # small frames: the VAE decode dominates a batch
 SMALL = ["--res", "64x96", "--frames", "5"]
@@ -134,6 +137,9 @@ def test_concurrent_requests_share_batches_and_equal_runtime_run(
         assert all(v["status"] == "queued" and v["progress"] == 0 for v in created)
         assert all(v["object"] == "video" and v["size"] == "64x96" for v in created)
         assert all("_b2_" in v["model"] for v in created)
+        # Only the build that serves the shape is loaded, not the batch-1 one beside it.
+        [served] = server.client.get("/healthz").json()["builds"]
+        assert "_b2_" in served
 
         bad = [
             {**request(0), "size": "64by96"},
@@ -279,8 +285,44 @@ def test_kill_9_mid_batch_then_restart(small_builds, tiny_weights, tmp_path):
 # In-process pieces: scheduling, the store, a batch's slots and seeds, a failed batch.
 
 
+def _key(width: int, frames: int, batch: int, cfg: bool = True) -> BuildKey:
+    return BuildKey("tiny", width, 96, frames, batch, cfg, "cpu-8", (), (1, 1), "width", "dot")
+
+
+def test_one_build_serves_each_route():
+    """Per (width, height, frames, CFG) the largest batch; one batch: the first name."""
+    keys = {"a_b1": _key(64, 5, 1), "a_b4": _key(64, 5, 4), "a_b2": _key(64, 5, 2),
+            "nocfg_b1": _key(64, 5, 1, cfg=False), "f9_b1": _key(64, 9, 1),
+            "w32_b2": _key(32, 5, 2), "w32_b2_other": _key(32, 5, 2)}  # fmt: skip
+    assert serving_routes(keys) == {
+        (64, 96, 5, True): "a_b4",
+        (64, 96, 5, False): "nocfg_b1",
+        (64, 96, 9, True): "f9_b1",
+        (32, 96, 5, True): "w32_b2",
+    }
+    assert serving_routes({}) == {}
+
+
+def test_serve_loads_only_the_builds_it_routes_to(small_builds, tiny_weights):
+    """Batch 1 and 2 of one shape: only the batch-2 build loads; naming both is one line."""
+    model_hash = ModelConfig.from_folder(tiny_weights).hash()
+    builds = _serving_builds(small_builds, model_hash, "tiny", Present.host_cpu(), ())
+    assert [m.key.batch for _, m in builds] == [2]
+    names = tuple(sorted(p.name for p in small_builds.iterdir() if not p.name.startswith(".")))
+    assert len(names) == 2 and "_b1_" in names[0] and "_b2_" in names[1]
+    named = _serving_builds(small_builds, model_hash, "tiny", Present.host_cpu(), names[:1])
+    assert [f.name for f, _ in named] == [names[0]]  # a batch-1 build alone, when named
+    with pytest.raises(ArtifactError) as refused:
+        _serving_builds(small_builds, model_hash, "tiny", Present.host_cpu(), names)
+    assert str(refused.value) == (
+        f"--build {names[0]} and --build {names[1]} both serve 64x96 frames=5 guidance>1 (a "
+        "request picks its build by size, frames and CFG only): name one of them, e.g. "
+        f"{names[1]} (batch 2)"
+    )
+
+
 def test_next_batch_oldest_group_first_and_window():
-    a, b = group_key("b2", Settings(steps=3)), group_key("b2", Settings(steps=4))
+    a, b = Group("b2", Settings(steps=3)), Group("b2", Settings(steps=4))
     queued = [Waiting("1", b, 10.0), Waiting("2", a, 11.0), Waiting("3", b, 12.0),
               Waiting("4", b, 13.0)]  # fmt: skip
     batch, _ = next_batch(queued, lambda g: 2, now=11.0, window=5.0)
@@ -334,9 +376,10 @@ def test_per_video_seeds_are_batch_one_noise():
 
 def test_job_store_recovers_and_bounds_the_queue(tmp_path):
     store = JobStore(tmp_path)
-    jobs = [store.add("g", {"n": i}, max_queue=3) for i in range(3)]
+    group = Group("g", Settings(steps=3, guidance=1.0, sampler="euler", shift=3.0))
+    jobs = [store.add(group, {"n": i}, max_queue=3) for i in range(3)]
     with pytest.raises(QueueFull):
-        store.add("g", {}, max_queue=3)
+        store.add(group, {}, max_queue=3)
     store.start([jobs[0].id, jobs[1].id])
     store.complete(jobs[0].id)
     (store.videos / f".{jobs[1].id}.mp4.abc.partial").write_bytes(b"half")
@@ -345,6 +388,7 @@ def test_job_store_recovers_and_bounds_the_queue(tmp_path):
     assert store.recover() == 2
     assert [j.id for j in store.queued()] == [jobs[1].id, jobs[2].id]
     assert store.get(jobs[0].id).status == "completed"
+    assert {j.group for j in store.jobs()} == {group}  # read back as written
     assert not list(store.videos.iterdir())
     assert store.delete_queued(jobs[2].id) and not store.delete_queued(jobs[0].id)
 
@@ -357,10 +401,10 @@ def test_failed_batch_fails_its_videos_and_serving_goes_on(tmp_path):
     for pipe, (w, h) in zip(pipelines.values(), [(64, 96), (96, 64)], strict=True):
         pipe.key.width, pipe.key.height, pipe.key.frames, pipe.key.cfg = w, h, 5, True
     service = Service(pipelines, store, max_queue=8, batch_window=0.0, compile_count=lambda: 0)
-    bad = [store.add(group_key("bad", Settings(steps=3)), {"prompt": "p", "negative_prompt": "",
-                                                           "seed": i}, 8) for i in range(2)]  # fmt: skip
-    good = store.add(group_key("good", Settings(steps=3)), {"prompt": "q", "negative_prompt": "",
-                                                           "seed": 1}, 8)  # fmt: skip
+    bad = [store.add(Group("bad", Settings(steps=3)), {"prompt": "p", "negative_prompt": "",
+                                                       "seed": i}, 8) for i in range(2)]  # fmt: skip
+    good = store.add(Group("good", Settings(steps=3)), {"prompt": "q", "negative_prompt": "",
+                                                       "seed": 1}, 8)  # fmt: skip
     worker = threading.Thread(target=service.run, daemon=True)
     worker.start()
     deadline = time.monotonic() + 60
@@ -374,3 +418,63 @@ def test_failed_batch_fails_its_videos_and_serving_goes_on(tmp_path):
     ] * 2
     assert service.metrics.failed == 2 and service.metrics.completed == 1
     assert "wan_videos_failed_total 2" in service.metrics_text()
+
+
+@pytest.mark.parametrize(
+    "stored",
+    ["not json", "[]", '["good"]', '{"a": 1, "b": 2}', '["good", {"colour": 1}]',
+     '["good", {"steps": [3]}]', '[7, {"steps": 3}]', "[" * 100_000],
+)  # fmt: skip
+def test_a_stored_group_that_does_not_read_fails_its_job_only(tmp_path, stored):
+    """A damaged row in the job database: the server starts, lists it, fails it with a reason
+    and runs the others; a job of a build not loaded fails too."""
+    from runtime.server import Service
+
+    store = JobStore(tmp_path)
+    request = {"prompt": "q", "negative_prompt": "", "seed": 1, "size": "64x96", "frames": 5,
+               "steps": 3}  # fmt: skip
+    damaged, good = (store.add(Group("good", Settings(steps=3)), request, 8) for _ in range(2))
+    gone = store.add(Group("gone", Settings(steps=3)), request, 8)
+    with sqlite3.connect(tmp_path / DATABASE) as db:
+        db.execute("UPDATE jobs SET grp=? WHERE id=?", (stored, damaged.id))
+    store.close()
+    store = JobStore(tmp_path)  # a restart
+    assert store.recover() == 3 and store.get(damaged.id).group is None
+    pipe = FakePipeline(1)
+    pipe.key.width, pipe.key.height, pipe.key.frames, pipe.key.cfg = 64, 96, 5, True
+    service = Service({"good": pipe}, store, max_queue=8, batch_window=0.0, compile_count=lambda: 0)
+    assert [service.video_object(j)["model"] for j in store.jobs()] == ["gone", "good", None]
+    worker = threading.Thread(target=service.run, daemon=True)
+    worker.start()
+    deadline = time.monotonic() + 60
+    while store.get(good.id).status != "completed":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    service.drain()
+    worker.join(10)
+    assert store.get(damaged.id).error == {
+        "code": "unreadable_job",
+        "message": "its stored batch group does not read: submit the video again",
+    }
+    assert store.get(gone.id).error == {
+        "code": "unsupported_shape",
+        "message": "build gone is not served",
+    }
+    assert {store.get(j.id).status for j in (damaged, gone)} == {"failed"}
+
+
+def test_the_samplers_are_listed_once():
+    """The HTTP request, `runtime run --sampler` and the scheduler config read one list."""
+    import pydantic
+
+    from runtime.cli import run_cmd
+    from runtime.server import VideoRequest
+    from wan.configs import SAMPLERS, SchedulerConfig
+
+    body = {"prompt": "p", "size": "64x96", "frames": 5}
+    assert [VideoRequest(**body, sampler=s).sampler for s in SAMPLERS] == list(SAMPLERS)
+    with pytest.raises(pydantic.ValidationError):
+        VideoRequest(**body, sampler="ddim")
+    [option] = [p for p in run_cmd.params if p.name == "sampler"]
+    assert tuple(option.type.choices) == SAMPLERS
+    assert SchedulerConfig().kind in SAMPLERS

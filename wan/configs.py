@@ -260,11 +260,16 @@ class TextEncoderConfig(ComponentConfig):
         }
 
 
+# The samplers (wan.schedulers): 'unipc' is diffusers' UniPCMultistepScheduler, 'euler' its
+# FlowMatchEulerDiscreteScheduler. Here, jax-free, for the runtime's options and requests.
+SAMPLERS = ("unipc", "euler")
+
+
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig(StrictConfig):
-    """Sampler settings. `kind` is 'unipc' (diffusers UniPCMultistepScheduler) or 'euler'."""
+    """Sampler settings. `kind` is one of SAMPLERS."""
 
-    kind: str = "unipc"
+    kind: str = SAMPLERS[0]
     num_train_timesteps: int = 1000
     flow_shift: float = 5.0
     solver_order: int = 2
@@ -298,8 +303,8 @@ class SchedulerConfig(StrictConfig):
 
     def validate(self) -> None:
         require(
-            self.kind in ("unipc", "euler"),
-            f"kind is {excerpt(self.kind)}, expected unipc or euler",
+            self.kind in SAMPLERS,
+            f"kind is {excerpt(self.kind)}, expected one of {', '.join(SAMPLERS)}",
         )
 
     @classmethod

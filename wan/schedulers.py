@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from wan.configs import SchedulerConfig
+from wan.configs import SAMPLERS, SchedulerConfig
 
 # diffusers pulls a first sigma of exactly 1 down by this, so that log(alpha) stays finite.
 _UNIPC_SIGMA_MAX_EPS = 1e-6
@@ -170,7 +170,9 @@ def make_tables(cfg: SchedulerConfig, num_steps: int) -> SamplerTables:
             p_sample[i], p_x0[i], w = _uni_bh2(lam, alpha, sig, i + 1, here, corrector=False)
             p_hist[i, : len(w)] = w
     else:
-        raise ValueError(f"unknown sampler kind {cfg.kind!r}: expected 'unipc' or 'euler'")
+        raise ValueError(
+            f"unknown sampler kind {cfg.kind!r}: expected one of {', '.join(SAMPLERS)}"
+        )
     tables = dict(
         timesteps=timesteps, sigmas=sigmas, keep=keep, c_last=c_last, c_x0=c_x0, c_hist=c_hist,
         p_sample=p_sample, p_x0=p_x0, p_hist=p_hist,
