@@ -46,8 +46,8 @@ def measured(repeats: int, steps: int) -> dict:
 
     targets.prepare_environment(targets.parse_target("cpu-8"))
     from runtime.artifact import read_manifest
-    from runtime.cache_request import CacheRequest
     from runtime.pipeline import Pipeline
+    from runtime.step_cache import MAGCACHE, CacheRequest
     from wan.configs import ModelConfig
 
     shape = ["--res", "320x192", "--frames", "17", "--batch", "1"]
@@ -65,9 +65,9 @@ def measured(repeats: int, steps: int) -> dict:
         def run(cache: CacheRequest | None):
             return pipe.generate(PROMPT, steps=steps, guidance=5.0, cache=cache)[1]
 
-        calibrate = CacheRequest(kind="magcache", threshold=0.06, calibrate=True)
+        calibrate = CacheRequest(kind=MAGCACHE, threshold=0.06, calibrate=True)
         ratios = run(calibrate).cache.mag_ratios
-        magcache = CacheRequest(kind="magcache", threshold=0.06, mag_ratios=ratios)
+        magcache = CacheRequest(kind=MAGCACHE, threshold=0.06, mag_ratios=ratios)
         run(None)  # warm both paths once before timing
         uncached, cached, skipped = [], [], None
         for _ in range(repeats):
@@ -90,7 +90,7 @@ def deviceless(steps: int) -> dict:
     """Full vs cached step FLOPs of a 14B 720p tpu-v6e-8 build, and MagCache's transformer work
     per video with the shipped Wan 2.1 14B ratios."""
     from runtime.artifact import read_manifest
-    from runtime.step_cache import MagCacheSettings, shipped_mag_ratios, skipped_steps
+    from runtime.step_cache import MagCache, MagCacheSettings, shipped_mag_ratios
 
     shape = ["--res", "1280x720", "--frames", "81", "--batch", "1"]
     with tempfile.TemporaryDirectory() as tmp:
@@ -99,7 +99,8 @@ def deviceless(steps: int) -> dict:
     full, cached = (manifest.programs[n] for n in ("cache_step", "cached_step"))
     full_flops, cached_flops = (p.flops + p.kernel_flops for p in (full, cached))
     ratios = shipped_mag_ratios("wan2.1-t2v-14b", ["transformer"])
-    skipped = skipped_steps(MagCacheSettings(), ratios, ["transformer"] * steps)
+    cache = MagCache(MagCacheSettings(), ratios["transformer"], steps)
+    skipped = [i for i in range(steps) if cache.skip_next()]
     peak = manifest.peak_flops
     uncached_seconds = steps * full_flops / peak
     cached_seconds = ((steps - len(skipped)) * full_flops + len(skipped) * cached_flops) / peak

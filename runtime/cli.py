@@ -20,15 +20,14 @@ import click
 import numpy as np
 from tqdm import tqdm
 
-from runtime import cli_options, cli_serve, clock, processes
+from runtime import cli_options, cli_serve, clock, processes, step_cache
 from runtime.artifact import ArtifactError, Manifest
 from runtime.batching import PromptLine, Settings, generate_batch, read_prompts_file
-from runtime.cache_request import CacheRequest
 from runtime.cli_args import CliError, OneLineErrors, parse_resolution
 from runtime.loader import Present, Request, match_build
 from runtime.outputs import OutputError, check_outputs, npy_path, staged, write_npy
 from runtime.request import latent_shape, read_init_noise
-from runtime.step_cache import write_mag_ratios
+from runtime.step_cache import CacheRequest, write_mag_ratios
 from runtime.video import video_paths
 from wan.configs import SAMPLERS, ModelConfig, VideoShape
 from wan.presets import model_spec
@@ -167,9 +166,9 @@ def run_cmd(
         config = ModelConfig.from_folder(weights)
         request = Request(VideoShape(width, height, frames, batch, guidance > 1.0), config.hash())
         lora.check_experts(config.num_experts, loras_2)
-        cache_request = cli_options.cache_request(
-            cache, cache_threshold, cache_max_skip, cache_retention, mag_ratios, calibrate_path,
-            config.num_experts,
+        cache_request = step_cache.from_options(
+            cache, cache_threshold, cache_max_skip, cache_retention, mag_ratios,
+            calibrate_path is not None, config.num_experts,
         )  # fmt: skip
     except (ValueError, OSError) as e:  # LoraError is a ValueError
         raise CliError(str(e)) from None
@@ -178,8 +177,8 @@ def run_cmd(
     folder, manifest = cli_options.start(
         match, coordinator, num_processes, process_id, join_timeout
     )
-    cache_request = cli_options.with_cache_ratios(
-        manifest.key, cache_request, config, model_spec(config, weights), artifacts
+    cache_request = step_cache.resolve(
+        manifest.key, cache_request, config.num_experts, model_spec(config, weights), artifacts
     )
     from runtime.pipeline import Pipeline
     from wan.tokenizer import TokenizerError

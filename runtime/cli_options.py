@@ -4,21 +4,17 @@ starts jax for the build it serves."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import click
 
 from runtime import processes
 from runtime.artifact import Manifest
-from runtime.cache_request import DEFAULT_THRESHOLDS, CacheRequest, check_cache
 from runtime.cli_args import CliError
 from runtime.loader import Present
 from runtime.request import check_finite, check_text
-from runtime.step_cache import MagCacheSettings, read_mag_ratios
-from wan import interface
+from runtime.step_cache import KINDS, MagCacheSettings
 
 
 def utf8_text(ctx: click.Context, param: click.Parameter, text: str | None) -> str | None:
@@ -52,20 +48,23 @@ LORA = click.option(
     metavar="FILE[:SCALE]",
     help="A LoRA merged into the transformer at load (repeatable; scales add up; default 1).",
 )
-# Step caching's options (runtime.cache_request), shared by `run` and `serve`.
+# Step caching's options, shared by `run` and `serve`; runtime.step_cache.from_options reads them.
 CACHE_OPTIONS = [
     click.option(
         "--cache",
-        type=click.Choice(["magcache", "fbcache"]),
-        help="Step caching (a build with --step-cache): skip the transformer blocks on steps where "
-        "their residual is predicted (MagCache) or the first block's barely changed (fbcache).",
+        type=click.Choice(list(KINDS)),
+        help="Step caching (a build with --step-cache): skip a step's transformer blocks when "
+        + "; ".join(f"{name}: {kind.skips_when}" for name, kind in KINDS.items())
+        + ".",
     ),
     click.option(
         "--cache-threshold",
         type=float,
         callback=finite,
-        help="MagCache: accumulated error allowed (default 0.06); fbcache: the first block's "
-        "relative change under which a step reuses the other blocks (default 0.05).",
+        help="; ".join(
+            f"{name}: {kind.threshold_means} (default {kind.threshold})"
+            for name, kind in KINDS.items()
+        ),
     ),
     click.option(
         "--cache-max-skip",
@@ -94,48 +93,6 @@ def cache_options(command: Callable) -> Callable:
     for option in reversed(CACHE_OPTIONS):
         command = option(command)
     return command
-
-
-def cache_request(
-    cache: str | None,
-    threshold: float | None,
-    max_skip: int,
-    retention: float,
-    mag_ratios: Path | None,
-    calibrate_path: Path | None,
-    num_experts: int,
-) -> CacheRequest | None:
-    """The step caching asked for, its ratios file read and checked."""
-    if cache is None:
-        if threshold is not None or mag_ratios or calibrate_path:
-            raise CliError(
-                "--cache-threshold, --mag-ratios and --calibrate-mag-ratios need --cache"
-            )
-        return None
-    if cache != "magcache" and (mag_ratios or calibrate_path):
-        raise CliError(
-            "--mag-ratios and --calibrate-mag-ratios are MagCache's: use --cache magcache"
-        )
-    if mag_ratios and calibrate_path:
-        raise CliError("--calibrate-mag-ratios measures the ratios: leave out --mag-ratios")
-    experts = interface.components(num_experts)[1:-1]
-    return CacheRequest(
-        kind=cache,
-        threshold=DEFAULT_THRESHOLDS[cache] if threshold is None else threshold,
-        max_skip=max_skip,
-        retention=retention,
-        mag_ratios=read_mag_ratios(mag_ratios, experts) if mag_ratios else None,
-        calibrate=calibrate_path is not None,
-    )
-
-
-def with_cache_ratios(
-    key: Any, request: CacheRequest | None, config: Any, model: str, artifacts: Path
-) -> CacheRequest | None:
-    """`request` checked against the build of `key` before any weight loads (a build without
-    step caching, a model without ratios: one line), with MagCache's ratios resolved."""
-    ratios = check_cache(key, request, config.num_experts, model, str(artifacts))
-    return request if ratios is None else dataclasses.replace(request, mag_ratios=ratios)
 
 
 def start(

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from runtime import cli_options, processes
+from runtime import cli_options, processes, step_cache
 from runtime.artifact import ArtifactError, BuildKey, Manifest
 from runtime.cli_args import CliError
 from runtime.loader import (
@@ -79,8 +79,8 @@ def serve_cmd(
     loras = cli_options.loras(lora_args, "--lora")
     config = ModelConfig.from_folder(weights)
     model_name = model_spec(config, weights)
-    cache_request = cli_options.cache_request(
-        cache, cache_threshold, cache_max_skip, cache_retention, mag_ratios, None,
+    cache_request = step_cache.from_options(
+        cache, cache_threshold, cache_max_skip, cache_retention, mag_ratios, False,
         config.num_experts,
     )  # fmt: skip
 
@@ -100,8 +100,8 @@ def serve_cmd(
     served = builds(Present.of(jax.devices()))
     # Before any weight loads: every build served takes the cache (its ratios read once).
     for _, manifest in served if cache_request else ():
-        cache_request = cli_options.with_cache_ratios(
-            manifest.key, cache_request, config, model_name, artifacts
+        cache_request = step_cache.resolve(
+            manifest.key, cache_request, config.num_experts, model_name, artifacts
         )
     placed: dict = {}
     pipelines = {

@@ -21,10 +21,10 @@ import numpy as np
 
 from runtime import clock
 from runtime.artifact import ArtifactError, BuildKey, Manifest
-from runtime.cache_request import CacheOutcome, CacheRequest, check_cache
 from runtime.denoise import Denoiser, place
 from runtime.loader import Present, Request, load_build, match_build
 from runtime.request import RequestError, check_settings, check_text, initial_latents
+from runtime.step_cache import CacheOutcome, CacheRequest, StepCache, resolve
 from wan import checkpoint, interface, lora, schedulers, tokenizer
 from wan.configs import ModelConfig, SchedulerConfig
 from wan.errors import InputError
@@ -272,7 +272,7 @@ class Pipeline:
         (a build with `--step-cache`); its report is the report's `cache`."""
         started_at, start = time.time(), time.perf_counter()
         check_settings(guidance, guidance_2, shift)
-        ratios = check_cache(
+        cache = resolve(
             self.key, cache, self.config.num_experts, model_spec(self.config, self.key.model)
         )
         texts = self._texts(prompt, negative_prompt)
@@ -287,10 +287,9 @@ class Pipeline:
         tables = schedulers.make_tables(scheduler, steps)
         state = schedulers.init_state(scheduler, latent_shape)
         experts, expert_at = self._experts(tables, guidance, guidance_2)
-        denoiser = Denoiser(
-            self._run, self.exe, step, self.config.transformer.num_layers, self.key.cfg, cache,
-            ratios, [expert_at(i)[0] for i in range(steps)],
-        )  # fmt: skip
+        step_experts = [expert_at(i)[0] for i in range(steps)]
+        step_cache = StepCache(cache, step, step_experts, self.config.transformer.num_layers)
+        denoiser = Denoiser(self._run, self.exe, step_cache, self.key.cfg)
         marks = {}  # phase -> seconds from start to its end
         with no_compilation() as counter:
             emb = self._encode(texts)
@@ -302,7 +301,7 @@ class Pipeline:
             frames = self._decode(x)
             marks["vae_decode"] = time.perf_counter() - start
         report = self._report(counter.count, started_at, marks, steps, scheduler)
-        return frames, dataclasses.replace(report, cache=denoiser.outcome(steps))
+        return frames, dataclasses.replace(report, cache=step_cache.outcome(steps))
 
     def _report(
         self,

@@ -1,4 +1,7 @@
-"""Step caching's host-side policy: MagCache's decisions, its magnitude ratios and calibration.
+"""Step caching's host side, in one place: the kinds a generation may ask for (`KINDS`), the
+request built from the options and checked against the build (`CacheRequest`, `from_options`,
+`resolve`), the program each step runs and what the steps skipped (`StepCache`,
+`CacheOutcome`), MagCache's decisions (`MagCache`), its calibration and its ratio files.
 
 MagCache skips a denoise step's transformer blocks (the step then adds the last computed
 residual to the blocks' input) while the error accumulated from calibrated magnitude ratios
@@ -6,13 +9,17 @@ stays small. The decisions follow from the ratios, the settings and the step ind
 host makes them and nothing on the devices branches. They are diffusers' MagCache hook's
 (`diffusers.hooks.mag_cache`, `MagCacheConfig`) exactly, in its float32 arithmetic; a
 two-expert model keeps one cache per expert, each counting its own steps (diffusers' per-module
-hook state). docs/step_cache.md says where the shipped ratios come from."""
+hook state). The first-block cache's decision depends on the first block's output, so
+`cache_step` makes it on the devices under the threshold chosen here. No jax: the CLI checks a
+request before jax starts. docs/step_cache.md says where the shipped ratios come from."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
+import shlex
 from collections.abc import Mapping, Sequence
 from importlib import resources
 from pathlib import Path
@@ -20,20 +27,27 @@ from typing import Any
 
 import numpy as np
 
+from runtime.artifact import BuildKey
 from runtime.outputs import staged
+from wan import interface
 from wan.errors import InputError
 
+MAGCACHE, FBCACHE = "magcache", "fbcache"  # the kinds (KINDS); no kind: every block runs
 MAX_RATIOS = 10_000  # ratios per expert: one per step; real lists hold 40-50
 MAX_RATIOS_FILE_BYTES = 1 << 20  # two lists of MAX_RATIOS numbers fit in under half of it
 CALIBRATE = (
-    "calibrate them once with `runtime run ... --cache magcache --calibrate-mag-ratios "
+    f"calibrate them once with `runtime run ... --cache {MAGCACHE} --calibrate-mag-ratios "
     "OUT.json`, then pass `--mag-ratios OUT.json`"
 )
 _NORM_EPSILON = np.float32(1e-8)  # diffusers' calibrate mode: curr / (prev + 1e-8)
+ALWAYS_COMPUTE = -1.0  # a first-block cache threshold no relative change is under
+FULL_STEP = "denoise_step"  # a build without step caching runs only this
+CACHE_STEP, CACHED_STEP = interface.STEP_CACHE_PROGRAMS[FULL_STEP]  # compute / reuse residuals
 
 
 class StepCacheError(InputError):
-    """A step cache setting or ratios file that cannot be used; the message says what to pass."""
+    """A step caching option, request or ratios file that cannot be used; the message says what
+    to pass."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -46,13 +60,8 @@ class MagCacheSettings:
     retention: float = 0.2  # the fraction of the first steps never skipped
 
     def __post_init__(self) -> None:
-        t, k, r = _number(self.threshold), self.max_skip, _number(self.retention)
-        _require(
-            t is not None and 0 <= t < math.inf,
-            "--cache-threshold",
-            self.threshold,
-            "a finite number >= 0 (default 0.06)",
-        )
+        k, r = self.max_skip, _number(self.retention)
+        _check_threshold(self.threshold, MAGCACHE)
         _require(_is_int(k) and k >= 0, "--cache-max-skip", k, "an integer >= 0 (default 3)")
         _require(
             r is not None and 0 <= r <= 1,
@@ -82,6 +91,142 @@ def _number(value: Any) -> float | None:
 def _require(ok: bool, flag: str, value: Any, wanted: str) -> None:
     if not ok:
         raise StepCacheError(f"{flag} {repr(value)[:40]} cannot be used: give {flag} {wanted}")
+
+
+def _kind(name: str) -> CacheKind:
+    _require(name in KINDS, "--cache", name, f"one of {', '.join(KINDS)}")
+    return KINDS[name]
+
+
+def _check_threshold(value: Any, kind: str) -> None:
+    t, wanted = _number(value), _kind(kind)
+    _require(
+        t is not None and 0 <= t < math.inf,
+        "--cache-threshold",
+        value,
+        f"a finite number >= 0 ({kind}: {wanted.threshold_means}; default {wanted.threshold})",
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheKind:
+    """A way to skip steps' transformer blocks (`--cache NAME`)."""
+
+    threshold: float  # --cache-threshold's default
+    threshold_means: str  # what --cache-threshold bounds
+    skips_when: str  # when a step's blocks are skipped
+
+
+# The one list of cache kinds: the CLI's choices and help, the requests' defaults and checks.
+KINDS: dict[str, CacheKind] = {
+    MAGCACHE: CacheKind(
+        MagCacheSettings.threshold,
+        "the accumulated error a skip may carry",
+        "the calibrated ratios predict their residual",
+    ),
+    FBCACHE: CacheKind(
+        0.05,  # diffusers' FirstBlockCacheConfig default
+        "the first block's relative change under which the others are reused",
+        "the first block's output barely changed",
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CacheRequest:
+    """Step caching asked for a generation (`runtime run --cache ...`, `Pipeline.generate`)."""
+
+    kind: str  # one of KINDS
+    threshold: float  # the kind's (KINDS[kind].threshold_means)
+    max_skip: int = MagCacheSettings.max_skip  # MagCache: most consecutive skips
+    retention: float = MagCacheSettings.retention  # MagCache: first steps kept
+    mag_ratios: Mapping[str, Sequence[float]] | None = None  # per expert; None: shipped ratios
+    calibrate: bool = False  # MagCache: skip nothing, measure this model's ratios
+
+    def __post_init__(self) -> None:
+        _check_threshold(self.threshold, self.kind)  # an unknown kind fails there too
+        if self.kind == MAGCACHE:
+            self.magcache_settings()  # checks max_skip and retention
+
+    def magcache_settings(self) -> MagCacheSettings:
+        return MagCacheSettings(
+            threshold=self.threshold, max_skip=self.max_skip, retention=self.retention
+        )
+
+    def settings(self) -> dict[str, float | int]:
+        """The settings the kind reads, for the report."""
+        if self.kind == MAGCACHE:
+            return self.magcache_settings().to_json()
+        return {"threshold": self.threshold}
+
+
+def from_options(
+    kind: str | None,
+    threshold: float | None,
+    max_skip: int,
+    retention: float,
+    mag_ratios: Path | None,
+    calibrate: bool,
+    num_experts: int,
+) -> CacheRequest | None:
+    """The step caching that `--cache`, `--cache-threshold`, `--cache-max-skip`,
+    `--cache-retention`, `--mag-ratios` and `--calibrate-mag-ratios` (`calibrate`) ask for,
+    the ratios file read and checked; one line for options that do not go together."""
+    if kind is None:
+        if threshold is not None or mag_ratios or calibrate:
+            raise StepCacheError(
+                "--cache-threshold, --mag-ratios and --calibrate-mag-ratios need --cache"
+            )
+        return None
+    default = _kind(kind).threshold
+    if kind != MAGCACHE and (mag_ratios or calibrate):
+        raise StepCacheError(
+            f"--mag-ratios and --calibrate-mag-ratios are MagCache's: use --cache {MAGCACHE}"
+        )
+    if mag_ratios and calibrate:
+        raise StepCacheError("--calibrate-mag-ratios measures the ratios: leave out --mag-ratios")
+    return CacheRequest(
+        kind=kind,
+        threshold=default if threshold is None else threshold,
+        max_skip=max_skip,
+        retention=retention,
+        mag_ratios=read_mag_ratios(mag_ratios, _transformers(num_experts)) if mag_ratios else None,
+        calibrate=calibrate,
+    )
+
+
+def resolve(
+    key: BuildKey,
+    request: CacheRequest | None,
+    num_experts: int,
+    model: str,
+    artifacts: str | Path = "ARTIFACTS",
+) -> CacheRequest | None:
+    """`request` checked against the build of `key` before any weight loads, with MagCache's
+    ratios per expert (given, else shipped for `model`, a preset name or a weights folder); one
+    line naming what to change otherwise."""
+    if request is None:
+        return None
+    if not key.option("step_cache"):
+        command = key.with_options(step_cache=True).build_argv(model, artifacts)
+        raise StepCacheError(
+            f"--cache {request.kind} needs a build with step caching (--step-cache); "
+            f"make it with: {shlex.join(command)}"
+        )
+    if request.kind != MAGCACHE or request.calibrate:
+        return request
+    experts = _transformers(num_experts)
+    if request.mag_ratios is None:
+        return dataclasses.replace(request, mag_ratios=shipped_mag_ratios(model, experts))
+    if missing := [e for e in experts if e not in request.mag_ratios]:
+        raise StepCacheError(f"the MagCache ratios have no list for {', '.join(missing)}")
+    return dataclasses.replace(
+        request, mag_ratios={e: tuple(request.mag_ratios[e]) for e in experts}
+    )
+
+
+def _transformers(num_experts: int) -> tuple[str, ...]:
+    return interface.components(num_experts)[1:-1]
 
 
 def interpolate_ratios(ratios: Sequence[float], steps: int) -> np.ndarray:
@@ -133,20 +278,6 @@ class MagCache:
         return bool(skip)
 
 
-def skipped_steps(
-    settings: MagCacheSettings,
-    ratios: Mapping[str, Sequence[float]],
-    step_experts: Sequence[str],
-) -> tuple[int, ...]:
-    """The (global) indices of the steps MagCache skips, `step_experts[i]` naming the expert
-    that runs step i: one cache per expert, over the steps it runs."""
-    caches = {
-        expert: MagCache(settings, ratios[expert], step_experts.count(expert))
-        for expert in dict.fromkeys(step_experts)
-    }
-    return tuple(i for i, expert in enumerate(step_experts) if caches[expert].skip_next())
-
-
 class MagCalibration:
     """diffusers' MagCache calibrate mode, per expert: each computed step's ratio is 1.0 for the
     expert's first step, else mean(norm / (previous norm + 1e-8)) over the per-token residual
@@ -169,6 +300,83 @@ class MagCalibration:
     def ratios(self) -> dict[str, tuple[float, ...]]:
         """Each expert's ratios so far, in the order experts first ran."""
         return {expert: tuple(values) for expert, values in self._ratios.items()}
+
+
+@dataclasses.dataclass
+class CacheOutcome:
+    """What step caching did in one generation (GenerationReport.cache)."""
+
+    cache: str | None  # one of KINDS; None: off
+    settings: dict[str, float | int]
+    skipped_steps: list[int]  # step indices whose blocks did not run (fbcache: after the first)
+    block_steps_run: int  # transformer blocks run, summed over the steps
+    block_steps_total: int  # what running every block of every step takes
+    mag_ratios: dict[str, tuple[float, ...]] | None = None  # calibrate: the ratios per expert
+
+
+class StepCache:
+    """Step caching over one generation: the program each step runs and what the steps
+    skipped. `step_program`: the build's full step (FULL_STEP: a build without step caching);
+    `request` None: no caching; `step_experts[i]`: the expert that runs step i."""
+
+    def __init__(
+        self,
+        request: CacheRequest | None,
+        step_program: str,
+        step_experts: Sequence[str],
+        num_layers: int,
+    ) -> None:
+        self.request, self.step_program, self.num_layers = request, step_program, num_layers
+        # MagCache stretches an expert's ratios over the steps that expert runs.
+        self._expert_steps = collections.Counter(step_experts)
+        self._mag: dict[str, MagCache] = {}
+        self._started: set[str] = set()  # experts that ran a step: their residuals exist
+        calibrate = request is not None and request.calibrate
+        self.calibration = MagCalibration() if calibrate else None
+        self.skipped: list[int] = []
+        self.blocks_run = 0
+
+    def choose(self, expert: str) -> tuple[str, float]:
+        """The program that runs `expert`'s next step, and the first-block threshold
+        CACHE_STEP is given (ALWAYS_COMPUTE: every block runs)."""
+        request, fresh = self.request, expert not in self._started
+        self._started.add(expert)
+        if self.step_program == FULL_STEP:
+            return FULL_STEP, ALWAYS_COMPUTE
+        if request is None or request.calibrate:
+            return CACHE_STEP, ALWAYS_COMPUTE
+        if request.kind == MAGCACHE:
+            skip = self._magcache(expert).skip_next()
+            return (CACHED_STEP if skip else CACHE_STEP), ALWAYS_COMPUTE
+        # An expert's first step has no residual to reuse.
+        return CACHE_STEP, ALWAYS_COMPUTE if fresh else request.threshold
+
+    def ran(self, i: int, program: str, skipped: bool) -> None:
+        """Count step i, run by `program`; `skipped`: CACHE_STEP reused the other blocks'
+        residual (its first block ran)."""
+        if program == CACHED_STEP or skipped:
+            self.skipped.append(i)
+        self.blocks_run += 0 if program == CACHED_STEP else 1 if skipped else self.num_layers
+
+    def outcome(self, steps: int) -> CacheOutcome:
+        request = self.request
+        return CacheOutcome(
+            cache=None if request is None else request.kind,
+            settings={} if request is None else request.settings(),
+            skipped_steps=self.skipped,
+            block_steps_run=self.blocks_run,
+            block_steps_total=steps * self.num_layers,
+            mag_ratios=None if self.calibration is None else self.calibration.ratios(),
+        )
+
+    def _magcache(self, expert: str) -> MagCache:
+        if expert not in self._mag:
+            self._mag[expert] = MagCache(
+                self.request.magcache_settings(),
+                self.request.mag_ratios[expert],
+                self._expert_steps[expert],
+            )
+        return self._mag[expert]
 
 
 _WANTED = "give a JSON list of positive numbers, one per step (for two experts an object of two)"

@@ -26,8 +26,9 @@ from aot.targets import VAE_VMEM_MIB, parse_target
 from runtime.artifact import SCHEMA_VERSION, BuildKey, read_manifest, sha256_file, verify_files
 from wan import interface, programs, sharding
 from wan.configs import VideoShape
-from wan.interface import PROGRAMS
 from wan.presets import PRESETS
+
+PROGRAMS = interface.PIPELINES[interface.DEFAULT_PIPELINE]  # what a default build holds
 
 
 def _statuses(stdout: str) -> dict[str, list[str]]:

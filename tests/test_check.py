@@ -23,7 +23,7 @@ from aot.entries import memory_stats
 from aot.targets import TPU_HBM
 from runtime.artifact import file_entry, read_manifest
 from wan import sharding
-from wan.interface import PROGRAMS
+from wan.interface import DEFAULT_PIPELINE, PIPELINES
 
 GiB = 1 << 30
 
@@ -137,7 +137,7 @@ def test_memory_rule(over_budget_build, tiny_build, tmp_path):
     tight.write_text('[targets."cpu-8"]\nbudget_bytes = 1024\n')
     result = aot_check(tiny_build, "--policy", tight)
     assert result.exit_code == 1
-    assert result.stdout.count("> budget 0.00 GiB") == len(PROGRAMS)
+    assert result.stdout.count("> budget 0.00 GiB") == len(PIPELINES[DEFAULT_PIPELINE])
 
 
 # The --json schema of docs/check.md: a dict names its keys, [x] is a list of x, Map(x) a dict

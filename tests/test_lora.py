@@ -97,6 +97,12 @@ def save_comfyui(deltas: dict, path) -> None:
 # Key formats and the merge.
 
 
+def split_key(key: str, fmt: str, *, kind: str | None = None) -> tuple[str, str] | None:
+    """(diffusers module name, part) of one key as wan.lora reads it for a transformer of kind
+    `kind` (None: the default kind)."""
+    return lora._split(key, fmt, lora.transformer_rule(kind))
+
+
 @pytest.mark.parametrize(
     ("key", "fmt", "expected"),
     [
@@ -121,7 +127,7 @@ def save_comfyui(deltas: dict, path) -> None:
 )  # fmt: skip
 def test_keys_map_to_diffusers_modules(key, fmt, expected):
     assert lora.detect_format([key]) == fmt
-    assert lora.split_key(key, fmt) == expected
+    assert split_key(key, fmt) == expected
 
 
 @pytest.fixture
@@ -150,11 +156,11 @@ def test_keys_map_through_the_transformer_kinds_rule(tmp_path):
         "diffusion_model.blocks.2.attn.q.lora_down.weight",
         "lora_unet_blocks_2_attn_q.alpha",
     )
-    assert lora.split_key(comfy, "comfyui", kind="toy-names") == ("blocks.2.attn1.to_q", "down")
-    assert lora.split_key(kohya, "kohya", kind="toy-names") == ("blocks.2.attn1.to_q", "alpha")
-    assert lora.split_key(comfy, "comfyui") is None  # the default kind's names differ
+    assert split_key(comfy, "comfyui", kind="toy-names") == ("blocks.2.attn1.to_q", "down")
+    assert split_key(kohya, "kohya", kind="toy-names") == ("blocks.2.attn1.to_q", "alpha")
+    assert split_key(comfy, "comfyui") is None  # the default kind's names differ
     original = "diffusion_model.blocks.2.self_attn.q.lora_down.weight"
-    assert lora.split_key(original, "comfyui", kind="toy-names") is None
+    assert split_key(original, "comfyui", kind="toy-names") is None
     with pytest.raises(lora.LoraError, match="'toy-bare': its weight rule names no modules"):
         lora.check([(tmp_path / "any.safetensors", 1.0)], TINY_SHAPES, kind="toy-bare")
     with pytest.raises(kinds.KindError, match="transformer kind 'nope' is not one"):

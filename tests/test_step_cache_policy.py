@@ -1,6 +1,6 @@
 """runtime.step_cache against diffusers' MagCache hook on a tiny WanTransformer3DModel: the same
 skipped steps and the same calibrated ratios; the ratio files' hostile cases; the shipped
-ratios."""
+ratios; the program each step runs and the options' checks."""
 
 import ast
 import json
@@ -13,16 +13,25 @@ from diffusers.hooks import MagCacheConfig
 from diffusers.hooks.mag_cache import nearest_interp
 
 from runtime.step_cache import (
+    ALWAYS_COMPUTE,
+    CACHE_STEP,
+    CACHED_STEP,
+    FBCACHE,
+    FULL_STEP,
+    KINDS,
+    MAGCACHE,
     MAX_RATIOS,
     MAX_RATIOS_FILE_BYTES,
+    CacheRequest,
     MagCache,
     MagCacheSettings,
     MagCalibration,
+    StepCache,
     StepCacheError,
+    from_options,
     interpolate_ratios,
     read_mag_ratios,
     shipped_mag_ratios,
-    skipped_steps,
     write_mag_ratios,
 )
 
@@ -81,6 +90,14 @@ def diffusers_skips(model, ratios, steps: int, settings: MagCacheSettings) -> li
 def ours(ratios, steps: int, settings: MagCacheSettings) -> list[int]:
     cache = MagCache(settings, ratios, steps)
     return [step for step in range(steps) if cache.skip_next()]
+
+
+def skipped_steps(settings: MagCacheSettings, ratios, step_experts: list[str]) -> tuple[int, ...]:
+    """The (global) steps a generation runs as CACHED_STEP (runtime.step_cache.StepCache),
+    `step_experts[i]` naming the expert that runs step i."""
+    request = CacheRequest(kind=MAGCACHE, **settings.to_json(), mag_ratios=ratios)
+    cache = StepCache(request, CACHE_STEP, step_experts, num_layers=3)
+    return tuple(i for i, e in enumerate(step_experts) if cache.choose(e)[0] == CACHED_STEP)
 
 
 NEAR_ONE = tuple(np.random.default_rng(1).uniform(0.94, 1.03, 15).round(5).tolist())
@@ -326,3 +343,74 @@ def test_unshipped_model_says_how_to_calibrate():
     assert "--mag-ratios OUT.json" in str(error.value) and "\n" not in str(error.value)
     with pytest.raises(StepCacheError, match="--calibrate-mag-ratios"):
         shipped_mag_ratios("wan2.2-t2v-a14b", ONE)
+
+
+def _steps(
+    cache: StepCache, experts: list[str], skipped: frozenset[int] = frozenset()
+) -> list[tuple[str, float]]:
+    """Each step's (program, threshold), step i counted as cache_step's skip when in `skipped`."""
+    chosen = []
+    for i, expert in enumerate(experts):
+        chosen.append(cache.choose(expert))
+        cache.ran(i, chosen[-1][0], i in skipped)
+    return chosen
+
+
+def test_each_step_runs_the_program_the_request_picks():
+    two = ["transformer"] * 2 + ["transformer_2"] * 2
+    plain = StepCache(None, FULL_STEP, two, num_layers=3)
+    assert _steps(plain, two) == [(FULL_STEP, ALWAYS_COMPUTE)] * 4
+    assert (plain.outcome(4).cache, plain.outcome(4).block_steps_run) == (None, 12)
+    uncached = StepCache(None, CACHE_STEP, two, num_layers=3)
+    assert _steps(uncached, two) == [(CACHE_STEP, ALWAYS_COMPUTE)] * 4
+    # The first-block cache: each expert's first step has no residual, so it computes.
+    fbcache = StepCache(CacheRequest(kind=FBCACHE, threshold=0.1), CACHE_STEP, two, num_layers=3)
+    assert _steps(fbcache, two, skipped=frozenset({1, 3})) == [
+        (CACHE_STEP, ALWAYS_COMPUTE), (CACHE_STEP, 0.1), (CACHE_STEP, ALWAYS_COMPUTE),
+        (CACHE_STEP, 0.1),
+    ]  # fmt: skip
+    outcome = fbcache.outcome(4)
+    assert (outcome.cache, outcome.settings, outcome.skipped_steps) == (
+        FBCACHE,
+        {"threshold": 0.1},
+        [1, 3],
+    )
+    assert (outcome.block_steps_run, outcome.block_steps_total) == (3 + 1 + 3 + 1, 12)
+    calibrate = CacheRequest(kind=MAGCACHE, threshold=0.06, calibrate=True)
+    calibrating = StepCache(calibrate, CACHE_STEP, two, num_layers=3)
+    assert _steps(calibrating, two) == [(CACHE_STEP, ALWAYS_COMPUTE)] * 4
+    assert calibrating.calibration is not None
+    magcache = CacheRequest(
+        kind=MAGCACHE, threshold=10.0, retention=0.0, mag_ratios={"transformer": NEAR_ONE}
+    )
+    one = StepCache(magcache, CACHE_STEP, ["transformer"] * 4, num_layers=3)
+    assert (
+        _steps(one, ["transformer"] * 4)
+        == [(CACHE_STEP, ALWAYS_COMPUTE)] + [(CACHED_STEP, ALWAYS_COMPUTE)] * 3
+    )
+    outcome = one.outcome(4)
+    assert outcome.settings == MagCacheSettings(threshold=10.0, retention=0.0).to_json()
+    assert (outcome.skipped_steps, outcome.block_steps_run) == ([1, 2, 3], 3)
+
+
+def test_options_read_the_kinds(tmp_path):
+    for kind, wanted in KINDS.items():
+        assert from_options(kind, None, 3, 0.2, None, False, 1).threshold == wanted.threshold
+    assert from_options(None, None, 3, 0.2, None, False, 1) is None
+    ratios = tmp_path / "r.json"
+    ratios.write_text("[1.0, 0.9]")
+    given = from_options(MAGCACHE, 0.1, 3, 0.2, ratios, False, 1)
+    assert given.mag_ratios == {"transformer": (1.0, 0.9)} and given.threshold == 0.1
+    for args, message in [
+        ((None, 0.1, 3, 0.2, None, False), "need --cache"),
+        ((None, None, 3, 0.2, None, True), "need --cache"),
+        ((FBCACHE, None, 3, 0.2, ratios, False), "are MagCache's"),
+        ((FBCACHE, None, 3, 0.2, None, True), "are MagCache's"),
+        ((MAGCACHE, None, 3, 0.2, ratios, True), "leave out --mag-ratios"),
+        (("teacache", None, 3, 0.2, None, False), "^--cache 'teacache' .* magcache, fbcache"),
+        ((FBCACHE, -1.0, 3, 0.2, None, False), "^--cache-threshold .* give --cache-threshold "),
+        ((MAGCACHE, None, -1, 0.2, None, False), "^--cache-max-skip "),
+    ]:
+        with pytest.raises(StepCacheError, match=message) as error:
+            from_options(*args, 1)
+        assert "\n" not in str(error.value)

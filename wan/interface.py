@@ -62,7 +62,6 @@ PIPELINES: dict[str, tuple[str, ...]] = {
     "t2v": ("text_encode", "kv_cache", "denoise_step", "latents_handoff", "vae_decode"),
 }
 DEFAULT_PIPELINE = "t2v"
-PROGRAMS = PIPELINES[DEFAULT_PIPELINE]  # what a build holds by default
 # What a build with step caching holds in place of a program.
 STEP_CACHE_PROGRAMS: dict[str, tuple[str, ...]] = {"denoise_step": ("cache_step", "cached_step")}
 

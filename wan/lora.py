@@ -221,13 +221,9 @@ def detect_format(names: Sequence[str]) -> str:
     return "diffusers"
 
 
-def split_key(key: str, fmt: str, *, kind: str | None = None) -> tuple[str, str] | None:
-    """(diffusers module name, part) of one key of a file in format `fmt`; None when the key
-    names no module of the transformer (of kind `kind`) in that format."""
-    return _split(key, fmt, transformer_rule(kind))
-
-
 def _split(key: str, fmt: str, rule: Any) -> tuple[str, str] | None:
+    """(diffusers module name, part) of one key of a file in format `fmt`; None when the key
+    names no module of the transformer (whose weight rule is `rule`) in that format."""
     found = next(((key[: -len(s)], p) for s, p in _PARTS if key.endswith(s)), None)
     if found is None:
         return None
