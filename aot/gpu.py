@@ -17,6 +17,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from wan.bounded_read import read_text
 from wan.errors import InputError
 
 MAX_CONFIG_BYTES = 1 << 20  # a spec is ~5 KB
@@ -66,20 +67,14 @@ def shipped_config(kind: str) -> GpuConfig:
 
 def read_config(path: str | Path) -> GpuConfig:
     """A config from a file (`aot gpu-target capture` writes them)."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_CONFIG_BYTES + 1)
-    except OSError as e:
-        raise GpuConfigError(
-            f"GPU target config {path} is unreadable ({e.strerror}): write one with "
+    text = read_text(
+        Path(path),
+        MAX_CONFIG_BYTES,
+        lambda reason: GpuConfigError(
+            f"GPU target config {path} {reason}: write one with "
             "`aot gpu-target capture FILE.txtpb` on the GPU host"
-        ) from None
-    if len(data) > MAX_CONFIG_BYTES:
-        raise GpuConfigError(f"GPU target config {path} is over {MAX_CONFIG_BYTES} bytes")
-    try:
-        text = data.decode()
-    except UnicodeDecodeError:
-        raise GpuConfigError(f"GPU target config {path} is not UTF-8 text") from None
+        ),
+    )
     return parse_config(text, str(path))
 
 

@@ -30,7 +30,6 @@ import json
 import os
 import re
 import shutil
-import stat
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -38,6 +37,7 @@ from typing import TYPE_CHECKING
 from runtime.artifact import MANIFEST, ArtifactError, Manifest, ProgramEntry, verify_file
 from wan import interface
 from wan.atomic import NotOurs, atomic_folder, locked, owned_files, remove_owned, temporaries
+from wan.bounded_read import read_json
 
 if TYPE_CHECKING:
     from aot.lower import LoweredProgram
@@ -135,16 +135,16 @@ def read_entry(folder: Path) -> ProgramEntry:
 
 def _load_entry(folder: Path) -> ProgramEntry:
     path = folder / ENTRY
+    raw = read_json(
+        path,
+        MAX_ENTRY_BYTES,
+        lambda reason: ArtifactError(f"{path} {reason}"),
+        follow_symlinks=False,
+    )
     try:
-        if not stat.S_ISREG(os.lstat(path).st_mode):
-            raise ArtifactError(f"{path} is not a regular file")
-        if os.lstat(path).st_size > MAX_ENTRY_BYTES:
-            raise ArtifactError(f"{path} is over {MAX_ENTRY_BYTES >> 20} MiB")
-        entry = ProgramEntry.from_json(json.loads(path.read_bytes()))
+        entry = ProgramEntry.from_json(raw)
     except ArtifactError:
         raise
-    except OSError as e:
-        raise ArtifactError(f"{path} is unreadable ({e.strerror})") from None
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise ArtifactError(f"{path} is malformed ({str(e)[:200]})") from None
     name = entry.name

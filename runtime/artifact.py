@@ -13,19 +13,18 @@ deserialisation (`runtime.executables`). Every refusal is one `ArtifactError` li
 from __future__ import annotations
 
 import dataclasses
-import errno
 import hashlib
 import json
 import os
-import stat
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from runtime import build_options
 from runtime import json_checks as jc
 from runtime.json_checks import MAX_DIM, REBUILD, ArtifactError, Check
+from wan.bounded_read import Refuse, open_regular, read_json
 from wan.configs import VideoShape
 from wan.interface import SIGNATURES, full_step, pipeline_programs
 
@@ -390,24 +389,9 @@ def _check_device_layout(fields: dict[str, Any]) -> None:
 # checked before use.
 
 
-def _open_file(path: Path) -> BinaryIO:
-    """`path` opened for reading if it is a regular file and not a symlink (O_NOFOLLOW; a FIFO
-    is refused without blocking on it)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise ArtifactError(f"{path} is missing: {REBUILD}") from None
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise ArtifactError(
-                f"{path} is a symbolic link: a build's files must be its own; {REBUILD}"
-            ) from None
-        raise ArtifactError(f"{path} is unreadable ({e.strerror}): {REBUILD}") from None
-    f = os.fdopen(fd, "rb")
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        f.close()
-        raise ArtifactError(f"{path} is not a regular file: {REBUILD}")
-    return f
+def _refused(path: Path) -> Refuse:
+    """A build file's refusal: one ArtifactError line naming it, saying to rebuild."""
+    return lambda reason: ArtifactError(f"{path} {reason}: {REBUILD}")
 
 
 def listed_files(folder: Path) -> list[str]:
@@ -422,20 +406,9 @@ def listed_files(folder: Path) -> list[str]:
 
 
 def _read_json(path: Path, limit: int) -> Any:
-    """The JSON value in the file `path` of at most `limit` bytes (NaN and Infinity refused)."""
-    with _open_file(path) as f:
-        data = f.read(limit + 1)
-    if len(data) > limit:
-        raise ArtifactError(f"{path} is over {limit >> 20} MiB: not a manifest; {REBUILD}")
-    try:
-        return json.loads(data.decode("utf-8"), parse_constant=_no_constant)
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-        raise ArtifactError(f"{path} is not valid JSON ({reason}): {REBUILD}") from None
-
-
-def _no_constant(name: str) -> None:
-    raise ValueError(f"{name} is not a number JSON allows")
+    """The JSON value in the build file `path` of at most `limit` bytes (NaN and Infinity
+    refused)."""
+    return read_json(path, limit, _refused(path), follow_symlinks=False)
 
 
 def read_manifest(folder: str | Path) -> Manifest:
@@ -475,7 +448,7 @@ def _read_checked(folder: Path, entry: FileEntry, keep: bool) -> bytes:
         )
     path = folder / entry.path
     digest, kept, read = hashlib.sha256(), [], 0
-    with _open_file(path) as f:
+    with open_regular(path, _refused(path), follow_symlinks=False) as f:
         size = os.fstat(f.fileno()).st_size
         if size != entry.size:
             raise ArtifactError(

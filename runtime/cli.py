@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import signal
 import sys
@@ -25,7 +26,15 @@ from runtime.artifact import ArtifactError, Manifest
 from runtime.batching import PromptLine, Settings, generate_batch, read_prompts_file
 from runtime.cli_args import CliError, OneLineErrors, parse_resolution
 from runtime.loader import Present, Request, match_build
-from runtime.outputs import OutputError, check_outputs, npy_path, staged, write_npy
+from runtime.outputs import (
+    OutputError,
+    Writer,
+    check_outputs,
+    npy_path,
+    write_files,
+    write_npy,
+    write_videos,
+)
 from runtime.request import latent_shape, read_init_noise
 from runtime.step_cache import CacheRequest, write_mag_ratios
 from runtime.video import video_paths
@@ -269,8 +278,6 @@ def _run_prompts(
     (process 0) before the next batch runs."""
     import jax
 
-    from runtime.video import write_mp4
-
     batch = pipe.key.batch
     chunks = [lines[i : i + batch] for i in range(0, len(lines), batch)]
     reports = []
@@ -282,16 +289,12 @@ def _run_prompts(
         reports.append(dataclasses.asdict(report))
         if jax.process_index() != 0:
             continue
-        with staged([line.out for line in chunk]) as temporaries:
-            for video, line, temporary in zip(videos, chunk, temporaries, strict=True):
-                with _writing(line.out):
-                    write_mp4(video, temporary)
+        write_videos(videos, [line.out for line in chunk], pipe.config.fps)
         click.echo(f"batch {number}/{len(chunks)}: wrote {', '.join(str(x.out) for x in chunk)}")
     compiles = sum(r["compile_count"] for r in reports)
     if jax.process_index() == 0 and report_path is not None:
         summary = {"loads": 1, "videos": len(lines), "batch": batch, "batches": reports}
-        with staged([report_path]) as (temporary,), _writing(report_path):
-            temporary.write_text(json.dumps(summary, indent=1))
+        write_files({report_path: lambda path: path.write_text(json.dumps(summary, indent=1))})
     click.echo(
         f"wrote {len(lines)} videos in {len(chunks)} batches of {batch} with one load "
         f"({compiles} compilations, build {pipe.name})"
@@ -363,52 +366,39 @@ def _write(
     calibrate_path: Path | None,
     fps: int,
 ) -> None:
-    """The videos (at the model's frame rate), the frames, the report and the calibrated
-    ratios, with the write and the whole run timed: all staged and then renamed into place together, or none of them on a
-    failure (runtime.outputs)."""
-    from runtime.video import write_mp4
-
+    """The videos at the model's frame rate, the frames, the calibrated ratios and the report
+    (the write and the whole run timed as it is written): all staged and then renamed into place
+    together, or none of them on a failure (runtime.outputs.write_videos)."""
     written = time.time()
-    outputs = [p for p, _ in _outputs(out, len(videos), save_frames, report_path, calibrate_path)]
-    with staged(outputs) as temporaries:
-        staging = dict(zip(outputs, temporaries, strict=True))
-        video_files = video_paths(out, len(videos))
-        for video, path in zip(videos, video_files, strict=True):
-            with _writing(path):
-                write_mp4(video, staging[path], fps)
-        if save_frames:
-            with _writing(npy_path(save_frames)):
-                write_npy(staging[npy_path(save_frames)], videos)
-        report = dataclasses.replace(
+    video_files = video_paths(out, len(videos))
+
+    def write_report(path: Path) -> None:
+        now = time.time()
+        timed = dataclasses.replace(
             report,
-            seconds_from_process_start_to_video=round(time.time() - clock.process_start_time(), 4),
+            seconds_from_process_start_to_video=round(now - clock.process_start_time(), 4),
             phases={
                 "imports": round(imports, 4),
                 **report.phases,
-                "write": round(time.time() - written, 4),
+                "write": round(now - written, 4),
             },
         )
-        if calibrate_path:
-            with _writing(calibrate_path):
-                write_mag_ratios(staging[calibrate_path], report.cache.mag_ratios)
-        if report_path:
-            with _writing(report_path):
-                staging[report_path].write_text(json.dumps(dataclasses.asdict(report), indent=1))
+        path.write_text(json.dumps(dataclasses.asdict(timed), indent=1))
+
+    extra: dict[Path, Writer] = {}
+    if save_frames:
+        extra[npy_path(save_frames)] = functools.partial(write_npy, array=videos)
+    if calibrate_path:
+        extra[calibrate_path] = functools.partial(write_mag_ratios, ratios=report.cache.mag_ratios)
+    if report_path:
+        extra[report_path] = write_report
+    write_videos(videos, video_files, fps, extra)
     loras_note = f", {len(report.loras)} LoRA(s)" if report.loras else ""
     click.echo(
         f"wrote {', '.join(map(str, video_files))} ({report.steps} steps, "
         f"{report.steps_per_second:.2f} it/s, {report.compile_count} compilations{loras_note}, "
         f"build {report.build})"
     )
-
-
-@contextlib.contextmanager
-def _writing(path: Path) -> Iterator[None]:
-    """A failed write of `path` (a full disk, ffmpeg's error) as one line naming it."""
-    try:
-        yield
-    except OSError as e:
-        raise CliError(f"cannot write {path}: {e.strerror or e}") from None
 
 
 cli.add_command(cli_serve.serve_cmd)

@@ -3,24 +3,34 @@ to be lost to a path that could never be written), then written all or nothing.
 
 Every output is staged in a temporary file next to it, fsynced and renamed into place once all of
 them are complete, so an existing file is replaced only by a whole new one, and a failure or an
-interruption (SIGINT, SIGTERM) leaves neither a partial output nor a temporary file behind."""
+interruption (SIGINT, SIGTERM) leaves neither a partial output nor a temporary file behind.
+`write_videos` is the one way videos are written, with any other outputs of the run beside them."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import secrets
 import stat
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 
+from runtime.video import write_mp4
 from wan.errors import InputError
 
 
 class OutputError(InputError):
     """A path the run would write cannot be written; the message says why."""
+
+
+class WriteError(OSError):
+    """An output could not be written; the message names it and says why."""
+
+
+Writer = Callable[[Path], None]  # writes one output's content at the (staged) path it is given
 
 
 def npy_path(path: Path) -> Path:
@@ -97,6 +107,32 @@ def staged(paths: Sequence[Path]) -> Iterator[list[Path]]:
         raise
 
 
+def write_videos(
+    videos: Iterable[np.ndarray],
+    paths: Sequence[Path],
+    fps: int,
+    extra: Mapping[Path, Writer] | None = None,
+) -> None:
+    """Each video (uint8 frames (F, H, W, 3)) as an MP4 of `fps` frames a second (the model's:
+    ModelConfig.fps) at its path, and each `extra` path by its writer, all or nothing
+    (`write_files`). The one way videos are written."""
+    mp4s = {
+        path: functools.partial(write_mp4, video, fps=fps)
+        for video, path in zip(videos, paths, strict=True)
+    }
+    write_files({**mp4s, **(extra or {})})
+
+
+def write_files(writers: Mapping[Path, Writer]) -> None:
+    """Each path written by its writer into a staged file, all renamed into place together
+    (`staged`). A failed write (a full disk, ffmpeg's error) is one WriteError naming the path."""
+    paths = list(writers)
+    with _naming(", ".join(map(str, paths))), staged(paths) as temporaries:
+        for (path, write), temporary in zip(writers.items(), temporaries, strict=True):
+            with _naming(str(path)):
+                write(temporary)
+
+
 def write_npy(path: Path, array: np.ndarray) -> None:
     """`array` as a .npy file at `path`. Not np.save: on a full disk its `tofile` says only
     "N requested and M written"; a plain write raises the OS's error (ENOSPC)."""
@@ -104,6 +140,17 @@ def write_npy(path: Path, array: np.ndarray) -> None:
     with path.open("wb") as f:
         np.lib.format.write_array_header_1_0(f, np.lib.format.header_data_from_array_1_0(array))
         f.write(array.data)
+
+
+@contextlib.contextmanager
+def _naming(what: str) -> Iterator[None]:
+    """An OSError raised inside as one WriteError line: 'cannot write WHAT: reason'."""
+    try:
+        yield
+    except WriteError:
+        raise
+    except OSError as e:
+        raise WriteError(f"cannot write {what}: {e.strerror or e}") from None
 
 
 def _resolved(path: Path, option: str) -> Path:

@@ -7,6 +7,7 @@ the worker loop and the drain on SIGTERM."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -29,10 +30,9 @@ from starlette.exceptions import HTTPException
 from runtime.batching import Group, Settings, Video, Waiting, generate_batch, next_batch
 from runtime.job_store import Job, JobStore, QueueFull
 from runtime.loader import Route, describe_route, serving_routes
-from runtime.outputs import staged, write_npy
+from runtime.outputs import write_npy, write_videos
 from runtime.request import MAX_SCALE, check_text
-from runtime.video import FPS, write_mp4
-from wan.configs import SAMPLERS
+from wan.configs import SAMPLERS, VAEKindConfig
 
 if TYPE_CHECKING:  # jax: imported by runtime.cli_serve once the port is bound
     from runtime.pipeline import Pipeline
@@ -160,9 +160,10 @@ class Service:
         return job
 
     def video_object(self, job: Job) -> dict[str, Any]:
-        """The job as the API's video object, at its build's frame rate."""
+        """The job as the API's video object, at its build's frame rate; a job of a build this
+        start does not load (an earlier start's) is timed at Wan 2.1's rate, VAEKindConfig's."""
         pipe = self.pipelines.get(job.group.build) if job.group else None
-        return video_object(job, pipe.config.fps if pipe else FPS)
+        return video_object(job, pipe.config.fps if pipe else VAEKindConfig.fps)
 
     def runnable(self) -> list[Waiting]:
         """The queued jobs as the scheduler sees them. A job this start cannot run fails instead
@@ -234,14 +235,11 @@ class Service:
         m.step_seconds, m.steps = m.step_seconds + report.seconds_denoising, m.steps + report.steps
         for job_id, video in zip(ids, frames, strict=True):
             paths = [self.store.video_path(job_id)]
-            paths += [self.store.frames_path(job_id)] if self.save_frames else []
+            npy = {self.store.frames_path(job_id): functools.partial(write_npy, array=video)}
             try:
-                with staged(paths) as temporaries:
-                    write_mp4(video, temporaries[0], pipe.config.fps)
-                    if self.save_frames:
-                        write_npy(temporaries[1], video)
-            except OSError as e:
-                self.store.fail([job_id], "write_failed", f"cannot write the video: {e}")
+                write_videos([video], paths, pipe.config.fps, npy if self.save_frames else None)
+            except OSError as e:  # a WriteError naming the file
+                self.store.fail([job_id], "write_failed", str(e))
                 m.failed += 1
                 continue
             self.store.complete(job_id)
@@ -272,7 +270,7 @@ class Service:
         return "\n".join(lines) + "\n"
 
 
-def video_object(job: Job, fps: int = FPS) -> dict[str, Any]:
+def video_object(job: Job, fps: int) -> dict[str, Any]:
     """A job as the API's video object (`fps`: its model's frame rate)."""
     r = job.request
     return {

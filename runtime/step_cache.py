@@ -30,6 +30,7 @@ import numpy as np
 from runtime.artifact import BuildKey
 from runtime.outputs import staged
 from wan import interface
+from wan.bounded_read import read_json
 from wan.errors import InputError
 
 MAGCACHE, FBCACHE = "magcache", "fbcache"  # the kinds (KINDS); no kind: every block runs
@@ -386,19 +387,15 @@ def read_mag_ratios(path: Path, experts: Sequence[str]) -> dict[str, tuple[float
     """The ratios in `path` for a model with `experts`: a JSON list of positive numbers for one
     transformer, an object {"transformer": [...], "transformer_2": [...]} for two."""
     path = Path(path)
-    if not path.is_file():  # a folder, a FIFO (a read would wait forever) or nothing
-        raise StepCacheError(f"--mag-ratios {path} is not a file: {_WANTED}")
-    with path.open("rb") as f:
-        data = f.read(MAX_RATIOS_FILE_BYTES + 1)
-    if len(data) > MAX_RATIOS_FILE_BYTES:
-        raise StepCacheError(
-            f"--mag-ratios {path} is over {MAX_RATIOS_FILE_BYTES >> 10} KiB: {_WANTED}"
-        )
-    try:
-        value = json.loads(data.decode())
-    except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError too
-        raise StepCacheError(f"--mag-ratios {path} is not UTF-8 JSON: {_WANTED}") from None
     where = f"--mag-ratios {path}"
+    if not path.is_file():  # a folder, a FIFO or nothing: one message for all
+        raise StepCacheError(f"{where} is not a file: {_WANTED}")
+    value = read_json(
+        path,
+        MAX_RATIOS_FILE_BYTES,
+        lambda reason: StepCacheError(f"{where} {reason}: {_WANTED}"),
+        allow_nan=True,  # _ratio names the entry that is NaN
+    )
     if len(experts) == 1:
         if not isinstance(value, list):
             raise StepCacheError(f"{where} must be a JSON list of positive numbers, one per step")

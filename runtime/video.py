@@ -14,7 +14,6 @@ from typing import IO
 import imageio_ffmpeg
 import numpy as np
 
-FPS = 16  # Wan 2.1's and 2.2 A14B's; `runtime run` passes the model's (ModelConfig.fps)
 CRF = 10  # H.264 quality (0 lossless .. 51 worst): imageio's quality 8 of 10
 
 
@@ -29,9 +28,9 @@ def video_paths(out: Path, batch: int) -> list[Path]:
     return [out.with_name(f"{out.stem}_{i}{out.suffix}") for i in range(batch)]
 
 
-def write_mp4(frames: np.ndarray, path: Path, fps: int = FPS) -> None:
+def write_mp4(frames: np.ndarray, path: Path, fps: int) -> None:
     """uint8 frames (F, H, W, 3) -> an H.264 MP4 (yuv420p) of `fps` frames a second at `path`,
-    created or overwritten (write to a staged path: runtime.outputs.staged). ffmpeg is stopped
+    created or overwritten (callers go through runtime.outputs.write_videos). ffmpeg is stopped
     before this returns or raises, so it cannot write after its caller has cleaned up."""
     frames = np.ascontiguousarray(frames, dtype=np.uint8)
     if frames.ndim != 4 or frames.shape[-1] != 3:

@@ -26,7 +26,7 @@ from safetensors.numpy import save_file
 
 from runtime.processes import JobError, _rendezvous
 from wan import checkpoint, lora, programs, weights
-from wan.configs import CHECKPOINT_MARKER, ModelConfig, WeightError
+from wan.configs import CHECKPOINT_MARKER, MAX_CONFIG_BYTES, ModelConfig, WeightError
 from wan.presets import PRESETS
 from wan.random_weights import write_random_checkpoint
 from wan.tokenizer import TokenizerError, build_word_tokenizer, load_tokenizer, tokenize
@@ -256,10 +256,10 @@ def test_lying_checkpoint_configs(tiny_checkpoint, tmp_path, part, key, value, p
     ("content", "phrase"),
     [
         (b"[1, 2, 3]", "has no model"),
-        (b"\x00\x01\xff binary", "not UTF-8 JSON"),
+        (b"\x00\x01\xff binary", r"is not valid JSON \(not UTF-8"),
         (b'{"model": [1]}', "expected a JSON object"),
         (b'{"model": {"name": "x"}}', "transformer is missing"),
-        (b"[" * 50_000, "nested too deeply|not UTF-8 JSON"),
+        (b"[" * 50_000, r"nested too deeply|is not valid JSON \("),
     ],
 )
 def test_checkpoint_marker_that_is_not_a_config(tmp_path, content, phrase):
@@ -560,6 +560,16 @@ def test_broken_tokenizer_folders(tokenizer_folder, tmp_path, file, content, phr
     folder = _copy(tokenizer_folder, tmp_path / "t", "tokenizer.json", "tokenizer_config.json")
     (folder / file).write_bytes(content)
     with pytest.raises(TokenizerError, match=phrase) as error:
+        load_tokenizer(folder)
+    assert "\n" not in str(error.value)
+
+
+def test_oversized_tokenizer_config_is_refused(tokenizer_folder, tmp_path):
+    """tokenizer_config.json is bounded as a model's config files are (sparse: no disk used)."""
+    folder = _copy(tokenizer_folder, tmp_path / "t", "tokenizer.json")
+    with (folder / "tokenizer_config.json").open("wb") as f:
+        f.truncate(MAX_CONFIG_BYTES + 1)
+    with pytest.raises(TokenizerError, match="tokenizer_config.json is over 16 MiB") as error:
         load_tokenizer(folder)
     assert "\n" not in str(error.value)
 

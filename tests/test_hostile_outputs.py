@@ -5,6 +5,7 @@ is one line and exit 2, never a black video."""
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import math
@@ -16,6 +17,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import imageio_ffmpeg
 import numpy as np
 import pytest
 from conftest import BIN, TINY_SHAPE, run_cli
@@ -23,7 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import load_file, save_file
 
-from runtime.outputs import OutputError, check_outputs, staged
+from runtime.outputs import OutputError, WriteError, check_outputs, staged, write_videos
 from runtime.pipeline import NonFiniteError
 from runtime.request import (
     RequestError,
@@ -190,6 +192,26 @@ def test_staged_outputs_appear_together_or_not_at_all(tmp_path):
             temporary.write_text("whole")
     assert old.read_text() == "whole" and paths[1].read_text() == "whole"
     assert _files(tmp_path) == ["new", "old.mp4"] and _files(paths[1].parent) == ["r.json"]
+
+
+def test_write_videos_names_a_failed_file_and_leaves_nothing(tmp_path):
+    """write_videos: an extra file's OSError (a full disk) is one WriteError naming it, no file
+    is left; written, the MP4s play at the frame rate given."""
+    videos = np.zeros((2, 5, 16, 16, 3), np.uint8)
+    paths, report = [tmp_path / "a.mp4", tmp_path / "b.mp4"], tmp_path / "r.json"
+
+    def full_disk(path):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    with pytest.raises(WriteError, match=f"^cannot write {re.escape(str(report))}: No space left"):
+        write_videos(videos, paths, 24, {report: full_disk})
+    assert _files(tmp_path) == []
+    write_videos(videos, paths, 24, {report: lambda path: path.write_text("{}")})
+    assert _files(tmp_path) == ["a.mp4", "b.mp4", "r.json"]
+    for path in paths:
+        reader = imageio_ffmpeg.read_frames(str(path))
+        assert next(reader)["fps"] == 24
+        reader.close()
 
 
 # --init-noise: checked from its header once the build is matched, before the weights load.

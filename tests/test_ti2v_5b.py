@@ -6,6 +6,7 @@ and landscape; the preset's geometry, the size rules and the frame rate."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 
 import imageio_ffmpeg
@@ -156,8 +157,30 @@ def test_ti2v_folder_reads_as_its_kinds(ti2v_folder):
     assert config.transformer.in_channels == 48 and config.fps == 24
 
 
+@pytest.fixture(scope="module")
+def ti2v_builds(ti2v_folder, tmp_path_factory):
+    """`aot build` of the tiny TI2V folder, both orientations (SHAPES), FRAMES frames, batch 1,
+    cpu-8, in one artifacts folder."""
+    artifacts = tmp_path_factory.mktemp("ti2v-artifacts")
+    sizes = [arg for width, height in SHAPES.values() for arg in ("--res", f"{width}x{height}")]
+    run_cli("aot", "build", "--model", str(ti2v_folder), *sizes, "--frames", str(FRAMES),
+            "--batch", "1", "--target", "cpu-8", "--out", str(artifacts))  # fmt: skip
+    return artifacts
+
+
+def _fps(path) -> float:
+    """An MP4's frame rate, as ffmpeg reads it."""
+    reader = imageio_ffmpeg.read_frames(str(path))
+    try:
+        return next(reader)["fps"]
+    finally:
+        reader.close()
+
+
 @pytest.mark.parametrize("orientation", sorted(SHAPES))
-def test_runtime_matches_diffusers_expand_timesteps(ti2v_folder, tmp_path, orientation):
+def test_runtime_matches_diffusers_expand_timesteps(
+    ti2v_folder, ti2v_builds, tmp_path, orientation
+):
     """`aot build` of the tiny TI2V folder (cpu-8) and `runtime run` with the same noise: frames
     within 2/255 of diffusers' WanPipeline(expand_timesteps=True), CFG, 5 UniPC steps; the MP4
     is 24 fps."""
@@ -177,11 +200,8 @@ def test_runtime_matches_diffusers_expand_timesteps(ti2v_folder, tmp_path, orien
         num_inference_steps=STEPS, guidance_scale=GUIDANCE, latents=torch.from_numpy(noise),
         output_type="np",
     ).frames  # fmt: skip
-    artifacts = tmp_path / "artifacts"
-    run_cli("aot", "build", "--model", str(ti2v_folder), *shape, "--target", "cpu-8",
-            "--out", str(artifacts))  # fmt: skip
     run_cli(
-        "runtime", "run", "--artifacts", str(artifacts), "--weights", str(ti2v_folder), *shape,
+        "runtime", "run", "--artifacts", str(ti2v_builds), "--weights", str(ti2v_folder), *shape,
         "--prompt", prompt, "--negative-prompt", negative, "--steps", str(STEPS),
         "--guidance", str(GUIDANCE), "--init-noise", str(tmp_path / "noise.npy"),
         "--save-frames", str(tmp_path / "frames.npy"), "--out", str(tmp_path / "v.mp4"),
@@ -190,11 +210,20 @@ def test_runtime_matches_diffusers_expand_timesteps(ti2v_folder, tmp_path, orien
     assert ours.shape == expected.shape == (1, FRAMES, height, width, 3)
     assert expected.max() - expected.min() > 0.3  # frames with content, not a constant
     assert np.abs(ours - expected).max() <= TOLERANCE
-    reader = imageio_ffmpeg.read_frames(str(tmp_path / "v.mp4"))
-    assert next(reader)["fps"] == 24
-    reader.close()
-    (build,) = [p for p in artifacts.iterdir() if not p.name.startswith(".")]
-    assert read_manifest(build).fps == 24  # recorded in the manifest
+    assert _fps(tmp_path / "v.mp4") == 24
+    builds = [p for p in ti2v_builds.iterdir() if not p.name.startswith(".")]
+    assert [read_manifest(b).fps for b in builds] == [24, 24]  # recorded in the manifests
+
+
+def test_prompts_file_videos_play_at_the_model_frame_rate(ti2v_folder, ti2v_builds, tmp_path):
+    """`runtime run --prompts` writes each line's MP4 at the model's 24 fps, as a single run."""
+    width, height = SHAPES["portrait"]
+    lines = [{"prompt": f"a red cat {i}", "out": f"v{i}.mp4"} for i in range(2)]
+    (tmp_path / "p.jsonl").write_text("\n".join(map(json.dumps, lines)))
+    run_cli("runtime", "run", "--artifacts", str(ti2v_builds), "--weights", str(ti2v_folder),
+            "--res", f"{width}x{height}", "--frames", str(FRAMES), "--steps", "1",
+            "--guidance", str(GUIDANCE), "--prompts", str(tmp_path / "p.jsonl"))  # fmt: skip
+    assert [_fps(tmp_path / f"v{i}.mp4") for i in range(2)] == [24, 24]
 
 
 # ----------------------------------------------------------------------------------------------

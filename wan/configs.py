@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
-from wan import kinds
+from wan import bounded_read, kinds
 from wan.errors import InputError
 from wan.strict_config import (
     NO_OP_KEYS,
@@ -527,16 +527,15 @@ def _pipeline_index(raw: Any) -> float | None:
 
 
 def read_json(path: Path) -> Any:
-    """A config file's JSON (bounded in size); anything else is a WeightError naming it."""
-    try:
-        with path.open("rb") as f:
-            data = f.read(MAX_CONFIG_BYTES + 1)
-        if len(data) > MAX_CONFIG_BYTES:
-            raise WeightError(f"{path} is over {MAX_CONFIG_BYTES >> 20} MiB: not a config file")
-        return json.loads(data.decode())
-    except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError too
-        reason = "nested too deeply" if isinstance(e, RecursionError) else "not UTF-8 JSON"
-        raise WeightError(f"{path} is {reason}: restore the model's original file") from None
+    """A config file's JSON (bounded in size); anything else is a WeightError naming it. A NaN
+    passes, for the strict config to name the key that holds it; symlinks too (the Hugging Face
+    cache's files are)."""
+    return bounded_read.read_json(
+        path,
+        MAX_CONFIG_BYTES,
+        lambda reason: WeightError(f"{path} {reason}: restore the model's original file"),
+        allow_nan=True,
+    )
 
 
 @contextlib.contextmanager

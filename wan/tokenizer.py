@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import html
-import json
 import re
 import string
 from pathlib import Path
@@ -25,6 +24,8 @@ from typing import Any
 import numpy as np
 import tokenizers
 
+from wan.bounded_read import read_json
+from wan.configs import MAX_CONFIG_BYTES
 from wan.errors import InputError
 
 try:
@@ -88,13 +89,15 @@ def load_tokenizer(folder: str | Path) -> TextTokenizer:
 
 
 def _read_config(path: Path) -> dict[str, Any]:
-    """tokenizer_config.json ({} when absent); not a JSON object is a TokenizerError."""
+    """tokenizer_config.json ({} when absent), bounded as a model's configs are; not a JSON
+    object is a TokenizerError."""
     if not path.is_file():
         return {}
-    try:
-        config = json.loads(path.read_bytes().decode())
-    except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError too
-        config = None
+    config = read_json(
+        path,
+        MAX_CONFIG_BYTES,
+        lambda reason: TokenizerError(f"{path} {reason}: restore the model's original file"),
+    )
     if not isinstance(config, dict):
         raise TokenizerError(f"{path} is not a JSON object: restore the model's original file")
     return config
