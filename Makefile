@@ -1,22 +1,31 @@
 # One venv, two entry points: `make demo` (build + run the tiny model, write an MP4) and `make test`.
+# The demo installs the package alone; the tests add the test tools and the TPU/GPU extras
+# (deviceless TPU and GPU builds), which the demo never uses.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
 .PHONY: setup demo test lint
 
-$(BIN)/aot: pyproject.toml
+$(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e ".[tpu,gpu,test]"
+
+# What each entry point needs, installed once per change of pyproject.toml.
+$(VENV)/.demo-installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e .
 	touch $@
 
-setup: $(BIN)/aot
+$(VENV)/.test-installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e ".[tpu,gpu,test]"
+	touch $@ $(VENV)/.demo-installed
+
+setup: $(VENV)/.test-installed
 
 # The demo: tiny random weights, a build for 8 CPU host devices (portrait), a run, an MP4.
 DEMO := demo
 DEMO_SHAPE := --res 192x320 --frames 17 --batch 1
-demo: setup
+demo: $(VENV)/.demo-installed
 	$(BIN)/python -m wan.random_weights --model tiny --out $(DEMO)/weights
 	$(BIN)/aot build --model tiny $(DEMO_SHAPE) --target cpu-8 --out $(DEMO)/artifacts
 	$(BIN)/runtime run --artifacts $(DEMO)/artifacts --weights $(DEMO)/weights $(DEMO_SHAPE) \
@@ -24,9 +33,9 @@ demo: setup
 		--out $(DEMO)/video.mp4 --report $(DEMO)/report.json
 	@echo "video: $(CURDIR)/$(DEMO)/video.mp4"
 
-lint: setup
+lint: $(VENV)/.test-installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-test: setup lint
+test: lint
 	$(BIN)/pytest -n 2 -q

@@ -14,12 +14,13 @@ from pathlib import Path
 from aot import store
 from aot.entries import program_entry
 from aot.lower import LoweredProgram, compile_lowered, lower_plan
-from aot.plan import BuildError, BuildPlan, kernel_flops, ulysses_all_to_alls
+from aot.plan import BuildError, BuildPlan, ulysses_all_to_alls
 from aot.targets import Target, devices, peak_flops
 from runtime.artifact import (
     MANIFEST,
     SCHEMA_VERSION,
     ArtifactError,
+    BuildKey,
     Manifest,
     ProgramEntry,
     listed_files,
@@ -54,13 +55,26 @@ def compiler_fingerprint(target: Target) -> str:
 
 @dataclasses.dataclass
 class CallLedger:
-    """The programs one `aot build` call has compiled (by store id), here or in its workers
-    (--jobs): with --force each is still compiled once per call, and the first build that has
-    it reports it `compiled`, the others `reused`."""
+    """What one `aot build` call knows of its builds: each plan's programs, lowered once (the
+    up-to-date checks, --jobs and the build all read them), and the programs it has compiled
+    (by store id), here or in its workers (--jobs): with --force each is still compiled once per
+    call, and the first build that has it reports it `compiled`, the others `reused`."""
 
     force: bool = False
     compiled: set[str] = dataclasses.field(default_factory=set)
     reported: set[str] = dataclasses.field(default_factory=set)
+    lowerings: dict[BuildKey, list[tuple[LoweredProgram, str]]] = dataclasses.field(
+        default_factory=dict
+    )
+
+    def lowered(self, plan: BuildPlan) -> list[tuple[LoweredProgram, str]]:
+        """The programs of `plan`, lowered (once per call), each with its store id."""
+        if plan.key not in self.lowerings:
+            fingerprint = compiler_fingerprint(plan.target)
+            self.lowerings[plan.key] = [
+                (lowered, store.program_id(lowered, fingerprint)) for lowered in lower_plan(plan)
+            ]
+        return self.lowerings[plan.key]
 
     def replace(self, pid: str) -> bool:
         """Whether the store's entry `pid` is to be compiled again (--force, once per call)."""
@@ -107,12 +121,12 @@ def up_to_date(plan: BuildPlan, out_root: Path, ledger: CallLedger) -> BuildResu
     """The result of `plan` when its build is already in `out_root` (never with --force)."""
     if ledger.force:
         return None
-    existing = existing_build(out_root, plan, compiler_fingerprint(plan.target))
+    existing = existing_build(out_root, plan, ledger)
     folder = out_root / plan.key.folder_name()
     return BuildResult(plan, folder, existing, skipped=True, programs={}) if existing else None
 
 
-def existing_build(out_root: Path, plan: BuildPlan, fingerprint: str) -> Manifest | None:
+def existing_build(out_root: Path, plan: BuildPlan, ledger: CallLedger) -> Manifest | None:
     """The build of this key in `out_root`, if it was made from the same model config and
     compiler, its files are whole (size, sha256) and it holds the programs `plan` lowers to now
     (their store ids: a change to the model's code that changes a program is not up to date)."""
@@ -124,13 +138,12 @@ def existing_build(out_root: Path, plan: BuildPlan, fingerprint: str) -> Manifes
         ok = (
             manifest.key == plan.key
             and manifest.model_hash == plan.config.hash()
-            and manifest.compiler_fingerprint == fingerprint
+            and manifest.compiler_fingerprint == compiler_fingerprint(plan.target)
         )
         if ok:
             verify_files(folder, manifest)
             ok = {name: p.program_id for name, p in manifest.programs.items()} == {
-                lowered.program.name: store.program_id(lowered, fingerprint)
-                for lowered in lower_plan(plan)
+                lowered.program.name: pid for lowered, pid in ledger.lowered(plan)
             }
     except ArtifactError:
         return None
@@ -179,11 +192,10 @@ def _compile_all(
     status."""
     entries: dict[str, ProgramEntry] = {}
     statuses: dict[str, str] = {}
-    lowered_programs = list(lower_plan(plan))
-    for index, lowered in enumerate(lowered_programs, 1):
+    lowered_programs = ledger.lowered(plan)
+    for index, (lowered, pid) in enumerate(lowered_programs, 1):
         program = lowered.program
         label = f"[{index}/{len(lowered_programs)}] {plan.key.folder_name()} {program.name}"
-        pid = store.program_id(lowered, fingerprint)
         entry, stored, reused = store_program(
             plan, lowered, out_root, pid, ledger.replace(pid), label, progress
         )
@@ -257,7 +269,4 @@ def _make_program(
 ) -> ProgramEntry:
     """Compile `lowered` and write its files into `folder`: its manifest entry."""
     compiled, seconds, rss = compile_lowered(lowered, label, progress)
-    entry = program_entry(folder, lowered, compiled, seconds, rss)
-    if "attention_kernels" in lowered.program.analyses:
-        entry.kernel_flops = kernel_flops(plan)
-    return entry
+    return program_entry(plan, folder, lowered, compiled, seconds, rss)

@@ -1,6 +1,6 @@
 """A compiled program's files and its manifest entry: the serialised executable, its optimized HLO
-and what the reports and `aot check` read (memory per device, FLOPs, collectives, the VAE's
-gathered bytes, replicated weights)."""
+and what the reports and `aot check` read (memory per device, FLOPs, collectives, replicated
+weights, and what its `analyses` record: aot.analyses)."""
 
 from __future__ import annotations
 
@@ -11,16 +11,24 @@ from typing import Any
 
 import jax
 
-from aot import hlo, hlo_cost, store, vae_gathers
+from aot import analyses, hlo, hlo_cost, store
 from aot.lower import LoweredProgram
+from aot.plan import BuildPlan
 from runtime.artifact import ArraySpec, ProgramEntry, file_entry
 from runtime.executables import dump_executable
 from wan import interface
 
 
 def program_entry(
-    folder: Path, lowered: LoweredProgram, compiled: Any, seconds: float, rss: int
+    plan: BuildPlan,
+    folder: Path,
+    lowered: LoweredProgram,
+    compiled: Any,
+    seconds: float,
+    rss: int,
 ) -> ProgramEntry:
+    """Write the compiled program's files into `folder`: its manifest entry, with what the
+    program's `analyses` record (aot.analyses)."""
     program = lowered.program
     device_ids = [d.id for d in lowered.mesh.devices.flat]
     executable, hlo_text = store.program_files(program.name)
@@ -54,11 +62,7 @@ def program_entry(
         eight_bit_flops=hlo_cost.eight_bit_flops(module),
         xla_flops=float(cost.get("flops", 0.0)),
         collectives=hlo.collective_summary(module),
-        gathered_bytes_per_latent_frame=(
-            vae_gathers.gathers(module).per_latent_frame
-            if "vae_gathers" in program.analyses
-            else None
-        ),
+        **analyses.recorded(plan, program, module),
     )
 
 

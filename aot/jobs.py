@@ -1,11 +1,11 @@
 """`aot build --jobs N`: the distinct programs of a matrix compiled by N worker processes.
 
-The parent lowers every program of the matrix (a fraction of a second each), keeps one task
-per store id the store lacks, and hands the tasks to spawned workers, each of which lowers its
-program again and compiles it into the program store (`aot.store`, locked and atomic as for
-concurrent builds). The builds then run as without --jobs and find every program in the store;
-the call's `CallLedger` reports each worker-compiled program `compiled` in the first build that
-has it.
+The parent's lowering of every program of the matrix (the call's `CallLedger` holds it) gives
+one task per store id the store lacks; spawned workers, each with a fresh jax, lower just their
+program again (a lowered module does not cross processes) and compile it into the program
+store (`aot.store`, locked and atomic as for concurrent builds). The builds then run as without
+--jobs and find every program in the store; the ledger reports each worker-compiled program
+`compiled` in the first build that has it.
 """
 
 from __future__ import annotations
@@ -64,16 +64,12 @@ def compile_distinct(
     ledger: build.CallLedger,
     show_progress: bool = True,
 ) -> None:
-    """Compile each distinct program of `plans` that the store of `out_root` lacks (all with
-    --force) in `jobs` processes, recording them in `ledger`. Builds already complete are
-    left out. Workers print their progress lines on stderr when `show_progress`."""
+    """Compile each distinct program of `plans` (the builds not up to date) that the store of
+    `out_root` lacks (all with --force) in `jobs` processes, recording them in `ledger`.
+    Workers print their progress lines on stderr when `show_progress`."""
     tasks: dict[str, tuple[BuildPlan, str]] = {}
     for plan in plans:
-        fingerprint = build.compiler_fingerprint(plan.target)
-        if not ledger.force and build.existing_build(out_root, plan, fingerprint):
-            continue
-        for lowered in lower_plan(plan):
-            pid = store.program_id(lowered, fingerprint)
+        for lowered, pid in ledger.lowered(plan):
             if ledger.force or not store.has(out_root, pid):
                 tasks.setdefault(pid, (plan, lowered.program.name))
     if not tasks:

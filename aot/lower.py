@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 
+from aot import analyses
 from aot.plan import BuildError, BuildPlan, compiler_options
 from aot.progress import RssSampler, Ticker
 from aot.targets import devices
@@ -50,9 +51,7 @@ def lower_plan(
     )
     progs = {
         p.name: p
-        for p in wan_programs.programs(
-            plan.config, plan.shape, options, plan.key.pipeline, plan.key.step_cache
-        )
+        for p in wan_programs.programs(plan.config, plan.shape, options, plan.key.programs)
     }
     replicated = host_layout(devs)[0] > 1  # a multi-process job: host outputs whole everywhere
 
@@ -65,6 +64,7 @@ def lower_plan(
         )
 
     for program in (p for p in progs.values() if only is None or p.name in only):
+        analyses.check(program)
         mesh = meshes[program.mesh]
         placed = {}
         for name, source in program.receives.items():
@@ -106,33 +106,24 @@ def compile_lowered(
         try:
             compiled = lowered.compile()
         except jax.errors.JaxRuntimeError as e:
-            raise BuildError(compile_failure(lowered.program.name, str(e))) from None
+            raise BuildError(compile_failure(lowered.program, str(e))) from None
         seconds = time.perf_counter() - start
     return compiled, seconds, rss.peak
 
 
-# What to change when a program does not fit the target's on-chip memory (VMEM).
-_VMEM_HINTS = {
-    "vae_decode": "a smaller --vae-vmem",
-    **dict.fromkeys(
-        ("denoise_step", "cache_step", "cached_step"),
-        "smaller --attention splash blocks (e.g. splash:1024:1024:512)",
-    ),
-}
-
-
-def compile_failure(program: str, message: str) -> str:
+def compile_failure(program: wan_programs.Program, message: str) -> str:
     """One line for XLA's refusal to compile `program`: its status, the sentence that says
-    what overflowed, and what to change."""
+    what overflowed, and what to change (the program's `vmem_hint`)."""
     first = next((line.strip() for line in message.splitlines() if line.strip()), "no message")
     overflow = re.search(
         r"(Scoped allocation with size \S+ and limit \S+|Used \S+ of \S+ vmem)", message
     )
+    name = program.name
     if overflow is None:
-        return f"{program} does not compile for this target ({first})"
+        return f"{name} does not compile for this target ({first})"
     status = first.split(":")[0]
-    hint = f"; try {_VMEM_HINTS[program]}" if program in _VMEM_HINTS else ""
-    return f"{program} does not compile for this target ({status}: {overflow.group(1)}){hint}"
+    hint = f"; try {program.vmem_hint}" if program.vmem_hint else ""
+    return f"{name} does not compile for this target ({status}: {overflow.group(1)}){hint}"
 
 
 def compile_in_process(plan: BuildPlan, frames_dtype: str = "uint8") -> dict[str, Any]:

@@ -375,6 +375,8 @@ def check_quant(mode: str, target: Target) -> None:
 def transformer_bytes(config: ModelConfig, quant_mode: str = "none") -> int:
     """Bytes of one transformer's weights (one expert's), from its abstract state."""
     _, params, _ = wan_programs.split_abstract(
-        wan_programs.abstract_module(config, "transformer", quant=quant_mode)
+        wan_programs.abstract_module(
+            config, "transformer", wan_programs.ProgramOptions(build={"quant": quant_mode})
+        )
     )
     return sum(math.prod(p.shape) * p.dtype.itemsize for p in jax.tree.leaves(params))

@@ -26,7 +26,7 @@ from runtime import json_checks as jc
 from runtime.json_checks import MAX_DIM, REBUILD, ArtifactError, Check
 from wan.bounded_read import Refuse, open_regular, read_json
 from wan.configs import VideoShape
-from wan.interface import SIGNATURES, full_step, pipeline_programs
+from wan.interface import SIGNATURES, full_step
 
 SCHEMA_VERSION = 3  # 2: program inputs and outputs by name; 3: a pipeline variant of programs
 MANIFEST = "manifest.json"
@@ -73,19 +73,14 @@ class BuildKey:
         return dataclasses.replace(self, options=plain_values({**dict(self.options), **values}))
 
     @property
-    def pipeline(self) -> str:
-        """The programs the build holds (wan.interface.PIPELINES)."""
-        return self.option("pipeline")
-
-    @property
-    def step_cache(self) -> bool:
-        """And step caching's programs (wan.interface.STEP_CACHE_PROGRAMS)."""
-        return self.option("step_cache")
-
-    @property
     def programs(self) -> tuple[str, ...]:
-        """The programs the build holds, in the order a generation runs them."""
-        return pipeline_programs(self.pipeline, self.step_cache)
+        """The programs the build holds, in the order a generation runs them (as its plain
+        options decide: runtime.build_options.held_programs)."""
+        return build_options.held_programs(dict(self.plain_items()))
+
+    def plain_items(self) -> list[tuple[str, Any]]:
+        """Every plain option's (name, value), defaults included, in declaration order."""
+        return [(o.name, self.option(o.name)) for o in build_options.plain_options()]
 
     @property
     def step_program(self) -> str:
@@ -120,7 +115,7 @@ class BuildKey:
         raw["mesh"] = dict(self.mesh)
         raw["vae_mesh"] = list(self.vae_mesh)
         del raw["options"]
-        return {**raw, **{o.name: self.option(o.name) for o in build_options.plain_options()}}
+        return {**raw, **dict(self.plain_items())}
 
     @classmethod
     def from_json(cls, raw: Any, where: str = "key") -> BuildKey:
@@ -361,13 +356,12 @@ _MANIFEST_FIELDS: dict[str, Check] = {
 
 
 def _check_pipeline(fields: dict[str, Any]) -> None:
-    """The build holds exactly the programs of its pipeline variant."""
+    """The build holds exactly the programs its options decide."""
     key = fields["key"]
     if set(fields["programs"]) != set(key.programs):
+        options = ", ".join(f"{name} {value}" for name, value in key.plain_items())
         raise jc.malformed(
-            "programs",
-            f"must be those of pipeline {key.pipeline}"
-            f"{' with step caching' if key.step_cache else ''}: {', '.join(key.programs)}",
+            "programs", f"must be those of its build ({options}): {', '.join(key.programs)}"
         )
 
 

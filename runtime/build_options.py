@@ -5,19 +5,20 @@ with" hints). No jax and no aot here: the runtime names builds with it and `aot.
 click options from it.
 
 Two kinds: a *plain* option (it has a `check`) is whole here: its flag's text parsed by `parse`
-is its value, kept in `BuildKey.options`, checked in a manifest by `check`, and given to the
-programs (`wan.programs.ProgramOptions.build`); an option that the build resolves against the
+is its value, kept in `BuildKey.options`, checked in a manifest by `check`, given to the
+programs and modules (`wan.programs.ProgramOptions.build`), and, with `programs`, it decides
+which programs the build holds (`held_programs`); an option that the build resolves against the
 target (the mesh, attention, ...) is a field of `BuildKey` and has its resolver, by the same
 name, in `aot.plan.RESOLVERS`."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from runtime import json_checks
-from wan.interface import DEFAULT_PIPELINE, PIPELINES
+from wan.interface import DEFAULT_PIPELINE, PIPELINES, with_step_cache
 from wan.quant import MODES as QUANT_MODES
 
 
@@ -35,6 +36,9 @@ class BuildOption:
     # -> its value. None: a BuildKey field resolved by aot.plan.RESOLVERS.
     check: Callable[[Any, str], Any] | None = None
     parse: Callable[[Any], Any] = str
+    # A plain option that decides which programs a build holds: (the programs the options
+    # before it chose, its value) -> the programs.
+    programs: Callable[[tuple[str, ...], Any], tuple[str, ...]] | None = None
 
     @property
     def default_value(self) -> Any:
@@ -60,8 +64,9 @@ _DECLARED = (
     ),
     BuildOption(
         "attention", "--attention",
-        "auto, dot, blockwise[:<q>:<kv>], splash[:<q>:<kv>:<kv_compute>] (TPU) or cudnn (GPU). "
-        "auto: dot up to 8192 tokens, else splash on TPU, cudnn on GPU, blockwise on CPU.",
+        "auto, dot, blockwise[:<q>:<kv>], splash[:<q>:<kv>:<kv_compute>] (TPU), triton (GPU) "
+        "or cudnn (a GPU present). auto: dot up to 8192 tokens, else splash on TPU, triton for "
+        "a deviceless GPU target, cudnn on a GPU present (--target current), blockwise on CPU.",
         token=lambda k: "_" + k.attention.replace(":", "-"),
         argv=lambda k: ["--attention", k.attention],
     ),
@@ -86,23 +91,25 @@ _DECLARED = (
     BuildOption(
         "pipeline", "--pipeline",
         "The programs the build holds (wan.interface.PIPELINES): t2v, text to video.",
-        token=lambda k: "" if k.pipeline == DEFAULT_PIPELINE else f"_{k.pipeline}",
-        argv=lambda k: ["--pipeline", k.pipeline],
+        token=lambda k: "" if k.option("pipeline") == DEFAULT_PIPELINE else f"_{k.option('pipeline')}",
+        argv=lambda k: ["--pipeline", k.option("pipeline")],
         default=DEFAULT_PIPELINE,
         choices=tuple(PIPELINES),
         check=json_checks.key_of(PIPELINES),
+        programs=lambda _, pipeline: PIPELINES[pipeline],
     ),
     BuildOption(
         "step_cache", "--step-cache",
         "Also build step caching's programs (wan.interface.STEP_CACHE_PROGRAMS), which "
         "`runtime run --cache magcache|fbcache` runs: a step that keeps the transformer "
         "blocks' residual on the devices, and one that reuses it instead of running the blocks.",
-        token=lambda k: "_stepcache" if k.step_cache else "",
-        argv=lambda k: ["--step-cache"] if k.step_cache else [],
+        token=lambda k: "_stepcache" if k.option("step_cache") else "",
+        argv=lambda k: ["--step-cache"] if k.option("step_cache") else [],
         default=False,
         is_flag=True,
         check=json_checks.boolean,
         parse=bool,
+        programs=lambda names, on: with_step_cache(names) if on else names,
     ),
     BuildOption(
         "quant", "--quant",
@@ -123,3 +130,13 @@ OPTIONS: dict[str, BuildOption] = {option.name: option for option in _DECLARED}
 def plain_options() -> list[BuildOption]:
     """The options kept in BuildKey.options, in declaration order."""
     return [option for option in OPTIONS.values() if option.check is not None]
+
+
+def held_programs(values: Mapping[str, Any]) -> tuple[str, ...]:
+    """The programs a build holds, in the order a generation runs them, given the plain
+    options' values by name: each option that decides them, in declaration order."""
+    names: tuple[str, ...] = ()
+    for option in plain_options():
+        if option.programs is not None:
+            names = option.programs(names, values[option.name])
+    return names

@@ -249,15 +249,19 @@ def test_a_program_the_target_cannot_fit_is_a_one_line_error(tmp_path, jobs):
 def test_compile_failures_read_as_one_line():
     from aot.lower import compile_failure
 
+    shape, options = VideoShape(64, 96, 9, 1), programs.ProgramOptions()
+    decode = programs.vae_decode_program(PRESETS["tiny"], shape, options)
+    text_encode = programs.text_encode_program(PRESETS["tiny"], shape, options)
+
     v4 = (
         "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space "
         "vmem. Used 36.69M of 16.00M vmem. Exceeded vmem capacity by 20.69M.\n\nProgram vmem..."
     )
-    assert compile_failure("vae_decode", v4) == (
+    assert compile_failure(decode, v4) == (
         "vae_decode does not compile for this target (RESOURCE_EXHAUSTED: Used 36.69M of 16.00M "
         "vmem); try a smaller --vae-vmem"
     )
-    other = compile_failure("text_encode", "INTERNAL: something else\nmore")
+    other = compile_failure(text_encode, "INTERNAL: something else\nmore")
     assert other == "text_encode does not compile for this target (INTERNAL: something else)"
 
 
@@ -283,10 +287,10 @@ def test_scanned_flops_equal_unrolled(monkeypatch):
     config = PRESETS["tiny"]
     plan = plan_build("tiny", config, VideoShape(64, 96, 9, 1), parse_target("cpu-8"), 8)
     mesh = sharding.make_mesh(jax.devices()[:8], plan.mesh.items())
-    step = programs.denoise_step_program(config, plan.shape, "dot")
+    step = programs.denoise_step_program(config, plan.shape, programs.ProgramOptions())
     scanned = compile_program(step, mesh, sharding.TRANSFORMER_RULES)
     monkeypatch.setattr(jax.lax, "scan", functools.partial(jax.lax.scan, unroll=True))
-    step = programs.denoise_step_program(config, plan.shape, "dot")
+    step = programs.denoise_step_program(config, plan.shape, programs.ProgramOptions())
     unrolled = compile_program(step, mesh, sharding.TRANSFORMER_RULES)
     assert "while" not in unrolled.as_text()
     ours = hlo_cost.flops(hlo.parse(scanned.as_text()))
@@ -343,7 +347,12 @@ def test_vae_vmem_is_part_of_the_build_and_the_program():
     assert plan.key.vae_vmem_mib == VAE_VMEM_MIB and plan.key.folder_name().endswith(
         f"_vmem{VAE_VMEM_MIB}"
     )
-    made = {p.name: p for p in programs.programs(PRESETS["tiny"], shape, programs.ProgramOptions())}
+    made = {
+        p.name: p
+        for p in programs.programs(
+            PRESETS["tiny"], shape, programs.ProgramOptions(), plan.key.programs
+        )
+    }
     assert compiler_options(plan, made["vae_decode"]) == {
         "xla_tpu_scoped_vmem_limit_kib": VAE_VMEM_MIB * 1024
     }

@@ -1,9 +1,12 @@
 """The docs' figures come from saved results: every `bench/results/<name>` the docs mention
 exists, every table in docs/benchmarks.md cites one, and artifacts/README.md's example folder
-name is the one `aot build` makes for the shape it names."""
+name is the one `aot build` makes for the shape it names. Every dotted name of the project's
+packages the docs mention (`runtime.loader.match_build`) is a real object."""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import re
 from pathlib import Path
 
@@ -17,6 +20,9 @@ from wan.presets import PRESETS
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", ROOT / "artifacts" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 RESULT = re.compile(r"bench/results/([\w.+-]+)")
+# A dotted name in one of the project's packages; a trailing * names every attribute with that
+# prefix (`runtime.artifact.MAX_*`).
+DOTTED = re.compile(r"\b((?:wan|aot|runtime)(?:\.[A-Za-z_]\w*)+)(\*?)")
 
 
 def missing_results(text: str) -> list[str]:
@@ -38,6 +44,50 @@ def tables_without_results(text: str) -> list[str]:
             since, table = [], []
         since = [] if line.startswith("#") else [*since, line]
     return uncited
+
+
+def unresolved_names(text: str) -> list[str]:
+    """The dotted names in `text` that are no module, attribute or dataclass field."""
+    return sorted({name + star for name, star in DOTTED.findall(text) if not _resolves(name, star)})
+
+
+def _resolves(name: str, star: str) -> bool:
+    parts = name.split(".")
+    for split in range(len(parts), 0, -1):  # the longest importable module first
+        try:
+            found = importlib.import_module(".".join(parts[:split]))
+        except ModuleNotFoundError:
+            continue
+        for index, attr in enumerate(parts[split:], split + 1):
+            last = index == len(parts)
+            if last and star:
+                return any(a.startswith(attr) for a in dir(found))
+            if hasattr(found, attr):
+                found = getattr(found, attr)
+            elif last and dataclasses.is_dataclass(found):
+                return attr in {f.name for f in dataclasses.fields(found)}
+            else:
+                return False
+        return True
+    return False
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_dotted_name_is_real(doc):
+    assert unresolved_names(doc.read_text()) == []
+
+
+def test_the_name_check_finds_what_it_looks_for():
+    """Controls: a moved function, a module that is not there, a field, a prefix."""
+    text = (
+        "`runtime.loader.match_build`, `runtime.cli._serving_builds`, `wan.vae_encoder`, "
+        "`runtime.artifact.BuildKey.options`, `runtime.artifact.MAX_*`, `aot.plan.NO_*`"
+    )
+    assert unresolved_names(text) == [
+        "aot.plan.NO_*",
+        "runtime.cli._serving_builds",
+        "wan.vae_encoder",
+    ]
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))

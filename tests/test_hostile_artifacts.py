@@ -377,8 +377,8 @@ def _nested_config(m):
     ("edit", "message"),
     [
         (_set("programs", []), "`programs` must be a JSON object"),
-        (_set("programs", {}), "`programs` must be those of pipeline t2v"),
-        (_drop("programs", "vae_decode"), "`programs` must be those of pipeline t2v"),
+        (_set("programs", {}), "`programs` must be those of its build (pipeline t2v"),
+        (_drop("programs", "vae_decode"), "`programs` must be those of its build (pipeline t2v"),
         (_set("programs", "evil", {}), "`programs` names unknown programs evil"),
         (_set("key", "pipeline", "evil"), "`key.pipeline` must be one of"),
         (_set("process_count", 0), "`process_count` must be an integer in [1, 4096]"),

@@ -73,7 +73,9 @@ def test_weights_quantize_per_output_channel():
 
 def _abstract(config, mode, mesh):
     _, params, axes = programs.split_abstract(
-        programs.abstract_module(config, "transformer", quant=mode)
+        programs.abstract_module(
+            config, "transformer", programs.ProgramOptions(build={"quant": mode})
+        )
     )
     shards = programs.shardings(mesh, params, axes, sharding.TRANSFORMER_RULES)
     return jax.tree.map(

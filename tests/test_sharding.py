@@ -256,7 +256,7 @@ def portrait_violations(module: hlo.Module, everywhere: bool = True) -> list[str
 def compile_portrait(devices, layout: sharding.VaeLayout) -> hlo.Module:
     # A fresh program each time: jit caches traces per function, and the rules are read while
     # tracing.
-    program = programs.vae_decode_program(TINY, PORTRAIT)
+    program = programs.vae_decode_program(TINY, PORTRAIT, programs.ProgramOptions())
     compiled = compile_program(
         program, vae_mesh(devices, PORTRAIT_MESH), layout.rules(), layout.uneven
     )
@@ -337,7 +337,7 @@ def reference_kv(params: dict, embeddings: np.ndarray) -> tuple[np.ndarray, np.n
 def test_kv_cache_batch_sharded_or_replicated(batch, sharded):
     """Step batch 2B (CFG) over data x fsdp = 4: 4 and 8 divide, 2 does not (no error)."""
     shape = VideoShape(width=64, height=64, frames=5, batch=batch)
-    program = programs.kv_cache_program(TINY, shape, "dot")
+    program = programs.kv_cache_program(TINY, shape, programs.ProgramOptions())
     compiled = compile_program(program, transformer_mesh(CPU8, KV_MESH), RULES)
     batch_axes = ("data", "fsdp") if sharded else None
     emb_sharding = inputs(program, compiled.input_shardings[0])["embeddings"]
@@ -361,8 +361,10 @@ def test_denoise_step_consumes_the_kv_cache_as_laid_out():
     """The kv input of denoise_step has exactly the kv_cache output's sharding: no reshard."""
     shape = VideoShape(width=64, height=64, frames=5, batch=2)
     mesh = transformer_mesh(CPU8, KV_MESH)
-    produced = compile_program(programs.kv_cache_program(TINY, shape, "dot"), mesh, RULES)
-    step = programs.denoise_step_program(TINY, shape, "dot")
+    produced = compile_program(
+        programs.kv_cache_program(TINY, shape, programs.ProgramOptions()), mesh, RULES
+    )
+    step = programs.denoise_step_program(TINY, shape, programs.ProgramOptions())
     kv_in = inputs(step, compile_program(step, mesh, RULES).input_shardings[0])["kv"]
     kv_out = produced.output_shardings["kv"]
     assert kv_in == tuple(kv_out)
@@ -403,10 +405,12 @@ def test_denoise_step_sharded_equals_single_device(config, attention, context_pa
     """data=2 x context=4 on 8 host devices == the single-device dot step."""
     shape = VideoShape(width=64, height=64, frames=5, batch=1)
     mesh = transformer_mesh(CPU8, sharding.MeshShape(data=2, context=4))
-    sharded = programs.denoise_step_program(config, shape, attention, context_parallel)
+    sharded = programs.denoise_step_program(
+        config, shape, programs.ProgramOptions(attention, context_parallel)
+    )
     compiled = compile_program(sharded, mesh, RULES)
 
-    program = programs.denoise_step_program(config, shape, "dot")
+    program = programs.denoise_step_program(config, shape, programs.ProgramOptions())
     rng = np.random.default_rng(0)
 
     def draw(s: jax.ShapeDtypeStruct) -> np.ndarray:
@@ -440,7 +444,9 @@ def test_denoise_step_with_fsdp_has_no_all_to_all():
     fsdp layout without an all-to-all."""
     shape = VideoShape(width=64, height=64, frames=5, batch=8)
     mesh = transformer_mesh(CPU8, sharding.MeshShape(data=2, fsdp=4))
-    compiled = compile_program(programs.denoise_step_program(TINY, shape, "dot"), mesh, RULES)
+    compiled = compile_program(
+        programs.denoise_step_program(TINY, shape, programs.ProgramOptions()), mesh, RULES
+    )
     kinds = {c.kind for c in hlo.collectives(hlo.parse(compiled.as_text()))}
     assert "all-to-all" not in kinds
 
@@ -458,7 +464,9 @@ def test_ulysses_all_to_alls_are_the_only_ones_at_720p():
     embedded where their tokens live, so the step's all-to-alls are the attention's 4 per layer."""
     shape = VideoShape(width=720, height=1280, frames=81, batch=1)
     mesh = transformer_mesh(CPU8, sharding.MeshShape(fsdp=4, context=2))
-    program = programs.denoise_step_program(EIGHT_HEADS, shape, "blockwise", "ulysses")
+    program = programs.denoise_step_program(
+        EIGHT_HEADS, shape, programs.ProgramOptions("blockwise", "ulysses")
+    )
     module = hlo.parse(compile_program(program, mesh, RULES).as_text())
     all_to_alls = [c for c in hlo.collectives(module) if c.kind == "all-to-all"]
     assert sum(c.count for c in all_to_alls) == 4 * EIGHT_HEADS.transformer.num_layers
@@ -474,7 +482,9 @@ def decode_reference():
     """Random VAE weights, 8 videos of latents, and their single-device fp32 frames."""
     params = random_params(TINY, "vae", seed=3)
     shape = VideoShape(**DECODE_LATENT, batch=8)
-    program = programs.vae_decode_program(TINY, shape, frames_dtype="float32")
+    program = programs.vae_decode_program(
+        TINY, shape, programs.ProgramOptions(frames_dtype="float32")
+    )
     rng = np.random.default_rng(1)
     latents = rng.standard_normal(program.args["latents"].shape).astype(np.float32)
     return params, latents, np.asarray(single_device(program, params, latents)["frames"])
@@ -489,7 +499,9 @@ def test_vae_decode_sharded_equals_single_device(decode_reference, mesh_shape, b
     _, _, lat_h, lat_w, _ = shape.latent_shape(TINY)
     layout = sharding.choose_vae_layout(lat_h, lat_w, mesh_shape[1])
     assert layout == sharding.VaeLayout(axis)
-    program = programs.vae_decode_program(TINY, shape, frames_dtype="float32")
+    program = programs.vae_decode_program(
+        TINY, shape, programs.ProgramOptions(frames_dtype="float32")
+    )
     compiled = compile_program(program, vae_mesh(CPU8, mesh_shape), layout.rules(), layout.uneven)
     got = compiled(*place(compiled, params, latents[:batch]))["frames"]
     spec = tuple(compiled.output_shardings["frames"].spec)
@@ -517,7 +529,7 @@ def test_upsampling_gathers_no_activation(width, height, axis):
     _, _, lat_h, lat_w, _ = shape.latent_shape(config)
     layout = sharding.choose_vae_layout(lat_h, lat_w, 8)
     assert layout == sharding.VaeLayout(axis)
-    program = programs.vae_decode_program(config, shape)
+    program = programs.vae_decode_program(config, shape, programs.ProgramOptions())
     compiled = compile_program(program, vae_mesh(CPU8, (1, 8)), layout.rules(), layout.uneven)
     g = vae_gathers.gathers(hlo.parse(compiled.as_text()))
     budget = 0.1 * BENCH.upsampler_input_bytes(config, width, height)
@@ -535,7 +547,7 @@ def test_both_orientations_have_the_same_collectives():
         _, _, lat_h, lat_w, _ = shape.latent_shape(TINY)
         layout = sharding.choose_vae_layout(lat_h, lat_w, 8)
         assert layout.axis == axis
-        program = programs.vae_decode_program(TINY, shape)
+        program = programs.vae_decode_program(TINY, shape, programs.ProgramOptions())
         compiled = compile_program(program, vae_mesh(CPU8, (1, 8)), layout.rules(), layout.uneven)
         collectives = hlo.collective_summary(hlo.parse(compiled.as_text()))
         summaries[axis] = {kind: c["count"] for kind, c in collectives.items() if c["count"]}
@@ -556,7 +568,7 @@ def test_720p_denoise_step_runs_splash_on_tpu(tpu_devices):
     assert plan.attention == "splash:3072:2048:1024"
     assert plan.key.context_parallel == "gather"  # 2 heads do not divide over 4 shards
     mesh = transformer_mesh(tpu_devices, plan.mesh)
-    program = programs.denoise_step_program(TINY, shape, plan.attention)
+    program = programs.denoise_step_program(TINY, shape, programs.ProgramOptions(plan.attention))
     with jax.default_matmul_precision("default"):
         text = compile_program(program, mesh, RULES).as_text()
     assert "tpu_custom_call" in text

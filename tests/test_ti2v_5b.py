@@ -245,7 +245,9 @@ def _decode_program(width: int, height: int, frames: int = 9, dtype: str = "uint
     shape = VideoShape(width, height, frames, batch=1)
     _, _, lat_h, lat_w, _ = shape.latent_shape(TINY_TI2V)
     layout = sharding.choose_vae_layout(lat_h, lat_w, 8)
-    return programs.vae_decode_program(TINY_TI2V, shape, frames_dtype=dtype), layout
+    return programs.vae_decode_program(
+        TINY_TI2V, shape, programs.ProgramOptions(frames_dtype=dtype)
+    ), layout
 
 
 def test_decode_is_one_scan_body():

@@ -66,12 +66,9 @@ DEFAULT_PIPELINE = "t2v"
 STEP_CACHE_PROGRAMS: dict[str, tuple[str, ...]] = {"denoise_step": ("cache_step", "cached_step")}
 
 
-def pipeline_programs(pipeline: str, step_cache: bool = False) -> tuple[str, ...]:
-    """The programs a build of `pipeline` holds (with step caching: see STEP_CACHE_PROGRAMS)."""
-    names = PIPELINES[pipeline]
-    if not step_cache:
-        return names
-    return tuple(p for name in names for p in STEP_CACHE_PROGRAMS.get(name, (name,)))
+def with_step_cache(programs: Sequence[str]) -> tuple[str, ...]:
+    """`programs` with step caching's in place of those it replaces (STEP_CACHE_PROGRAMS)."""
+    return tuple(p for name in programs for p in STEP_CACHE_PROGRAMS.get(name, (name,)))
 
 
 def producer(source: str, programs: Sequence[str]) -> tuple[str, str]:

@@ -3,23 +3,15 @@
 Each program takes parameters as plain nested dicts (pure dicts of the NNX state) and plain
 dicts/tuples elsewhere, so a serialized executable's pytree definitions name no flax or wan
 class. Shardings are attached from logical axis names through wan.sharding; `aot` lowers these
-on any target and the runtime calls the resulting executables.
-
-| program      | inputs                                                 | outputs               |
-|--------------|--------------------------------------------------------|-----------------------|
-| text_encode  | params, ids (S, L), mask (S, L)                        | embeddings (S, L, D)  |
-| kv_cache     | params, embeddings                                     | (k, v) per layer      |
-| denoise_step | params, latents, kv, sampler row, sampler state, scale | latents, state        |
-| latents_handoff | latents (transformer layout)                        | latents (VAE layout)  |
-| vae_decode   | params, latents                                        | uint8 frames          |
-
-S = 2B with classifier-free guidance (prompt rows first, then negative-prompt rows), else B.
+on any target and the runtime calls the resulting executables. Their named inputs and outputs
+are `wan.interface.SIGNATURES` (tabled in docs/architecture.md); a step's batch is
+S = 2B with classifier-free guidance (prompt and negative-prompt rows in pairs), else B.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -38,6 +30,26 @@ Tree = Any
 Axes = tuple[str | None, ...]
 
 
+@dataclasses.dataclass(frozen=True)
+class ProgramOptions:
+    """The build's choices the programs are made with (aot.plan resolves them)."""
+
+    attention: str = "dot"
+    context_parallel: str = "gather"
+    gather_latents: bool = False  # ShardingPlan.gather_latents
+    frames_dtype: str = "uint8"  # float32: frames in [0, 1], for comparisons
+    # The plain build options' values by name (runtime.build_options: `quant`, ...): a program
+    # or a module made for an option reads it here.
+    build: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def module_options(self, names: Sequence[str]) -> dict[str, Any]:
+        """The options among `names` (a kind's `module_options`) that this build sets; the
+        module's own default stands for one it does not."""
+        values = {"attention": self.attention, "context_parallel": self.context_parallel}
+        values.update(self.build)
+        return {name: values[name] for name in names if name in values}
+
+
 # ----------------------------------------------------------------------------------------------
 # Modules <-> pure parameter dicts.
 
@@ -45,38 +57,27 @@ Axes = tuple[str | None, ...]
 def make_module(
     config: ModelConfig,
     component: str,
-    attention: str = "dot",
+    options: ProgramOptions | None = None,
     rngs: nnx.Rngs | None = None,
-    context_parallel: str = "gather",
-    quant: str = "none",
 ) -> nnx.Module:
     """The module of a component with freshly initialised (random) weights: the module of the
-    component's kind (`wan.kinds`), given the build options it takes."""
+    component's kind (`wan.kinds`), given the build options it takes (`module_options`)."""
     part = kinds.part(config, component)
     kind = kinds.of(part)
-    options = {"attention": attention, "context_parallel": context_parallel, "quant": quant}
     return kind.module_factory(
         part,
         dtype=jnp.dtype(config.dtype),
         param_dtype=jnp.dtype(kind.param_dtype or config.dtype),
         rngs=rngs or nnx.Rngs(0),
-        **{name: options[name] for name in kind.module_options},
+        **(options or ProgramOptions()).module_options(kind.module_options),
     )
 
 
 def abstract_module(
-    config: ModelConfig,
-    component: str,
-    attention: str = "dot",
-    context_parallel: str = "gather",
-    quant: str = "none",
+    config: ModelConfig, component: str, options: ProgramOptions | None = None
 ) -> nnx.Module:
     """The module of a component, built abstractly (no weights allocated)."""
-    return nnx.eval_shape(
-        lambda: make_module(
-            config, component, attention, context_parallel=context_parallel, quant=quant
-        )
-    )
+    return nnx.eval_shape(lambda: make_module(config, component, options))
 
 
 def components(config: ModelConfig) -> tuple[str, ...]:
@@ -125,8 +126,11 @@ class Program:
     # Compiled for the build's scoped VMEM on TPU (--vae-vmem): convolution-heavy programs,
     # whose compile time follows the tiles libtpu emits for it.
     scoped_vmem: bool = False
-    # What `aot build` records of it besides memory, FLOPs and collectives (aot.entries).
+    # What `aot build` records of it besides memory, FLOPs and collectives, by name
+    # (aot.analyses.ANALYSES).
     analyses: tuple[str, ...] = ()
+    # What to change when it does not fit the target's on-chip memory (VMEM), for the error.
+    vmem_hint: str | None = None
 
     def __post_init__(self):
         signature = interface.SIGNATURES[self.name]
@@ -160,8 +164,8 @@ def _sds(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype))
 
 
-def text_encode_program(config: ModelConfig, shape: VideoShape) -> Program:
-    graphdef, params, param_axes = split_abstract(abstract_module(config, "text_encoder"))
+def text_encode_program(config: ModelConfig, shape: VideoShape, options: ProgramOptions) -> Program:
+    graphdef, params, param_axes = split_abstract(abstract_module(config, "text_encoder", options))
     length = config.text_encoder.max_length
 
     def text_encode(params: Tree, ids: jax.Array, mask: jax.Array) -> jax.Array:
@@ -180,12 +184,8 @@ def text_encode_program(config: ModelConfig, shape: VideoShape) -> Program:
     )
 
 
-def kv_cache_program(
-    config: ModelConfig, shape: VideoShape, attention: str, quant: str = "none"
-) -> Program:
-    graphdef, params, param_axes = split_abstract(
-        abstract_module(config, "transformer", attention, quant=quant)
-    )
+def kv_cache_program(config: ModelConfig, shape: VideoShape, options: ProgramOptions) -> Program:
+    graphdef, params, param_axes = split_abstract(abstract_module(config, "transformer", options))
     tc = config.transformer
     emb = _sds((shape.step_batch, config.text_encoder.max_length, tc.text_dim), config.dtype)
     kv_axes = (axes.LAYERS, axes.BATCH, axes.KV_LENGTH, axes.HEADS)
@@ -234,9 +234,7 @@ def _step_program(
     name: str,
     config: ModelConfig,
     shape: VideoShape,
-    attention: str,
-    context_parallel: str,
-    quant: str,
+    options: ProgramOptions,
     transformer_pass: TransformerPass = _all_blocks,
     extra_args: dict[str, Tree] | None = None,
     extra_axes: dict[str, Tree] | None = None,
@@ -246,9 +244,7 @@ def _step_program(
 ) -> Program:
     """A denoise step: the transformer on the latents (both CFG passes at once), guidance and
     the sampler's update; `transformer_pass` runs the blocks (or stands in for them)."""
-    graphdef, params, param_axes = split_abstract(
-        abstract_module(config, "transformer", attention, context_parallel, quant)
-    )
+    graphdef, params, param_axes = split_abstract(abstract_module(config, "transformer", options))
     latents = _sds(shape.latent_shape(config), jnp.float32)
     kv = kv_shape(config, shape)
     kv_axes = (axes.LAYERS, axes.BATCH, axes.KV_LENGTH, axes.HEADS)
@@ -296,17 +292,14 @@ def _step_program(
         "transformer",
         donate=("latents", "state", *donate),  # a step holds one copy of each
         analyses=analyses,
+        vmem_hint="smaller --attention splash blocks (e.g. splash:1024:1024:512)",
     )  # fmt: skip
 
 
 def denoise_step_program(
-    config: ModelConfig,
-    shape: VideoShape,
-    attention: str = "dot",
-    context_parallel: str = "gather",
-    quant: str = "none",
+    config: ModelConfig, shape: VideoShape, options: ProgramOptions
 ) -> Program:
-    return _step_program("denoise_step", config, shape, attention, context_parallel, quant)
+    return _step_program("denoise_step", config, shape, options)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -374,19 +367,13 @@ def _cached_pass(model, embedded, kv, extra):
     return embedded.tokens + extra["first_residual"] + extra["residual"], {}
 
 
-def cache_step_program(
-    config: ModelConfig,
-    shape: VideoShape,
-    attention: str = "dot",
-    context_parallel: str = "gather",
-    quant: str = "none",
-) -> Program:
+def cache_step_program(config: ModelConfig, shape: VideoShape, options: ProgramOptions) -> Program:
     """A full step that also leaves its residuals on the devices and their per-token norms for
     the host (MagCache's calibration), or, under the first-block cache's threshold, reuses the
     given residual after the first block."""
     residual = _residual_shape(config, shape)
     return _step_program(
-        "cache_step", config, shape, attention, context_parallel, quant, _cache_pass(shape.cfg),
+        "cache_step", config, shape, options, _cache_pass(shape.cfg),
         {"first_residual": residual, "residual": residual, "threshold": _sds((), jnp.float32)},
         {"first_residual": RESIDUAL_AXES, "residual": RESIDUAL_AXES, "threshold": ()},
         {"first_residual": RESIDUAL_AXES, "residual": RESIDUAL_AXES,
@@ -395,17 +382,11 @@ def cache_step_program(
     )  # fmt: skip
 
 
-def cached_step_program(
-    config: ModelConfig,
-    shape: VideoShape,
-    attention: str = "dot",
-    context_parallel: str = "gather",
-    quant: str = "none",
-) -> Program:
+def cached_step_program(config: ModelConfig, shape: VideoShape, options: ProgramOptions) -> Program:
     """A step whose blocks are replaced by the given residuals (MagCache's skipped step)."""
     residual = _residual_shape(config, shape)
     return _step_program(
-        "cached_step", config, shape, attention, context_parallel, quant, _cached_pass,
+        "cached_step", config, shape, options, _cached_pass,
         {"first_residual": residual, "residual": residual},
         {"first_residual": RESIDUAL_AXES, "residual": RESIDUAL_AXES},
         analyses=(),  # no attention runs: its kernels' FLOPs are not this step's
@@ -427,16 +408,16 @@ def decode_frames(vae: WanVAE, latents: jax.Array, config: ModelConfig) -> jax.A
 
 
 def latents_handoff_program(
-    config: ModelConfig, shape: VideoShape, gather_latents: bool = False
+    config: ModelConfig, shape: VideoShape, options: ProgramOptions
 ) -> Program:
     """The denoised latents, as the last denoise step leaves them on the transformer mesh, laid
-    out as the decode takes them on the VAE mesh. `gather_latents`: they arrive batch-sharded;
-    replicate them before the spatial layout slices them (an all-gather of the small latents
-    instead of an all-to-all)."""
+    out as the decode takes them on the VAE mesh. `options.gather_latents`: they arrive
+    batch-sharded; replicate them before the spatial layout slices them (an all-gather of the
+    small latents instead of an all-to-all)."""
     latents = _sds(shape.latent_shape(config), jnp.float32)
 
     def latents_handoff(latents: jax.Array) -> dict[str, jax.Array]:
-        if gather_latents:
+        if options.gather_latents:
             latents = sharding.constrain(latents, (None,) * latents.ndim)
         return {"latents": sharding.constrain(latents, VIDEO)}
 
@@ -451,18 +432,16 @@ def latents_handoff_program(
     )
 
 
-def vae_decode_program(
-    config: ModelConfig, shape: VideoShape, frames_dtype: str = "uint8"
-) -> Program:
-    """Frames as uint8 (what videos are made of), or as float32 in [0, 1] for comparisons; the
-    latents arrive in the VAE's layout (latents_handoff)."""
-    graphdef, params, param_axes = split_abstract(abstract_module(config, "vae"))
+def vae_decode_program(config: ModelConfig, shape: VideoShape, options: ProgramOptions) -> Program:
+    """Frames as uint8 (what videos are made of), or as float32 in [0, 1] for comparisons
+    (`options.frames_dtype`); the latents arrive in the VAE's layout (latents_handoff)."""
+    graphdef, params, param_axes = split_abstract(abstract_module(config, "vae", options))
     latents = _sds(shape.latent_shape(config), jnp.float32)
 
     def vae_decode(params: Tree, latents: jax.Array) -> jax.Array:
         vae = nnx.merge(graphdef, params)
         frames = decode_frames(vae, sharding.constrain(latents, VIDEO), config)
-        if frames_dtype == "uint8":
+        if options.frames_dtype == "uint8":
             frames = jnp.round(frames * 255).astype(jnp.uint8)
         return {"frames": sharding.constrain(frames, VIDEO)}
 
@@ -476,56 +455,25 @@ def vae_decode_program(
         host_outputs=True,
         scoped_vmem=True,
         analyses=("vae_gathers",),
+        vmem_hint="a smaller --vae-vmem",
     )
-
-
-@dataclasses.dataclass(frozen=True)
-class ProgramOptions:
-    """The build's choices the programs are made with (aot.plan resolves them)."""
-
-    attention: str = "dot"
-    context_parallel: str = "gather"
-    gather_latents: bool = False  # ShardingPlan.gather_latents
-    frames_dtype: str = "uint8"  # float32: frames in [0, 1], for comparisons
-    # The plain build options' values by name (runtime.build_options): a program made for an
-    # option reads it here.
-    build: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-
-    @property
-    def quant(self) -> str:
-        """The transformer's 8-bit mode (`--quant`, wan.quant)."""
-        return self.build.get("quant", "none")
 
 
 # The program of each name, made for a model, a video shape and the build's options: a new
 # program is one maker here, its Signature in wan.interface and its place in a pipeline there.
 MAKERS: dict[str, Callable[[ModelConfig, VideoShape, ProgramOptions], Program]] = {
-    "text_encode": lambda config, shape, o: text_encode_program(config, shape),
-    "kv_cache": lambda config, shape, o: kv_cache_program(config, shape, o.attention, o.quant),
-    **{
-        name: lambda config, shape, o, make=make: make(
-            config, shape, o.attention, o.context_parallel, o.quant
-        )
-        for name, make in (
-            ("denoise_step", denoise_step_program),
-            ("cache_step", cache_step_program),
-            ("cached_step", cached_step_program),
-        )
-    },
-    "latents_handoff": lambda config, shape, o: latents_handoff_program(
-        config, shape, o.gather_latents
-    ),
-    "vae_decode": lambda config, shape, o: vae_decode_program(config, shape, o.frames_dtype),
+    "text_encode": text_encode_program,
+    "kv_cache": kv_cache_program,
+    "denoise_step": denoise_step_program,
+    "cache_step": cache_step_program,
+    "cached_step": cached_step_program,
+    "latents_handoff": latents_handoff_program,
+    "vae_decode": vae_decode_program,
 }
 
 
 def programs(
-    config: ModelConfig,
-    shape: VideoShape,
-    options: ProgramOptions,
-    pipeline: str = interface.DEFAULT_PIPELINE,
-    step_cache: bool = False,
+    config: ModelConfig, shape: VideoShape, options: ProgramOptions, names: Sequence[str]
 ) -> list[Program]:
-    """The programs of `pipeline` (with step caching's), in the order a generation runs them."""
-    names = interface.pipeline_programs(pipeline, step_cache)
+    """The programs `names` (a build key's `programs`), in that order."""
     return [MAKERS[name](config, shape, options) for name in names]

@@ -24,11 +24,10 @@ def quantize_checkpoint(source: str | Path, mode: str, out: str | Path) -> Path:
     source = Path(source)
     config = ModelConfig.from_folder(source)
     components = {}
+    # Only the kinds that take `quant` (the transformer's) are made in 8 bits.
+    options = programs.ProgramOptions(build={"quant": mode})
     for component in interface.components(config.num_experts):
-        is_transformer = component.startswith("transformer")
-        module = programs.abstract_module(
-            config, component, quant=mode if is_transformer else "none"
-        )
+        module = programs.abstract_module(config, component, options)
         flat = weights.flatten(programs.split_abstract(module)[1])
         host, pending = checkpoint.read_host(source, component, flat)
         for kernel, precision in pending.items():
