@@ -405,14 +405,7 @@ def test_failed_batch_fails_its_videos_and_serving_goes_on(tmp_path):
                                                        "seed": i}, 8) for i in range(2)]  # fmt: skip
     good = store.add(Group("good", Settings(steps=3)), {"prompt": "q", "negative_prompt": "",
                                                        "seed": 1}, 8)  # fmt: skip
-    worker = threading.Thread(target=service.run, daemon=True)
-    worker.start()
-    deadline = time.monotonic() + 60
-    while store.get(good.id).status != "completed":
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    service.drain()
-    worker.join(10)
+    _run_until_completed(service, store, good.id)
     assert [store.get(j.id).error for j in bad] == [
         {"code": "generation_failed", "message": "device lost"}
     ] * 2
@@ -444,14 +437,7 @@ def test_a_stored_group_that_does_not_read_fails_its_job_only(tmp_path, stored):
     pipe.key.width, pipe.key.height, pipe.key.frames, pipe.key.cfg = 64, 96, 5, True
     service = Service({"good": pipe}, store, max_queue=8, batch_window=0.0, compile_count=lambda: 0)
     assert [service.video_object(j)["model"] for j in store.jobs()] == ["gone", "good", None]
-    worker = threading.Thread(target=service.run, daemon=True)
-    worker.start()
-    deadline = time.monotonic() + 60
-    while store.get(good.id).status != "completed":
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    service.drain()
-    worker.join(10)
+    _run_until_completed(service, store, good.id)
     assert store.get(damaged.id).error == {
         "code": "unreadable_job",
         "message": "its stored batch group does not read: submit the video again",
@@ -478,3 +464,15 @@ def test_the_samplers_are_listed_once():
     [option] = [p for p in run_cmd.params if p.name == "sampler"]
     assert tuple(option.type.choices) == SAMPLERS
     assert SchedulerConfig().kind in SAMPLERS
+
+
+def _run_until_completed(service, store: JobStore, job_id: str) -> None:
+    """Run the service's worker until job `job_id` completes (60 s at most), then drain it."""
+    worker = threading.Thread(target=service.run, daemon=True)
+    worker.start()
+    deadline = time.monotonic() + 60
+    while store.get(job_id).status != "completed":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    service.drain()
+    worker.join(10)
