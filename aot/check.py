@@ -78,9 +78,12 @@ from runtime.artifact import (
     ArtifactError,
     FileEntry,
     Manifest,
+    ProgramEntry,
     read_hlo_text,
     read_manifest,
+    read_verified,
 )
+from runtime.executables import declared_header
 from runtime.loader import build_folders
 from wan.errors import InputError
 from wan.interface import SIGNATURES
@@ -320,6 +323,7 @@ def check_build(folder: Path, policy: Policy) -> BuildCheck:
     budget = policy.memory_rule(manifest.key.target).budget(manifest.hbm_bytes)
     programs, violations = {}, []
     for name, entry in manifest.programs.items():
+        _check_executable(folder, entry)
         collectives = tuple(hlo.collectives(_read_hlo(folder, entry.hlo)))
         program = ProgramCheck(entry.memory["peak"], collectives)
         programs[name] = program
@@ -358,6 +362,15 @@ def program_violations(
             Violation(folder, name, "memory", None, budget, program.peak_bytes, message, ())
         )
     return violations
+
+
+def _check_executable(folder: Path, entry: ProgramEntry) -> None:
+    """The program's executable is whole and in this version's format, declaring the arrays
+    the manifest records (read, never loaded: runtime.executables)."""
+    try:
+        declared_header(entry, read_verified(folder, entry.executable))
+    except ArtifactError as e:
+        raise CheckInputError(f"{folder.name}: {entry.name}: {e}") from None
 
 
 def _read_hlo(folder: Path, entry: FileEntry) -> hlo.Module:

@@ -32,7 +32,7 @@ def program_entry(
     program = lowered.program
     device_ids = [d.id for d in lowered.mesh.devices.flat]
     executable, hlo_text = store.program_files(program.name)
-    (folder / executable).write_bytes(dump_executable(compiled, device_ids))
+    (folder / executable).write_bytes(dump_executable(compiled, device_ids, list(program.args)))
     text = compiled.as_text()
     with gzip.open(folder / hlo_text, "wt") as f:
         f.write(text)

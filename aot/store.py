@@ -34,7 +34,15 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from runtime.artifact import MANIFEST, ArtifactError, Manifest, ProgramEntry, verify_file
+from runtime.artifact import (
+    MANIFEST,
+    ArtifactError,
+    Manifest,
+    ProgramEntry,
+    read_verified,
+    verify_file,
+)
+from runtime.executables import declared_header
 from wan import interface
 from wan.atomic import NotOurs, atomic_folder, locked, owned_files, remove_owned, temporaries
 from wan.bounded_read import read_json
@@ -126,10 +134,12 @@ def has(out_root: Path, pid: str) -> bool:
 
 def read_entry(folder: Path) -> ProgramEntry:
     """The entry in store folder `folder`, when its entry.json reads, names its program's own
-    files, and each is a regular file of the recorded size and sha256; else ArtifactError."""
+    files, each is a regular file of the recorded size and sha256, and the executable's header
+    declares the entry's arrays (runtime.executables: an older format is not reused); else
+    ArtifactError."""
     entry = _load_entry(folder)
-    for file in (entry.executable, entry.hlo):
-        verify_file(folder, file)
+    verify_file(folder, entry.hlo)
+    declared_header(entry, read_verified(folder, entry.executable))
     return entry
 
 

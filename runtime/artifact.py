@@ -28,7 +28,9 @@ from wan.bounded_read import Refuse, open_regular, read_json
 from wan.configs import VideoShape
 from wan.interface import SIGNATURES, full_step
 
-SCHEMA_VERSION = 3  # 2: program inputs and outputs by name; 3: a pipeline variant of programs
+# 2: program inputs and outputs by name; 3: a pipeline variant of programs; 4: executables
+# without pickle (runtime.executables)
+SCHEMA_VERSION = 4
 MANIFEST = "manifest.json"
 
 # Bounds on what a manifest may claim, far above any real build, so that a hostile value is

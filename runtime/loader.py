@@ -21,7 +21,7 @@ from runtime.artifact import (
     read_verified,
     verify_files,
 )
-from runtime.executables import executable_device_ids, load_executable
+from runtime.executables import declared_header, load_executable
 from wan.configs import VideoShape
 from wan.interface import SIGNATURES
 
@@ -251,7 +251,7 @@ def ordered_devices(manifest: Manifest, devices: list[Any], blobs: dict[str, byt
         )
     for name, blob in blobs.items():
         with _naming(name):
-            recorded = executable_device_ids(blob)
+            recorded = list(declared_header(manifest.programs[name], blob).device_ids)
         if recorded != manifest.device_ids:
             raise ArtifactError(
                 f"{name}: manifest device order {manifest.device_ids} differs from the executable's "

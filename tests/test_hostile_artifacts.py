@@ -1,4 +1,5 @@
-"""A crafted or damaged artifacts folder: executables that would run a command when unpickled,
+"""A crafted or damaged artifacts folder: pickles that would run a command or corrupt memory if
+unpickled, executable headers that lie about their executable,
 manifests mutated at random, paths and symlinks leading outside the build, a gzip bomb, a
 sparse 8 GB manifest, and one broken build among good ones. Each is refused with one line
 (exit 2 from the CLIs), nothing runs, nothing outside the build is read, and the good builds
@@ -7,26 +8,33 @@ still list, check and run."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import gzip
-import io
 import json
 import os
 import pickle
 import shutil
+import struct
+import sys
 import tracemalloc
 import zlib
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from conftest import TINY_SHAPE, run_cli
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from jax.experimental import serialize_executable
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from aot import check, report
+from runtime import executables
 from runtime.artifact import (
     MANIFEST,
+    SCHEMA_VERSION,
     ArtifactError,
     FileEntry,
     Manifest,
@@ -36,7 +44,7 @@ from runtime.artifact import (
     verify_file,
     verify_files,
 )
-from runtime.executables import ALLOWED_GLOBALS, load_executable
+from runtime.executables import load_executable
 from runtime.loader import Present, Request, match_build, passed_over
 from wan.configs import VideoShape
 
@@ -153,29 +161,65 @@ def gadgets(canary: Path) -> dict[str, bytes]:
     }
 
 
-def with_payload(real_exec: bytes, payload: bytes) -> bytes:
-    """A real executable file with jax's inner payload pickle replaced."""
-    _, in_tree, out_tree, device_ids = pickle.loads(real_exec)  # our own build: trusted here
-    return pickle.dumps((payload, in_tree, out_tree, device_ids), protocol=5)
+def forged_dtype_payload() -> bytes:
+    """The second probe's memory corruption, as an executable of the old (pickled) format: only
+    allowed globals, but numpy.dtype('O8', False, True) with its flags cleared by BUILD and an
+    object array made from raw bytes, whose 'objects' are addresses the payload chose."""
+    dtype = call(global_("numpy", "dtype"), data("O8"), data(False), data(True))
+    forged = dtype + data((3, "|", None, None, None, -1, -1, 0)) + b"b"  # BUILD: flags 0
+    array = (
+        call(
+            global_("numpy._core.multiarray", "_reconstruct"),
+            global_("numpy", "ndarray"),
+            data((0,)),
+            data(b"b"),
+        )
+        + b"("
+        + data(1)
+        + data((1,))
+        + forged
+        + data(False)
+        + data(b"\xef\xbe\xad\xde" * 2)
+        + b"tb"
+    )
+    payload = pickled(array)
+    return pickle.dumps((payload, None, None, [0]), protocol=5)
+
+
+def with_header(real_exec: bytes, xla: bytes) -> bytes:
+    """A real executable's header in front of other bytes where XLA's executable goes."""
+    header, old = executables.read_header(real_exec)
+    return real_exec[: len(real_exec) - len(old)] + xla
 
 
 def all_gadgets(canary: Path, real_exec: bytes) -> dict[str, bytes]:
-    outer = gadgets(canary)
-    nested = {f"payload_{name}": with_payload(real_exec, blob) for name, blob in outer.items()}
-    # jax's persistent ids are ("exec", bytes), ("device", id), ("client",): nothing else.
-    persistent = pickled(data(("shell", f"touch {canary}")) + b"Q")
+    """Each gadget as a whole executable file, and behind a real header in XLA's place."""
+    whole = {**gadgets(canary), "forged_dtype": forged_dtype_payload()}
     return {
-        **outer,
-        **nested,
-        "payload_persistent_id": with_payload(real_exec, persistent),
-        "payload_not_jax": with_payload(real_exec, pickle.dumps((1, [], False))),
-        "outer_not_a_tuple": pickle.dumps(["payload", 1, 2, [0]]),
+        **whole,
+        **{f"xla_{name}": with_header(real_exec, blob) for name, blob in whole.items()},
     }
 
 
-def test_gadgets_run_when_not_restricted(tmp_path):
-    """Control: each outer gadget does create the canary under a plain unpickler, so the
-    refusals below are the allow-list's doing."""
+@pytest.fixture
+def pickle_audit():
+    """The globals any unpickling looks up while the test runs (the `pickle.find_class` audit
+    event: every global a pickle names passes through it)."""
+    seen: list[tuple[str, str]] = []
+    _AUDIT.append(seen)
+    yield seen
+    _AUDIT.remove(seen)
+
+
+_AUDIT: list[list[tuple[str, str]]] = []
+sys.addaudithook(
+    lambda event, args: [s.append(args) for s in _AUDIT] if event == "pickle.find_class" else None
+)
+
+
+def test_gadgets_run_when_not_restricted(tmp_path, pickle_audit):
+    """Control: each gadget does create the canary under a plain unpickler (and the audit sees
+    its globals), so the refusals below are the loader's doing."""
     for name, blob in gadgets(tmp_path / "pwned").items():
         canary = tmp_path / "pwned"
         try:
@@ -186,11 +230,13 @@ def test_gadgets_run_when_not_restricted(tmp_path):
             pass
         assert canary.exists(), name
         canary.unlink()
+    assert pickle_audit
 
 
-def test_gadgets_refused_in_process(tiny_build, tmp_path):
-    """Every gadget, outer pickle or nested in jax's payload, is an ArtifactError from
-    load_executable, and the command never ran; the real executable still loads."""
+def test_gadgets_refused_without_unpickling(tiny_build, tmp_path, pickle_audit):
+    """Every gadget, as a whole file or in XLA's place behind a real header, is one
+    ArtifactError line from load_executable: nothing is unpickled, the command never ran, and
+    the real executables still load (without unpickling either)."""
     canary = tmp_path / "pwned"
     real = (tiny_build / "text_encode.exec").read_bytes()
     devices = jax.devices()[:8]
@@ -199,15 +245,13 @@ def test_gadgets_refused_in_process(tiny_build, tmp_path):
             load_executable(blob, devices)
         assert "\n" not in str(refused.value), name
         assert not canary.exists(), name
-    assert load_executable(real, devices) is not None
+    for path in sorted(tiny_build.glob("*.exec")):
+        assert load_executable(path.read_bytes(), devices) is not None
+    assert pickle_audit == []
 
 
-# Every outer shape, and the nested ones that differ (the payload pickle's own unpickler).
-CLI_GADGETS = [
-    "dotted_popen", "dotted_os_system", "os_system", "posix_system", "builtins_eval",
-    "builtins_getattr", "allowed_class_reducing_os_system", "allowed_module_dotted_name",
-    "payload_dotted_popen", "payload_persistent_id",
-]  # fmt: skip
+# Whole files (an older build's format is refused before anything else) and one in XLA's place.
+CLI_GADGETS = ["dotted_popen", "os_system", "builtins_getattr", "forged_dtype", "xla_forged_dtype"]
 
 
 @pytest.mark.parametrize("gadget", CLI_GADGETS)
@@ -217,38 +261,182 @@ def test_gadget_in_a_build_is_refused_by_runtime_run(build_copy, tiny_weights, t
     replace_file(build_copy, "kv_cache", "executable", all_gadgets(canary, real)[gadget])
     result = run_cli("runtime", *run_args(build_copy.parent, tiny_weights, tmp_path), check=False)
     line = one_line_refusal(result, canary)
-    assert "kv_cache" in line and "refusing to load it" in line
+    assert "kv_cache" in line and "aot build --force" in line
     assert not (tmp_path / "v.mp4").exists()
 
 
-def test_allowed_globals_cover_a_real_build(tiny_build):
-    """Record every global the tiny build's executables name (outer pickle and jax's payload)
-    with unrestricted unpicklers (our own fresh build: trusted here). When a jax upgrade needs
-    another global, this fails naming it: add it to runtime.executables.ALLOWED_GLOBALS."""
-    asked: dict[str, set[tuple[str, str]]] = {"executable": set(), "payload": set()}
+def test_an_older_builds_pickle_fails_aot_check(build_copy):
+    """A pickled executable planted with its manifest entry recomputed: `aot check` names the
+    build unreadable (it passed before the pickle-free format)."""
+    replace_file(build_copy, "vae_decode", "executable", forged_dtype_payload())
+    result = run_cli("aot", "check", str(build_copy.parent), check=False)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "vae_decode" in result.stdout and "not in this runtime's format" in result.stdout
 
-    class Outer(pickle.Unpickler):
-        def find_class(self, module, name):
-            asked["executable"].add((module, name))
-            return super().find_class(module, name)
 
-    class Payload(serialize_executable._JaxPjrtUnpickler):
-        def find_class(self, module, name):
-            asked["payload"].add((module, name))
-            return super().find_class(module, name)
+# ---------------------------------------------------------------------------- executable headers
 
-    devices = {d.id: d for d in jax.devices()}
-    for path in sorted(tiny_build.glob("*.exec")):
-        payload, _, _, ids = Outer(io.BytesIO(path.read_bytes())).load()
-        ordered = [devices[i] for i in ids]
-        Payload(io.BytesIO(payload), ordered[0].client, ordered).load()
-    for kind, names in asked.items():
-        missing = sorted(names - ALLOWED_GLOBALS[kind])
-        assert not missing, (
-            f"jax's executables now name {missing} in the {kind} pickle: review each and add it "
-            f'to runtime.executables.ALLOWED_GLOBALS["{kind}"]'
+
+def header_of(blob: bytes) -> dict:
+    start = len(executables.MAGIC) + 8
+    (length,) = struct.unpack_from("<Q", blob, len(executables.MAGIC))
+    return json.loads(blob[start : start + length])
+
+
+def with_header_json(blob: bytes, raw, length: int | None = None) -> bytes:
+    _, xla = executables.read_header(blob)
+    text = json.dumps(raw).encode()
+    size = len(text) if length is None else length
+    return executables.MAGIC + struct.pack("<Q", size) + text + xla
+
+
+def _with_value(raw: dict, path: tuple, value) -> dict:
+    raw = copy.deepcopy(raw)
+    target = raw
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    return raw
+
+
+@pytest.fixture(scope="module")
+def handoff(tiny_build) -> bytes:
+    """The smallest real executable: it reads on the transformer's mesh, writes on the VAE's."""
+    return (tiny_build / "latents_handoff.exec").read_bytes()
+
+
+# Lies a header could tell about its executable; each is refused before any call.
+LIES = {
+    "an input's shape": (("inputs", 0, "shape", 1), 6),
+    "an input's dtype": (("inputs", 0, "dtype"), "bfloat16"),
+    "an object dtype": (("inputs", 0, "dtype"), "object"),
+    "an output's shape": (("outputs", 0, "shape", 1), 30),
+    "an output's sharding, same shard shape": (("outputs", 0, "placement", "spec"), [None, None, None, None, "vae_spatial"]),
+    "an axis XLA did not split": (("inputs", 0, "placement", "spec"), [None, None, None, None, "context"]),
+    "an axis of another mesh": (("inputs", 0, "placement", "spec"), ["vae_spatial"]),
+    "a mesh's device order": (("meshes", 0, "device_ids"), [7, 6, 5, 4, 3, 2, 1, 0]),
+    "a missing mesh": (("inputs", 0, "placement", "mesh"), 5),
+    "a tree with another leaf count": (("in_tree",), {"tuple": [{"tuple": [0, 0]}, {"dict": []}]}),
+    "a tree of another type": (("out_tree",), {"set": [0]}),
+    "an unknown field": (("extra",), 1),
+    "another format": (("format",), 2),
+    "a rank over the bound": (("inputs", 0, "shape"), [1] * 17),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("lie", sorted(LIES))
+def test_a_lying_header_is_refused(handoff, lie):
+    path, value = LIES[lie]
+    devices = jax.devices()[:8]
+    blob = with_header_json(handoff, _with_value(header_of(handoff), path, value))
+    with pytest.raises(ArtifactError) as refused:
+        load_executable(blob, devices)
+    assert "\n" not in str(refused.value) and "aot build --force" in str(refused.value)
+    assert load_executable(handoff, devices) is not None  # control: the truth loads
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["truncated before the length", "a length past the end", "a length over the bound", "not JSON",
+     "nested 100000 deep", "not UTF-8"],
+)  # fmt: skip
+def test_a_damaged_header_is_refused(handoff, damage):
+    magic, raw = executables.MAGIC, header_of(handoff)
+    blob = {
+        "truncated before the length": magic + b"\x01",
+        "a length past the end": with_header_json(handoff, raw, length=len(handoff)),
+        "a length over the bound": with_header_json(
+            handoff, raw, length=executables.MAX_HEADER_BYTES + 1
+        ),
+        "not JSON": magic + struct.pack("<Q", 3) + b"{{{",
+        "nested 100000 deep": magic + struct.pack("<Q", 200000) + b"[" * 100000 + b"]" * 100000,
+        "not UTF-8": magic + struct.pack("<Q", 2) + b"\xff\xfe",
+    }[damage]
+    with pytest.raises(ArtifactError):
+        executables.read_header(blob)
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_mutated_header_loads_or_refuses(handoff, data):
+    """Any one field of a real header changed (type, value or removal): a sound executable or one
+    ArtifactError line, never another exception."""
+    raw = header_of(handoff)
+    path = data.draw(st.sampled_from(list(json_paths(raw))[1:]))
+    how = data.draw(st.sampled_from(["delete", "replace"]))
+    value = data.draw(JSON_VALUES)
+    mutated = mutate(copy.deepcopy(raw), path, how, value)
+    try:
+        load_executable(with_header_json(handoff, mutated), jax.devices()[:8])
+    except ArtifactError as e:
+        assert "\n" not in str(e)
+
+
+def test_a_stored_executable_round_trips():
+    """What the loader rebuilds from a header is what jax compiled: trees (tuple, list, dicts
+    with string and integer keys, None), a weak-typed scalar, a donated input, an input XLA
+    drops, two meshes over the same devices; and the loaded executable computes the same."""
+    devices = jax.devices()[:8]
+    grid = Mesh(np.array(devices).reshape(2, 4), ("data", "model"))
+    line = Mesh(np.array(devices).reshape(1, 8), ("one", "all"))
+    on = lambda mesh, *spec: NamedSharding(mesh, P(*spec))  # noqa: E731
+
+    def fn(params, x, scale, unused):
+        y = x * scale + params["w"][0] + params["layers"][1]["b"]
+        return {"y": y, "pair": [y.sum(), None]}
+
+    params = {"w": (jnp.ones((8, 16)),), "layers": {1: {"b": jnp.ones((8, 16))}}}
+    shapes = (params, jnp.ones((8, 16)), 2.0, jnp.ones((3,)))
+    in_shardings = ({"w": (on(grid, "data"),), "layers": {1: {"b": on(grid, None, "model")}}},
+                    on(grid, "data", "model"), on(grid), on(grid))  # fmt: skip
+    compiled = (
+        jax.jit(fn, in_shardings=in_shardings, out_shardings={"y": on(line, None, "all"), "pair": [on(line), None]},
+                donate_argnums=(1,))
+        .lower(*jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a), weak_type=isinstance(a, float)), shapes))
+        .compile()
+    )  # fmt: skip
+    blob = executables.dump_executable(
+        compiled, [d.id for d in devices], ["params", "x", "scale", "unused"]
+    )
+    loaded = load_executable(blob, devices)
+    assert loaded.in_tree == compiled.in_tree and loaded.out_tree == compiled.out_tree
+    assert loaded.args_info == compiled.args_info  # avals (weak types too) and donation
+    flat = lambda tree: jax.tree.leaves(tree, is_leaf=lambda s: s is None)  # noqa: E731
+    assert flat(loaded.input_shardings) == flat(compiled.input_shardings)  # the dropped input: None
+    assert flat(loaded.output_shardings) == flat(compiled.output_shardings)
+    header, _ = executables.read_header(blob)
+    assert [a.path for a in header.inputs] == [
+        "params/layers/1/b",
+        "params/w/0",
+        "x",
+        "scale",
+        "unused",
+    ]
+    assert [a.placement is None for a in header.inputs] == [False, False, False, False, True]
+    assert len(header.meshes) == 2
+
+    def run(executable):
+        args = jax.device_put(
+            (params, jnp.arange(128.0).reshape(8, 16), 2.0, jnp.ones((3,))), in_shardings
         )
-    assert asked["payload"], "the recording saw no globals: the test no longer records"
+        return jax.tree.map(np.asarray, executable(*args))
+
+    expected, got = run(compiled), run(loaded)
+    assert jax.tree.structure(got) == jax.tree.structure(expected)
+    for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(got), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_program_that_cannot_be_stored_is_refused_at_build():
+    """Only what the header can state is written: a host callback is refused by name."""
+    devices = jax.devices()[:1]
+    compiled = jax.jit(lambda x: jax.pure_callback(lambda v: v, jax.ShapeDtypeStruct((2,), jnp.float32), x)).lower(
+        jax.ShapeDtypeStruct((2,), jnp.float32)
+    ).compile()  # fmt: skip
+    with pytest.raises(ValueError, match="host callbacks"):
+        executables.dump_executable(compiled, [d.id for d in devices], ["x"])
 
 
 # ---------------------------------------------------------------------------- manifests
@@ -423,7 +611,7 @@ def _nested_config(m):
         (_set("key", "mesh", ["data", 2]), "`key.mesh` must be a JSON object"),
         (_set("key", "vae_mesh", [1, 2, 3]), "`key.vae_mesh` must have 2 items"),
         (_set("device_kind", "cpu\nError: forged"), "`device_kind` must be a one-line string"),
-        (_set("schema_version", "3"), "manifest schema '3' is not 3"),
+        (_set("schema_version", "3"), f"manifest schema '3' is not {SCHEMA_VERSION}"),
         (_set("surprise", 1), "`surprise` is not a field"),
         (_nested_config, "`model_config` is nested deeper than 16 levels"),
     ],

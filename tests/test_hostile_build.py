@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import pickle
 import shutil
 import subprocess
 import time
@@ -21,7 +22,7 @@ from hypothesis import strategies as st
 from aot import store
 from aot.plan import BuildError, check_model_name
 from aot.targets import MAX_CPU_DEVICES, Target, TargetError, parse_target
-from runtime.artifact import read_manifest, verify_files
+from runtime.artifact import read_manifest, sha256_file, verify_files
 from wan.interface import DEFAULT_PIPELINE, PIPELINES
 
 TINY = ["--model", "tiny", *TINY_SHAPE, "--target", "cpu-8"]
@@ -234,6 +235,10 @@ def _damage(entry: Path, how: str) -> None:
         (entry / store.ENTRY).write_text('{"name": ')
     elif how == "entry.json a list":
         (entry / store.ENTRY).write_text("[]")
+    elif how == "a pickle, entry.json recomputed":  # an older build's format, or a crafted one
+        _replace(exe, pickle.dumps(("payload", None, None, [0])))
+        raw["executable"].update(sha256=sha256_file(exe), size=exe.stat().st_size)
+        (entry / store.ENTRY).write_text(json.dumps(raw))
     elif how == "entry.json naming ../x":
         (entry.parent / "x").write_bytes(data)
         raw["executable"]["path"] = "../x"
@@ -254,7 +259,11 @@ def _entry_of(artifacts: Path, program: str) -> Path:
             "denoise_step": "malformed entry.json",
             "vae_decode": "entry.json naming ../x",
         },
-        {"text_encode": "symlink", "kv_cache": "entry.json a list"},
+        {
+            "text_encode": "symlink",
+            "kv_cache": "entry.json a list",
+            "denoise_step": "a pickle, entry.json recomputed",
+        },
     ],
 )
 def test_a_damaged_store_entry_is_compiled_again(artifacts, damage):

@@ -145,7 +145,7 @@ def _gadget(folder):
         (_other_jax, "compiled with jax 0.4.1"),
         (_wrong_device_count, "needs 8 cpu devices, this process has 4"),
         (_reordered_devices, "differs from the executable's"),
-        (_gadget, "not an allowed jax/jaxlib/numpy class"),
+        (_gadget, "not in this runtime's format"),
         (_other_inputs, "this runtime passes (params, latents, kv, row, state, guidance)"),
     ],
 )
