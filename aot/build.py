@@ -16,6 +16,7 @@ from aot.entries import program_entry
 from aot.lower import LoweredProgram, compile_lowered, lower_plan
 from aot.plan import BuildError, BuildPlan, ulysses_all_to_alls
 from aot.targets import Target, devices, peak_flops
+from runtime import signing
 from runtime.artifact import (
     MANIFEST,
     SCHEMA_VERSION,
@@ -25,9 +26,11 @@ from runtime.artifact import (
     ProgramEntry,
     listed_files,
     read_manifest,
+    read_signed_manifest,
     verify_files,
 )
 from runtime.loader import host_layout, installed_versions
+from runtime.signing import SigningKey
 from wan import sharding
 from wan.atomic import atomic_folder, locked, owned_files
 
@@ -61,6 +64,7 @@ class CallLedger:
     call, and the first build that has it reports it `compiled`, the others `reused`."""
 
     force: bool = False
+    signer: SigningKey | None = None  # --sign-key: signs each manifest and store entry
     compiled: set[str] = dataclasses.field(default_factory=set)
     reported: set[str] = dataclasses.field(default_factory=set)
     lowerings: dict[BuildKey, list[tuple[LoweredProgram, str]]] = dataclasses.field(
@@ -114,6 +118,8 @@ def build(
         ) as tmp:
             manifest, statuses = _compile_all(plan, tmp, out_root, fingerprint, ledger, progress)
             manifest.write(tmp)
+            if ledger.signer is not None:
+                signing.sign(tmp / MANIFEST, ledger.signer)
     return BuildResult(plan, folder, manifest, skipped=False, programs=statuses)
 
 
@@ -134,7 +140,10 @@ def existing_build(out_root: Path, plan: BuildPlan, ledger: CallLedger) -> Manif
     if not (folder / MANIFEST).is_file():
         return None
     try:
-        manifest = read_manifest(folder)
+        signer = ledger.signer  # with --sign-key, only a build signed by that key is up to date
+        manifest = (
+            read_signed_manifest(folder, [signer.public]) if signer else read_manifest(folder)
+        )
         ok = (
             manifest.key == plan.key
             and manifest.model_hash == plan.config.hash()
@@ -176,7 +185,7 @@ def build_files(folder: Path) -> list[str]:
             f"{folder} exists but is not a build (no readable {MANIFEST}): move it away, or "
             "choose another --out"
         ) from None
-    return owned_files(folder, {MANIFEST, *files})
+    return owned_files(folder, {MANIFEST, signing.signature_path(Path(MANIFEST)).name, *files})
 
 
 def _compile_all(
@@ -197,7 +206,7 @@ def _compile_all(
         program = lowered.program
         label = f"[{index}/{len(lowered_programs)}] {plan.key.folder_name()} {program.name}"
         entry, stored, reused = store_program(
-            plan, lowered, out_root, pid, ledger.replace(pid), label, progress
+            plan, lowered, out_root, pid, ledger.replace(pid), label, progress, ledger.signer
         )
         store.link_files(entry, stored, folder)
         entries[program.name] = dataclasses.replace(entry, program_id=pid)
@@ -236,6 +245,7 @@ def _compile_all(
         ulysses_all_to_alls=ulysses_all_to_alls(plan),
         notes=notes,
         programs=entries,
+        signed_by=ledger.signer.key_id if ledger.signer else None,
     )
     return manifest, statuses
 
@@ -248,16 +258,18 @@ def store_program(
     replace: bool,
     label: str,
     progress: Callable[[str], None] | None,
+    signer: SigningKey | None = None,
 ) -> tuple[ProgramEntry, Path, bool]:
-    """The store's entry `pid` of `out_root` for `lowered`, compiled unless there and sound (or
-    with `replace`): (manifest entry, its store folder, whether it was there)."""
+    """The store's entry `pid` of `out_root` for `lowered`, compiled unless there and sound
+    (and signed by `signer`, if any; or with `replace`): (manifest entry, its store folder,
+    whether it was there)."""
     make = functools.partial(_make_program, plan, lowered, label, progress)
 
     def damaged(why: str) -> None:
         if progress is not None:
             progress(f"{label} stored entry damaged, recompiling ({why})")
 
-    return store.fetch_or_make(out_root, pid, make, replace=replace, damaged=damaged)
+    return store.fetch_or_make(out_root, pid, make, replace, damaged, signer)
 
 
 def _make_program(

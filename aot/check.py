@@ -81,10 +81,12 @@ from runtime.artifact import (
     ProgramEntry,
     read_hlo_text,
     read_manifest,
+    read_signed_manifest,
     read_verified,
 )
 from runtime.executables import declared_header
 from runtime.loader import build_folders
+from runtime.signing import TrustedKey
 from wan.errors import InputError
 from wan.interface import SIGNATURES
 
@@ -244,7 +246,7 @@ def _limits(rules: dict[str, Any], key: str, where: str) -> dict[str, int | str]
 class Violation:
     build: Path
     program: str  # "-" for unreadable
-    rule: str  # forbid, max_count, max_bytes, memory, unreadable
+    rule: str  # forbid, max_count, max_bytes, memory, unreadable, signature
     kind: str | None
     limit: int
     actual: int
@@ -300,14 +302,18 @@ def find_builds(paths: Iterable[Path]) -> dict[Path, bool]:
     return found
 
 
-def check_paths(paths: Iterable[Path], policy: Policy) -> list[BuildCheck]:
+def check_paths(
+    paths: Iterable[Path], policy: Policy, trusted: Sequence[TrustedKey] = ()
+) -> list[BuildCheck]:
     """Check every build found in `paths` (see find_builds). A build named itself must read
     (else CheckInputError); one found in a folder of builds that does not read is a result
-    with an "unreadable" violation saying why, and the others are still checked."""
+    with an "unreadable" violation saying why, and the others are still checked. With `trusted`
+    keys, a build not signed by one of them is a "signature" violation, and nothing else of it
+    is read."""
     results = []
     for folder, named in find_builds(paths).items():
         try:
-            results.append(check_build(folder, policy))
+            results.append(check_build(folder, policy, trusted))
         except CheckInputError as e:
             if named:
                 raise
@@ -315,9 +321,15 @@ def check_paths(paths: Iterable[Path], policy: Policy) -> list[BuildCheck]:
     return results
 
 
-def check_build(folder: Path, policy: Policy) -> BuildCheck:
+def check_build(folder: Path, policy: Policy, trusted: Sequence[TrustedKey] = ()) -> BuildCheck:
+    if trusted:
+        try:
+            manifest = read_signed_manifest(folder, trusted)
+        except ArtifactError as e:
+            violation = Violation(folder, "-", "signature", None, 0, 0, str(e), ())
+            return BuildCheck(folder, None, None, {}, (violation,))
     try:
-        manifest = read_manifest(folder)
+        manifest = manifest if trusted else read_manifest(folder)
     except ArtifactError as e:
         raise CheckInputError(str(e)) from None
     budget = policy.memory_rule(manifest.key.target).budget(manifest.hbm_bytes)

@@ -17,7 +17,7 @@ import click
 
 from aot import gpu, targets
 from runtime.build_options import OPTIONS
-from runtime.cli_args import CliError, OneLineErrors, os_error_text, parse_resolution
+from runtime.cli_args import TRUSTED_KEY, CliError, OneLineErrors, os_error_text, parse_resolution
 
 POLICY_OPTION = click.option(
     "--policy",
@@ -110,19 +110,26 @@ def _matrix_options(command: Callable) -> Callable:
         "memory allow, a compile taking ~2 cores and up to ~6 GiB)."
     ),
 )
-def build_cmd(out, force, strict, policy_path, as_json, jobs, **matrix) -> None:
+@click.option(
+    "--sign-key",
+    type=click.Path(path_type=Path),
+    help="Sign each manifest and program store entry with this private key (`aot keygen`).",
+)
+def build_cmd(out, force, strict, policy_path, as_json, jobs, sign_key, **matrix) -> None:
     """Compile the program matrix (--res x --frames x --batch) for one target."""
     from aot import build as builder
     from aot import check, report, store
     from aot.jobs import check_jobs, compile_distinct, default_jobs
+    from runtime import signing
 
     builder.check_out(out)
     plans = _plans(**matrix)
     try:
         policy = check.load_policy(policy_path)
+        signer = signing.load_signing_key(sign_key) if sign_key is not None else None
         jobs = default_jobs() if jobs is None else jobs
         check_jobs(jobs, plans[0].target)
-        ledger = builder.CallLedger(force)
+        ledger = builder.CallLedger(force, signer)
         # Up-to-date builds are found without writing: a read-only --out is fine when all are.
         done = {plan.key: builder.up_to_date(plan, out, ledger) for plan in plans}
         pending = [plan for plan in plans if done[plan.key] is None]
@@ -312,15 +319,24 @@ def inspect_cmd(build_dir: Path, as_json: bool) -> None:
 @click.argument("artifacts", nargs=-1, required=True, type=click.Path(path_type=Path))
 @POLICY_OPTION
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def check_cmd(artifacts: tuple[Path, ...], policy_path: Path | None, as_json: bool) -> None:
-    """Check builds (or folders of builds) against an HLO collective and memory policy.
+@TRUSTED_KEY
+def check_cmd(
+    artifacts: tuple[Path, ...],
+    policy_path: Path | None,
+    as_json: bool,
+    trusted_keys: tuple[Path, ...],
+) -> None:
+    """Check builds (or folders of builds) against an HLO collective and memory policy (and,
+    with --trusted-key, that each is signed by a trusted key).
 
     Exit 0 when every build passes, 1 on any violation, 2 on bad input."""
     from aot import check
+    from runtime import signing
 
     try:
         policy = check.load_policy(policy_path)
-        results = check.check_paths(artifacts, policy)
+        trusted = signing.load_trusted_keys(trusted_keys)
+        results = check.check_paths(artifacts, policy, trusted)
     except check.CheckInputError as e:
         raise CliError(str(e)) from None
     if as_json:
@@ -329,6 +345,18 @@ def check_cmd(artifacts: tuple[Path, ...], policy_path: Path | None, as_json: bo
         click.echo(check.text(results, policy))
     if any(r.violations for r in results):
         raise click.exceptions.Exit(1)
+
+
+@cli.command("keygen")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="The private key file.")
+def keygen_cmd(out: Path) -> None:
+    """Make an Ed25519 key pair for signing builds: the private key at --out (mode 0600, for
+    `aot build --sign-key`) and its public key at --out.pub (for --trusted-key)."""
+    from runtime import signing
+
+    private, public = signing.generate(out)
+    key = signing.load_trusted_key(public)
+    click.echo(f"wrote {private} (private: keep it secret) and {public} (key id {key.key_id})")
 
 
 @cli.group("gpu-target")

@@ -22,6 +22,7 @@ from pathlib import Path
 from aot import build, store, targets
 from aot.lower import lower_plan
 from aot.plan import BuildError, BuildPlan
+from runtime import signing
 from wan.errors import InputError
 
 # One XLA compile keeps about two cores busy (libtpu's backend passes run in parallel: 182-191%
@@ -70,7 +71,7 @@ def compile_distinct(
     tasks: dict[str, tuple[BuildPlan, str]] = {}
     for plan in plans:
         for lowered, pid in ledger.lowered(plan):
-            if ledger.force or not store.has(out_root, pid):
+            if ledger.force or not store.has(out_root, pid, ledger.signer):
                 tasks.setdefault(pid, (plan, lowered.program.name))
     if not tasks:
         return
@@ -88,6 +89,7 @@ def compile_distinct(
                 ledger.replace(pid),
                 f"[{i}/{len(tasks)}]",
                 show_progress,
+                ledger.signer.path if ledger.signer else None,
             )  # fmt: skip
             for i, (pid, (plan, name)) in enumerate(tasks.items(), 1)
         ]
@@ -116,14 +118,24 @@ def _die_with(parent: int) -> None:
 
 
 def _compile_one(
-    plan: BuildPlan, name: str, out_root: Path, replace: bool, count: str, show: bool
+    plan: BuildPlan,
+    name: str,
+    out_root: Path,
+    replace: bool,
+    count: str,
+    show: bool,
+    sign_key: Path | None,
 ) -> tuple[str, bool]:
-    """In a worker: lower and compile program `name` of `plan` into the store: (its store id,
-    whether it was compiled here)."""
+    """In a worker: lower and compile program `name` of `plan` into the store, signed with the
+    key at `sign_key` (a key object does not cross processes): (its store id, whether it was
+    compiled here)."""
     targets.prepare_environment(plan.target)
     (lowered,) = lower_plan(plan, only={name})
     pid = store.program_id(lowered, build.compiler_fingerprint(plan.target))
     label = f"{count} {plan.key.folder_name()} {name}"
     progress = (lambda line: print(line, file=sys.stderr, flush=True)) if show else None
-    _, _, reused = build.store_program(plan, lowered, out_root, pid, replace, label, progress)
+    signer = signing.load_signing_key(sign_key) if sign_key else None
+    _, _, reused = build.store_program(
+        plan, lowered, out_root, pid, replace, label, progress, signer
+    )
     return pid, not reused

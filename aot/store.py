@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from runtime import signing
 from runtime.artifact import (
     MANIFEST,
     ArtifactError,
@@ -43,9 +44,10 @@ from runtime.artifact import (
     verify_file,
 )
 from runtime.executables import declared_header
+from runtime.signing import SigningKey
 from wan import interface
 from wan.atomic import NotOurs, atomic_folder, locked, owned_files, remove_owned, temporaries
-from wan.bounded_read import read_json
+from wan.bounded_read import read_bytes, read_json
 
 if TYPE_CHECKING:
     from aot.lower import LoweredProgram
@@ -66,7 +68,8 @@ def our_files() -> frozenset[str]:
     """Every file name `aot build` writes into a build folder, a store entry or their
     temporaries (of every registered program)."""
     names = (file for name in interface.SIGNATURES for file in program_files(name))
-    return frozenset({MANIFEST, ENTRY, *names})
+    signatures = (signing.signature_path(Path(f)).name for f in (MANIFEST, ENTRY))
+    return frozenset({MANIFEST, ENTRY, *signatures, *names})
 
 
 def program_id(lowered: LoweredProgram, fingerprint: str) -> str:
@@ -100,17 +103,21 @@ def fetch_or_make(
     make: Callable[[Path], ProgramEntry],
     replace: bool = False,
     damaged: Callable[[str], None] | None = None,
+    signer: SigningKey | None = None,
 ) -> tuple[ProgramEntry, Path, bool]:
     """The store's entry `pid`: (manifest entry, its folder, whether it was already there).
-    When absent, damaged (`damaged(why)` is called) or `replace`d, `make(folder)` writes the
-    program's files into `folder` and returns its entry; another process making the same entry
-    is waited for, not repeated."""
+    When absent, damaged (`damaged(why)` is called), not signed by `signer` or `replace`d,
+    `make(folder)` writes the program's files into `folder` and returns its entry (then signed
+    by `signer`); another process making the same entry is waited for, not repeated."""
     folder = out_root / STORE / pid
     with locked(out_root / LOCKS / f"program-{pid}.lock"):
         if os.path.lexists(folder):
             if not replace:
                 try:
-                    return read_entry(folder), folder, True
+                    entry = read_entry(folder)
+                    if signer is not None:
+                        verify_entry(folder, signer)
+                    return entry, folder, True
                 except ArtifactError as e:
                     if damaged is not None:
                         damaged(str(e))
@@ -120,16 +127,29 @@ def fetch_or_make(
         with atomic_folder(folder, tmp, lambda old: owned_files(old, our_files())) as tmp:
             entry = make(tmp)
             (tmp / ENTRY).write_text(json.dumps(dataclasses.asdict(entry)))
+            if signer is not None:
+                signing.sign(tmp / ENTRY, signer)
         return entry, folder, False
 
 
-def has(out_root: Path, pid: str) -> bool:
-    """Whether the store of `out_root` holds a sound entry `pid`."""
+def has(out_root: Path, pid: str, signer: SigningKey | None = None) -> bool:
+    """Whether the store of `out_root` holds a sound entry `pid` (signed by `signer`, if any)."""
     try:
         read_entry(out_root / STORE / pid)
+        if signer is not None:
+            verify_entry(out_root / STORE / pid, signer)
     except ArtifactError:
         return False
     return True
+
+
+def verify_entry(folder: Path, signer: SigningKey) -> None:
+    """The entry's entry.json is signed by `signer`; ArtifactError else."""
+    path = folder / ENTRY
+    data = read_bytes(
+        path, MAX_ENTRY_BYTES, lambda r: ArtifactError(f"{path} {r}"), follow_symlinks=False
+    )
+    signing.verify(path, data, [signer.public])
 
 
 def read_entry(folder: Path) -> ProgramEntry:
@@ -228,7 +248,11 @@ def _entry_files(folder: Path) -> tuple[list[str], str]:
         raise NotOurs(f"{folder} is not named by a program id")
     files = owned_files(folder, our_files())
     entry = _load_entry(folder)
-    if not set(files) <= {ENTRY, *program_files(entry.name)}:
+    if not set(files) <= {
+        ENTRY,
+        signing.signature_path(Path(ENTRY)).name,
+        *program_files(entry.name),
+    }:
         raise NotOurs(f"{folder} holds files its entry does not name")
     return files, entry.executable.sha256
 

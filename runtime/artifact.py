@@ -16,15 +16,17 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from runtime import build_options
+from runtime import build_options, signing
 from runtime import json_checks as jc
 from runtime.json_checks import MAX_DIM, REBUILD, ArtifactError, Check
-from wan.bounded_read import Refuse, open_regular, read_json
+from runtime.signing import TrustedKey
+from wan.bounded_read import Refuse, open_regular, parse_json, read_bytes, read_json
 from wan.configs import VideoShape
 from wan.interface import SIGNATURES, full_step
 
@@ -286,6 +288,7 @@ class Manifest:
     programs: dict[str, ProgramEntry]
     peak_8bit_flops: float | None = None  # 8-bit OP/s per device (its format: the target's)
     fps: int | None = None  # frames per second of the model's videos (ModelConfig.fps)
+    signed_by: str | None = None  # the id of the key that signed it (runtime.signing)
 
     def step_lower_bound(self) -> float | None:
         """Seconds a denoise step takes at the device's peak rates (the roofline): its 8-bit
@@ -320,8 +323,7 @@ class Manifest:
                 f"manifest schema {repr(version)[:20]} is not {SCHEMA_VERSION} (made by another "
                 "version of aot)"
             )
-        # Fields added within schema 3 default for the manifests written before them.
-        fields = jc.fields(raw, "", _MANIFEST_FIELDS, {"peak_8bit_flops": None, "fps": None})
+        fields = jc.fields(raw, "", _MANIFEST_FIELDS, {})
         _check_device_layout(fields)
         _check_pipeline(fields)
         return cls(**fields)
@@ -351,6 +353,7 @@ _MANIFEST_FIELDS: dict[str, Check] = {
     "peak_flops": jc.optional(jc.number),
     "peak_8bit_flops": jc.optional(jc.number),
     "fps": jc.optional(jc.integer(1, 1000)),
+    "signed_by": jc.optional(jc.matching(re.compile(r"[0-9a-f]{16}"), "a key id (16 hex digits)")),
     "ulysses_all_to_alls": jc.BYTES,
     "notes": jc.list_of(jc.string),
     "programs": _programs,
@@ -413,7 +416,19 @@ def read_manifest(folder: str | Path) -> Manifest:
     path = Path(folder) / MANIFEST
     if not os.path.lexists(path):
         raise ArtifactError(f"{folder} is not a build: no {MANIFEST} (run `aot build`)")
-    raw = _read_json(path, MAX_MANIFEST_BYTES)
+    return _manifest(path, _read_json(path, MAX_MANIFEST_BYTES))
+
+
+def read_signed_manifest(folder: str | Path, trusted: Sequence[TrustedKey]) -> Manifest:
+    """The manifest of the build in `folder`, when one of the `trusted` keys signed it: the bytes
+    whose signature is checked are the bytes parsed (runtime.signing)."""
+    path = Path(folder) / MANIFEST
+    data = read_bytes(path, MAX_MANIFEST_BYTES, _refused(path), follow_symlinks=False)
+    signing.verify(path, data, trusted)
+    return _manifest(path, parse_json(data, _refused(path)))
+
+
+def _manifest(path: Path, raw: Any) -> Manifest:
     try:
         return Manifest.from_json(raw)
     except ArtifactError as e:

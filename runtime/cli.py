@@ -13,7 +13,7 @@ import json
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +24,8 @@ from tqdm import tqdm
 from runtime import cli_options, cli_serve, clock, processes, step_cache
 from runtime.artifact import ArtifactError, Manifest
 from runtime.batching import PromptLine, Settings, generate_batch, read_prompts_file
-from runtime.cli_args import CliError, OneLineErrors, parse_resolution
-from runtime.loader import Present, Request, match_build
+from runtime.cli_args import TRUSTED_KEY, CliError, OneLineErrors, parse_resolution
+from runtime.loader import Present, Request, match_build, verify_signed
 from runtime.outputs import (
     OutputError,
     Writer,
@@ -36,6 +36,7 @@ from runtime.outputs import (
     write_videos,
 )
 from runtime.request import latent_shape, read_init_noise
+from runtime.signing import TrustedKey
 from runtime.step_cache import CacheRequest, write_mag_ratios
 from runtime.video import video_paths
 from wan.configs import SAMPLERS, ModelConfig, VideoShape
@@ -92,6 +93,7 @@ def cli() -> None:
     help="Flow-matching timestep shift (default: the model's scheduler's).",
 )
 @cli_options.LORA
+@TRUSTED_KEY
 @click.option(
     "--lora-2",
     "lora_2_args",
@@ -149,7 +151,7 @@ def run_cmd(
     guidance,
     guidance_2, seed, sampler, shift, lora_args, lora_2_args, init_noise, save_frames, report_path,
     out, build_name, cache, cache_threshold, cache_max_skip, cache_retention, mag_ratios,
-    calibrate_path, coordinator, num_processes, process_id, join_timeout,
+    calibrate_path, coordinator, num_processes, process_id, join_timeout, trusted_keys,
 ) -> None:  # fmt: skip
     """Generate a video with the build that matches --res/--frames/--batch.
 
@@ -165,8 +167,10 @@ def run_cmd(
         + ([] if report_path is None else [(report_path, "--report")])
     )
     # Imported once the paths are known good: wan.lora brings ml_dtypes (a second or more).
+    from runtime import signing
     from wan import lora
 
+    trusted = signing.load_trusted_keys(trusted_keys)
     loras, loras_2 = (
         cli_options.loras(lora_args, "--lora"),
         cli_options.loras(lora_2_args, "--lora-2"),
@@ -182,7 +186,7 @@ def run_cmd(
     except (ValueError, OSError) as e:  # LoraError is a ValueError
         raise CliError(str(e)) from None
 
-    match = _matcher(artifacts, request, config, weights, build_name, (loras, loras_2))
+    match = _matcher(artifacts, request, config, weights, build_name, (loras, loras_2), trusted)
     folder, manifest = cli_options.start(
         match, coordinator, num_processes, process_id, join_timeout
     )
@@ -196,7 +200,7 @@ def run_cmd(
     imports = time.time() - clock.process_start_time()
     try:
         noise = read_init_noise(init_noise, latent_shape(manifest)) if init_noise else None
-        pipe = Pipeline.from_build(folder, manifest, weights, config, loras, loras_2)
+        pipe = Pipeline.from_build(folder, manifest, weights, config, loras, loras_2, None, trusted)
         if lines is not None:
             settings = Settings(steps, guidance, guidance_2, sampler, shift)
             return _run_prompts(pipe, lines, settings, cache_request, report_path)
@@ -221,9 +225,11 @@ def _matcher(
     weights: Path,
     build_name: str | None,
     lora_specs: tuple[list, list],
+    trusted: Sequence[TrustedKey],
 ) -> Callable[[Present], tuple[Path, Manifest]]:
-    """Present devices -> the build, and the LoRAs checked against its transformer's shapes: a
-    LoRA that does not fit fails before anything loads."""
+    """Present devices -> the build, signed by one of `trusted` (if any), and the LoRAs checked
+    against its transformer's shapes: a build or LoRA that does not do fails before anything
+    loads."""
     from wan import lora
 
     def match(present: Present) -> tuple[Path, Manifest]:
@@ -231,6 +237,7 @@ def _matcher(
             found = match_build(
                 artifacts, request, model_spec(config, weights), present, build_name
             )
+            verify_signed(*found, trusted)
             for specs in lora_specs:
                 lora.check(
                     specs, found[1].parameter_shapes("kv_cache"), kind=config.transformer.kind

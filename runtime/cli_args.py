@@ -1,13 +1,26 @@
-"""What both command lines (`aot`, `runtime`) share: the one-line error and argument parsing."""
+"""What both command lines (`aot`, `runtime`) share: the one-line error, argument parsing and
+the trusted keys' option."""
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import click
 
 from wan.errors import InputError
+
+# `aot check`, `runtime run` and `runtime serve`: the public keys whose signatures are trusted.
+TRUSTED_KEY = click.option(
+    "--trusted-key",
+    "trusted_keys",
+    multiple=True,
+    type=click.Path(path_type=Path),
+    metavar="FILE",
+    help="Accept only builds signed by this public key (`aot keygen`'s .pub; repeatable): an "
+    "unsigned or mis-signed build is refused before any executable is read.",
+)
 
 
 class CliError(click.ClickException):

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import click
 
-from runtime import cli_options, processes, step_cache
+from runtime import cli_options, processes, signing, step_cache
 from runtime.artifact import ArtifactError, BuildKey, Manifest
-from runtime.cli_args import CliError
+from runtime.cli_args import TRUSTED_KEY, CliError
 from runtime.loader import (
     Present,
     Request,
@@ -19,6 +19,7 @@ from runtime.loader import (
     passed_over,
     route,
     serving_routes,
+    verify_signed,
 )
 from wan.configs import ModelConfig
 from wan.presets import model_spec
@@ -28,6 +29,7 @@ from wan.presets import model_spec
 @cli_options.ARTIFACTS
 @cli_options.WEIGHTS
 @cli_options.LORA
+@TRUSTED_KEY
 @click.option(
     "--build",
     "build_names",
@@ -68,7 +70,7 @@ from wan.presets import model_spec
 def serve_cmd(
     artifacts, weights, lora_args, build_names, host, port, out_dir, max_queue, batch_window,
     drain_timeout, save_frames, cache, cache_threshold, cache_max_skip, cache_retention,
-    mag_ratios,
+    mag_ratios, trusted_keys,
 ) -> None:  # fmt: skip
     """Serve the builds in --artifacts over HTTP (OpenAI's Videos API shape): load once, queue
     the requests, run them in the builds' batches, compile nothing."""
@@ -77,6 +79,7 @@ def serve_cmd(
             f"--weights {weights} is not a folder (a diffusers-format folder or a checkpoint)"
         )
     loras = cli_options.loras(lora_args, "--lora")
+    trusted = signing.load_trusted_keys(trusted_keys)
     config = ModelConfig.from_folder(weights)
     model_name = model_spec(config, weights)
     cache_request = step_cache.from_options(
@@ -98,6 +101,8 @@ def serve_cmd(
     from runtime.server import Service, serve
 
     served = builds(Present.of(jax.devices()))
+    for folder, manifest in served:  # every build before any loads
+        verify_signed(folder, manifest, trusted)
     # Before any weight loads: every build served takes the cache (its ratios read once).
     for _, manifest in served if cache_request else ():
         cache_request = step_cache.resolve(
@@ -105,7 +110,9 @@ def serve_cmd(
         )
     placed: dict = {}
     pipelines = {
-        folder.name: Pipeline.from_build(folder, manifest, weights, config, loras, (), placed)
+        folder.name: Pipeline.from_build(
+            folder, manifest, weights, config, loras, (), placed, trusted
+        )
         for folder, manifest in served
     }
     store = JobStore(out_dir)

@@ -8,7 +8,7 @@ import contextlib
 import dataclasses
 import importlib.metadata
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +18,12 @@ from runtime.artifact import (
     BuildKey,
     Manifest,
     read_manifest,
+    read_signed_manifest,
     read_verified,
     verify_files,
 )
 from runtime.executables import declared_header, load_executable
+from runtime.signing import TrustedKey
 from wan.configs import VideoShape
 from wan.interface import SIGNATURES
 
@@ -275,8 +277,19 @@ def check_signatures(folder: Path, manifest: Manifest) -> None:
             )
 
 
-def load_build(folder: Path, manifest: Manifest, devices: list[Any]) -> dict[str, Any]:
-    """Verified, deserialized executables by program name."""
+def verify_signed(folder: Path, manifest: Manifest, trusted: Sequence[TrustedKey]) -> None:
+    """With `trusted` keys: the build is signed by one of them, and its signed manifest is the
+    `manifest` in use (whose sha256s then vouch for every file); nothing when none are given."""
+    if trusted and read_signed_manifest(folder, trusted) != manifest:
+        raise ArtifactError(f"{folder.name}: its manifest changed since it was matched: run again")
+
+
+def load_build(
+    folder: Path, manifest: Manifest, devices: list[Any], trusted: Sequence[TrustedKey] = ()
+) -> dict[str, Any]:
+    """Verified, deserialized executables by program name (signed by one of `trusted`, if
+    any, before any executable is read)."""
+    verify_signed(folder, manifest, trusted)
     verify_files(folder, manifest)
     check_environment(manifest, devices)
     check_signatures(folder, manifest)

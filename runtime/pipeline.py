@@ -24,6 +24,7 @@ from runtime.artifact import ArtifactError, BuildKey, Manifest
 from runtime.denoise import Denoiser, place
 from runtime.loader import Present, Request, load_build, match_build
 from runtime.request import RequestError, check_settings, check_text, initial_latents
+from runtime.signing import TrustedKey
 from runtime.step_cache import CacheOutcome, CacheRequest, StepCache, resolve
 from wan import checkpoint, interface, lora, schedulers, tokenizer
 from wan.configs import ModelConfig, SchedulerConfig
@@ -173,11 +174,12 @@ class Pipeline:
         loras: LoraSpecs = (),
         loras_2: LoraSpecs = (),
         placed: PlacedWeights | None = None,
+        trusted: Sequence[TrustedKey] = (),
     ) -> Pipeline:
         """The build in `folder` (already matched), with the weights of `weights` (and LoRAs,
-        as in `load`; `placed`: as in `assemble`)."""
+        as in `load`; `placed`: as in `assemble`), signed by one of `trusted`, if any."""
         start = time.perf_counter()
-        exe = load_build(folder, manifest, jax.devices())
+        exe = load_build(folder, manifest, jax.devices(), trusted)
         loaded = time.perf_counter()
         pipe = cls.assemble(exe, weights, manifest.key, folder.name, config, loras, loras_2, placed)
         pipe.load_phases = {

@@ -56,7 +56,17 @@ def read_json(
     """The JSON value in the regular file `path` of at most `limit` bytes: UTF-8, not nested
     beyond the parser's recursion, and without NaN or Infinity unless `allow_nan` (for callers
     whose own checks name the entry that holds one)."""
-    data = _read(path, limit, refuse, follow_symlinks)
+    return parse_json(_read(path, limit, refuse, follow_symlinks), refuse, allow_nan=allow_nan)
+
+
+def read_bytes(path: Path, limit: int, refuse: Refuse, *, follow_symlinks: bool = True) -> bytes:
+    """The bytes of the regular file `path` of at most `limit` bytes (to check a signature over
+    them before `parse_json`)."""
+    return _read(path, limit, refuse, follow_symlinks)
+
+
+def parse_json(data: bytes, refuse: Refuse, *, allow_nan: bool = False) -> Any:
+    """The JSON value of `data`, as `read_json` reads a file."""
     try:
         return json.loads(data.decode("utf-8"), parse_constant=None if allow_nan else _no_constant)
     except UnicodeDecodeError as e:
