@@ -1,0 +1,97 @@
+"""Cold start of `runtime run`, two source trees side by side: each tree builds the same tiny
+artifacts, then their runs alternate (before, after, before, ...) so that machine noise hits
+both alike. Reports the medians of the seconds from process start to the first denoise step,
+of the load of the executables (the report's `deserialize` phase) and of the whole run, and the
+ratios after/before. For a change to the artifact format or the loader (the pickle-free
+executables: `git worktree add /tmp/before <commit>` gives the tree before).
+
+    python bench/cold_start_trees.py --before /tmp/before --after . --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+SHAPE = ["--res", "192x320", "--frames", "9", "--batch", "1"]
+PHASES = {
+    "first_step": lambda r: r["seconds_from_process_start_to_first_step"],
+    "deserialize": lambda r: r["phases"]["deserialize"],
+    "total": lambda r: r["seconds_from_process_start_to_video"],
+}
+
+
+def tool(tree: Path, name: str, *args: str) -> None:
+    env = {**os.environ, "PYTHONPATH": str(tree.resolve())}
+    subprocess.run([str(BIN / name), *args], check=True, capture_output=True, env=env)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--before", type=Path, required=True)
+    parser.add_argument("--after", type=Path, required=True)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--save", type=Path)
+    args = parser.parse_args()
+    trees = {"before": args.before, "after": args.after}
+    with tempfile.TemporaryDirectory() as scratch:
+        root = Path(scratch)
+        tool(
+            args.after,
+            "python",
+            "-m",
+            "wan.random_weights",
+            "--model",
+            "tiny",
+            "--out",
+            str(root / "w"),
+        )
+        for name, tree in trees.items():
+            tool(
+                tree,
+                "aot",
+                "build",
+                "--model",
+                "tiny",
+                *SHAPE,
+                "--target",
+                "cpu-8",
+                "--out",
+                str(root / name),
+            )
+        runs: dict[str, list[dict]] = {name: [] for name in trees}
+        for _ in range(args.repeats):
+            for name, tree in trees.items():
+                report = root / f"{name}.json"
+                tool(tree, "runtime", "run", "--artifacts", str(root / name), "--weights", str(root / "w"),
+                     *SHAPE, "--prompt", "a cat", "--steps", str(args.steps), "--out", str(root / "v.mp4"),
+                     "--report", str(report))  # fmt: skip
+                runs[name].append(json.loads(report.read_text()))
+    medians = {
+        name: {phase: statistics.median(read(r) for r in reports) for phase, read in PHASES.items()}
+        for name, reports in runs.items()
+    }
+    result = {
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "repeats": args.repeats,
+        "median_seconds": medians,
+        "ratio_after_over_before": {
+            phase: round(medians["after"][phase] / medians["before"][phase], 3) for phase in PHASES
+        },
+    }
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.save:
+        args.save.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
