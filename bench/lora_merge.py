@@ -48,11 +48,12 @@ def write_sources(config, work: Path) -> tuple[Path, Path]:
             ckpt, config, {"transformer": random_params(config, "transformer", 0)}
         )
     target = diffusers_dir / "transformer" / "diffusion_pytorch_model.safetensors"
-    if not target.is_file():
+    if not (target.is_file() and (target.parent / "config.json").is_file()):
         from diffusers import WanTransformer3DModel
 
         with torch.device("meta"):
             model = WanTransformer3DModel(**dataclasses.asdict(config.transformer))
+        model.save_config(target.parent)  # the loader reads the folder's config.json first
         gen = torch.Generator().manual_seed(0)
         tensors = {
             name: (0.02 * torch.randn(p.shape, generator=gen)).to(torch.bfloat16)
