@@ -6,7 +6,7 @@ from its own seed, so a video does not depend on its neighbours). Used by `runti
 from __future__ import annotations
 
 import dataclasses
-import json
+import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from runtime.artifact import BuildKey
-from runtime.request import RequestError, check_text
+from runtime.request import MAX_SEED, RequestError, check_text
+from wan.bounded_read import parse_json, read_bytes
 
 if TYPE_CHECKING:
     from runtime.pipeline import GenerationReport
@@ -119,21 +120,25 @@ class PromptLine:
 
 PROMPT_FIELDS = {"prompt": str, "negative_prompt": str, "seed": int, "out": str}
 MAX_PROMPT_LINES = 100_000
+MAX_PROMPTS_BYTES = 64 << 20  # 100,000 lines of 670 bytes
+CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
-def read_prompts_file(path: Path, default_seed: int) -> list[PromptLine]:
-    """The requests of a JSON Lines file: one object per line with `prompt` and `out` (a path,
-    relative to the file's folder unless absolute), optionally `negative_prompt` and `seed`
+def read_prompts_file(
+    path: Path, default_seed: int, out_dir: Path | None = None
+) -> list[PromptLine]:
+    """The requests of a JSON Lines file: one object per line with `prompt` and `out` (a path
+    inside `out_dir`, by default the file's folder), optionally `negative_prompt` and `seed`
     (else `default_seed`). Blank lines are skipped; any other fault names its line."""
-    if not path.is_file():
-        raise RequestError(f"--prompts {path} is not a file: give a JSON Lines file")
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as e:
-        raise RequestError(f"--prompts {path} is not UTF-8 text ({e.reason})") from None
+    data = read_bytes(
+        path,
+        MAX_PROMPTS_BYTES,
+        lambda reason: RequestError(f"--prompts {path} {reason}: give a JSON Lines file"),
+    )
+    base = (path.parent if out_dir is None else out_dir).resolve()
     found = [
-        _prompt_line(path, number, line, default_seed)
-        for number, line in enumerate(lines, 1)
+        _prompt_line(f"--prompts {path} line {number}", line, default_seed, base)
+        for number, line in enumerate(data.splitlines(), 1)
         if line.strip()
     ]
     if not found or len(found) > MAX_PROMPT_LINES:
@@ -141,12 +146,10 @@ def read_prompts_file(path: Path, default_seed: int) -> list[PromptLine]:
     return found
 
 
-def _prompt_line(path: Path, number: int, line: str, default_seed: int) -> PromptLine:
-    where = f"--prompts {path} line {number}"
-    try:
-        item = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise RequestError(f"{where} is not JSON ({e.msg})") from None
+def _prompt_line(where: str, line: bytes, default_seed: int, base: Path) -> PromptLine:
+    item = parse_json(
+        line, lambda reason: RequestError(f"{where} {reason}: give one JSON object a line")
+    )
     if not isinstance(item, dict):
         raise RequestError(f"{where} is not a JSON object")
     unknown = sorted(set(item) - set(PROMPT_FIELDS))
@@ -163,12 +166,26 @@ def _prompt_line(path: Path, number: int, line: str, default_seed: int) -> Promp
                 f"{where}: {key} is a {type(value).__name__}, give a {kind.__name__}"
             )
     seed = item.get("seed", default_seed)
-    if seed < 0:
-        raise RequestError(f"{where}: seed {seed}: give an integer >= 0")
-    for key in ("prompt", "negative_prompt"):
+    if not 0 <= seed <= MAX_SEED:
+        shown = seed if abs(seed) < 10**30 else "of too many digits"
+        raise RequestError(f"{where}: seed {shown}: give an integer in [0, 2**63 - 1]")
+    for key in ("prompt", "negative_prompt", "out"):
         check_text(f"{where}: {key}", item.get(key, ""))
-    out = Path(item["out"])
     return PromptLine(
         Video(item["prompt"], item.get("negative_prompt", ""), seed),
-        out if out.is_absolute() else path.parent / out,
+        _out_path(where, item["out"], base),
     )
+
+
+def _out_path(where: str, out: str, base: Path) -> Path:
+    """A line's `out` inside `base` (resolved: no `..`, no absolute path, no symlink out of
+    it), so that a prompts file cannot name a file elsewhere for the run to replace."""
+    if CONTROL.search(out):
+        raise RequestError(f"{where}: out holds a control character: give a file path")
+    target = (base / out).resolve()  # an absolute `out` replaces `base`
+    if not target.is_relative_to(base) or target == base:
+        raise RequestError(
+            f"{where}: out {out!r} is not in {base}: give a file path inside it (relative, "
+            "without `..`), or another folder with --out-dir"
+        )
+    return target

@@ -29,13 +29,14 @@ from runtime.loader import Present, Request, match_build, verify_signed
 from runtime.outputs import (
     OutputError,
     Writer,
+    check_not_inputs,
     check_outputs,
     npy_path,
     write_files,
     write_npy,
     write_videos,
 )
-from runtime.request import latent_shape, read_init_noise
+from runtime.request import MAX_SEED, latent_shape, read_init_noise
 from runtime.signing import TrustedKey
 from runtime.step_cache import CacheRequest, write_mag_ratios
 from runtime.video import video_paths
@@ -56,9 +57,14 @@ def cli() -> None:
     "--prompts",
     "prompts_file",
     type=click.Path(path_type=Path, dir_okay=False),
-    help="Offline batches: a JSON Lines file, one video a line: prompt, out (relative to the "
-    "file's folder), optionally negative_prompt and seed (default --seed); the lines fill the "
-    "build's batches, one load for the whole file.",
+    help="Offline batches: a JSON Lines file, one video a line: prompt, out (a path inside the "
+    "file's folder, or --out-dir), optionally negative_prompt and seed (default --seed); the "
+    "lines fill the build's batches, one load for the whole file.",
+)
+@click.option(
+    "--out-dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    help="With --prompts: the folder the lines' `out` paths are in (default: the file's folder).",
 )
 @click.option("--negative-prompt", default="", show_default=True, callback=cli_options.utf8_text)
 @click.option("--res", "resolution", required=True, help="WxH, e.g. 720x1280 (portrait).")
@@ -80,7 +86,7 @@ def cli() -> None:
     callback=cli_options.finite,
     help="Two-expert models: scale for the low-noise expert.",
 )
-@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, MAX_SEED))
 @click.option(
     "--sampler",
     type=click.Choice(SAMPLERS),
@@ -147,8 +153,8 @@ def cli() -> None:
 )
 # Longer than most: the command in order, each check before the load it protects.
 def run_cmd(
-    artifacts, weights, prompt, prompts_file, negative_prompt, resolution, frames, batch, steps,
-    guidance,
+    artifacts, weights, prompt, prompts_file, out_dir, negative_prompt, resolution, frames, batch,
+    steps, guidance,
     guidance_2, seed, sampler, shift, lora_args, lora_2_args, init_noise, save_frames, report_path,
     out, build_name, cache, cache_threshold, cache_max_skip, cache_retention, mag_ratios,
     calibrate_path, coordinator, num_processes, process_id, join_timeout, trusted_keys,
@@ -159,13 +165,16 @@ def run_cmd(
     process loads the same build and runs it SPMD; process 0 writes the files."""
     width, height = parse_resolution(resolution)
     _check_arguments(weights, coordinator, num_processes, process_id)
-    lines = _prompt_lines(prompt, prompts_file, out, seed, save_frames, init_noise, calibrate_path)
-    _check_outputs(
+    lines = _prompt_lines(
+        prompt, prompts_file, out_dir, out, seed, save_frames, init_noise, calibrate_path
+    )
+    outputs = (
         _outputs(out, batch, save_frames, report_path, calibrate_path)
         if lines is None
-        else [(line.out, f"--prompts line {line.out}") for line in lines]
+        else [(line.out, "a --prompts line's out") for line in lines]
         + ([] if report_path is None else [(report_path, "--report")])
     )
+    _check_outputs(outputs)
     # Imported once the paths are known good: wan.lora brings ml_dtypes (a second or more).
     from runtime import signing
     from wan import lora
@@ -175,6 +184,11 @@ def run_cmd(
         cli_options.loras(lora_args, "--lora"),
         cli_options.loras(lora_2_args, "--lora-2"),
     )
+    inputs = [(weights, "--weights"), (artifacts, "--artifacts"), (prompts_file, "--prompts"),
+              (init_noise, "--init-noise"), (mag_ratios, "--mag-ratios"),
+              *((path, "--lora") for path, _ in loras),
+              *((path, "--lora-2") for path, _ in loras_2)]  # fmt: skip
+    check_not_inputs(outputs, [(path, option) for path, option in inputs if path is not None])
     try:
         config = ModelConfig.from_folder(weights)
         request = Request(VideoShape(width, height, frames, batch, guidance > 1.0), config.hash())
@@ -252,25 +266,28 @@ def _matcher(
 def _prompt_lines(
     prompt: str | None,
     prompts_file: Path | None,
+    out_dir: Path | None,
     out: Path | None,
     seed: int,
     *single_only: Path | None,
 ) -> list[PromptLine] | None:
     """The lines of --prompts (None for a single --prompt run), with the options checked: one of
     --prompt and --prompts; --out, --save-frames, --init-noise and --calibrate-mag-ratios are a
-    single run's."""
+    single run's, --out-dir is --prompts'."""
     if (prompt is None) == (prompts_file is None):
         raise click.UsageError("give --prompt TEXT or --prompts FILE.jsonl (one of them)")
     if prompts_file is None:
         if out is None:
             raise click.UsageError("--prompt needs --out FILE.mp4")
+        if out_dir is not None:
+            raise click.UsageError("--out-dir is for --prompts: give --out FILE.mp4 alone")
         return None
     if out is not None or any(single_only):
         raise click.UsageError(
             "--prompts writes each line's `out`: leave out --out, --save-frames, --init-noise "
             "and --calibrate-mag-ratios"
         )
-    return read_prompts_file(prompts_file, seed)
+    return read_prompts_file(prompts_file, seed, out_dir)
 
 
 def _run_prompts(

@@ -54,6 +54,24 @@ def check_outputs(outputs: Sequence[tuple[Path, str]]) -> None:
             seen[identity] = (path, option)
 
 
+def check_not_inputs(
+    outputs: Sequence[tuple[Path, str]], inputs: Sequence[tuple[Path, str]]
+) -> None:
+    """No (path, option) of `outputs` is a file of `inputs` or inside a folder of them (the
+    weights, the artifacts): an output is renamed over whatever is at its path, so one naming
+    an input would replace it."""
+    sources = [(_resolved(path, option), path, option) for path, option in inputs]
+    for path, option in outputs:
+        target = _resolved(path, option)
+        for source, given, source_option in sources:
+            if target.is_relative_to(source):
+                relation = "is" if target == source else "is inside"
+                raise OutputError(
+                    f"{option} {path} {relation} {source_option} {given}, an input of this run: "
+                    "write it elsewhere"
+                )
+
+
 def check_writable(path: Path, option: str) -> None:
     """`path` (through any symlink) is a regular file or a new path, and the nearest existing
     folder above it accepts a new file (tried, not inferred from permission bits: root may write

@@ -23,6 +23,7 @@ class RequestError(InputError):
 # CFG scales and flow shifts in use are 1-20; far past that the float32 step tables and
 # guidance overflow, so a larger value is a typo, refused before it makes a NaN video.
 MAX_SCALE = 1e4
+MAX_SEED = 2**63 - 1  # a seed is an int64 wherever it is stored (the job store, reports)
 
 
 def check_finite(name: str, value: float | None) -> None:
@@ -48,10 +49,11 @@ def check_text(name: str, text: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        byte = ord(text[e.start]) & 0xFF
+        char = ord(text[e.start])
+        # U+DC80-U+DCFF carry a byte that was not UTF-8; other surrogates came as JSON escapes.
+        what = f"byte 0x{char & 0xFF:02x}" if 0xDC80 <= char <= 0xDCFF else f"U+{char:04X}"
         raise RequestError(
-            f"{name} is not valid UTF-8 (byte 0x{byte:02x} at character {e.start + 1}): "
-            "give UTF-8 text"
+            f"{name} is not valid UTF-8 ({what} at character {e.start + 1}): give UTF-8 text"
         ) from None
 
 

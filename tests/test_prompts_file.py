@@ -32,7 +32,7 @@ def test_five_lines_on_a_batch_two_build_one_load(small_builds, tiny_weights, tm
 @pytest.mark.parametrize(
     "text, message",
     [
-        ('{"prompt": "a", "out": "a.mp4"}\nnot json', "line 2 is not JSON"),
+        ('{"prompt": "a", "out": "a.mp4"}\nnot json', "line 2 is not valid JSON"),
         ('["a"]', "line 1 is not a JSON object"),
         ('{"prompt": "a"}', "line 1: no out"),
         ('{"prompt": "a", "out": "a.mp4", "steps": 3}', "line 1: unknown steps"),
@@ -52,12 +52,11 @@ def test_bad_lines_name_the_line(tmp_path, text, message):
 def test_file_lines_resolve_against_the_file(tmp_path):
     path = tmp_path / "sub" / "p.jsonl"
     path.parent.mkdir()
-    path.write_text(
-        '{"prompt": "a", "out": "a.mp4"}\n{"prompt": "b", "out": "/x/b.mp4", "seed": 4}'
-    )
+    path.write_text('{"prompt": "a", "out": "a.mp4"}\n{"prompt": "b", "out": "v/b.mp4", "seed": 4}')
     first, second = read_prompts_file(path, default_seed=3)
-    assert first.out == tmp_path / "sub" / "a.mp4" and first.video.seed == 3
-    assert str(second.out) == "/x/b.mp4" and second.video.seed == 4
+    folder = path.parent.resolve()
+    assert first.out == folder / "a.mp4" and first.video.seed == 3
+    assert second.out == folder / "v" / "b.mp4" and second.video.seed == 4
 
 
 def test_prompts_options_are_one_line_errors(tiny_weights, tmp_path):
@@ -78,7 +77,7 @@ def test_prompts_options_are_one_line_errors(tiny_weights, tmp_path):
         ),
         (["--prompts", str(tmp_path / "p.jsonl"), "--out", "v.mp4"], "leave out --out"),
         (["--prompt", "a"], "--prompt needs --out"),
-        (["--prompts", str(tmp_path / "missing.jsonl")], "is not a file"),
+        (["--prompts", str(tmp_path / "missing.jsonl")], "missing.jsonl is missing"),
     ]:
         result = run_cli(*common, *extra, check=False)
         assert result.returncode == 2 and message in result.stderr, result.stderr
