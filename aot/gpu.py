@@ -12,15 +12,25 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import re
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from runtime.json_checks import CONTROL
 from wan.bounded_read import read_text
 from wan.errors import InputError
 
 MAX_CONFIG_BYTES = 1 << 20  # a spec is ~5 KB
+# Every field is checked before XLA sees it (it divides by threads_per_warp: 0 is SIGFPE) and
+# before a build records it (the manifest's reader takes what its checks allow, no more).
+MAX_STRING = 256  # characters of a name or version (XLA's specs: under 120)
+MAX_DEPTH = 8  # nesting of messages (XLA's specs: 4)
+MAX_NUMBER = (1 << 63) - 1  # a proto int64
+# Messages whose numbers are all counts, sizes, limits or rates: 0 or less describes no device.
+# Elsewhere (versions, a compute capability's minor, a rate table's key) 0 is a value.
+POSITIVE_MESSAGES = ("gpu_device_info", "value")
 # Fields of newer XLA specs that this jax's GpuTargetConfigProto lacks (it rejects the whole
 # config otherwise); they describe collectives and memory granularity, nothing a single
 # program's code depends on.
@@ -85,6 +95,10 @@ def parse_config(text: str, source: str) -> GpuConfig:
     )
     try:
         proto = parse_text_proto(kept)
+    except ValueError as e:
+        raise _unreadable(source, e) from None
+    _check_fields(proto, source)
+    try:
         info = _one(proto, "gpu_device_info")
         cc = _one(info, "cuda_compute_capability")
         rates = {_one(r, "key"): _one(r, "value") for r in
@@ -101,11 +115,43 @@ def parse_config(text: str, source: str) -> GpuConfig:
             compute_capability=f"{cc.get('major', [0])[0]}.{cc.get('minor', [0])[0]}",
         )
     except (KeyError, ValueError, TypeError, IndexError) as e:
-        raise GpuConfigError(
-            f"{source} is not a GPU target config this project reads ({type(e).__name__}: {e}): "
-            "it needs gpu_device_info (core_count, device_memory_size, cuda_compute_capability, "
-            "matrix_unit_description with a bf16 rate) and device_description_str"
-        ) from None
+        raise _unreadable(source, e) from None
+
+
+def _unreadable(source: str, e: Exception) -> GpuConfigError:
+    return GpuConfigError(
+        f"{source} is not a GPU target config this project reads ({type(e).__name__}: {e}): "
+        "it needs gpu_device_info (core_count, device_memory_size, cuda_compute_capability, "
+        "matrix_unit_description with a bf16 rate) and device_description_str"
+    )
+
+
+def _check_fields(message: dict[str, list[Any]], source: str, where: str = "") -> None:
+    """Every number of `message` finite, within an int64 and positive in POSITIVE_MESSAGES
+    (else at least 0); every string one line of at most MAX_STRING characters."""
+    positive = where.rpartition(".")[2] in POSITIVE_MESSAGES
+    for name, values in message.items():
+        path = f"{where}.{name}" if where else name
+        for value in values:
+            if isinstance(value, dict):
+                _check_fields(value, source, path)
+            elif isinstance(value, str):
+                if len(value) > MAX_STRING or CONTROL.search(value):
+                    raise _bad_field(
+                        source, path, f"is not a one-line string of at most {MAX_STRING} characters"
+                    )
+            elif not (math.isfinite(value) and (value > 0 if positive else value >= 0)
+                      and value <= MAX_NUMBER):  # fmt: skip
+                shown = str(value) if len(str(value)) <= 40 else f"{str(value)[:20]}..."
+                sign = "positive" if positive else "non-negative"
+                raise _bad_field(source, path, f"is {shown}, not a {sign} finite number")
+
+
+def _bad_field(source: str, path: str, problem: str) -> GpuConfigError:
+    return GpuConfigError(
+        f"{source}: {path} {problem}: fix it, or capture the config with "
+        "`aot gpu-target capture FILE.txtpb` on the GPU host"
+    )
 
 
 _TOKEN = re.compile(r'\s*(?:(#[^\n]*)|([A-Za-z_][\w]*)\s*:?\s*(\{)|([A-Za-z_][\w]*)\s*:\s*'
@@ -125,6 +171,8 @@ def parse_text_proto(text: str) -> dict[str, list[Any]]:
         pos = m.end()
         _, open_name, _, field, value, close = m.groups()
         if open_name:
+            if len(stack) > MAX_DEPTH:
+                raise ValueError(f"messages nested deeper than {MAX_DEPTH} levels")
             child: dict[str, list[Any]] = {}
             stack[-1].setdefault(open_name, []).append(child)
             stack.append(child)
