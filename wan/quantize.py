@@ -22,6 +22,7 @@ def quantize_checkpoint(source: str | Path, mode: str, out: str | Path) -> Path:
     if quant.scheme(mode) is None:
         raise InputError(f"--quant {mode}: use one of {', '.join(quant.SCHEMES)}")
     source = Path(source)
+    _check_apart(source, Path(out))
     config = ModelConfig.from_folder(source)
     components = {}
     # Only the kinds that take `quant` (the transformer's) are made in 8 bits.
@@ -39,6 +40,24 @@ def quantize_checkpoint(source: str | Path, mode: str, out: str | Path) -> Path:
     return checkpoint.save_checkpoint(out, config, components, tokenizer)
 
 
+def _check_apart(source: Path, out: Path) -> None:
+    """`out` is not `source`, inside it or around it: the checkpoint is published by replacing
+    `out` whole, so the full-precision weights would be replaced with it (or written into)."""
+    weights, target = source.resolve(), out.resolve()
+    if weights.is_relative_to(target) or target.is_relative_to(weights):
+        relation = (
+            "is"
+            if weights == target
+            else "is inside"
+            if target.is_relative_to(weights)
+            else "holds"
+        )
+        raise InputError(
+            f"--out {out} {relation} --weights {source}: write the 8-bit checkpoint to a folder "
+            "of its own"
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m wan.quantize", description=__doc__)
     parser.add_argument("--weights", required=True, type=Path)
@@ -47,8 +66,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         folder = quantize_checkpoint(args.weights, args.quant, args.out)
-    except (InputError, OSError) as e:
-        sys.exit(f"Error: {e}")
+    except (InputError, OSError) as e:  # one line, exit 2, as the aot and runtime commands
+        print(f"Error: {e}", file=sys.stderr)
+        sys.exit(2)
     print(f"wrote {folder} ({args.quant})")
 
 
