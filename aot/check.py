@@ -87,12 +87,14 @@ from runtime.artifact import (
 from runtime.executables import declared_header
 from runtime.loader import build_folders
 from runtime.signing import TrustedKey
+from wan.bounded_read import read_text
 from wan.errors import InputError
 from wan.interface import SIGNATURES
 
 SCHEMA_VERSION = 1
 KINDS = frozenset(hlo.COLLECTIVES.values())
 GiB = float(1 << 30)
+MAX_POLICY_BYTES = 1 << 20  # the default policy is 1 KB
 TABLE_INSTRUCTIONS = 5  # per violation in the text table; --json lists them all
 
 
@@ -137,10 +139,11 @@ def load_policy(path: Path | None = None) -> Policy:
     """The policy in `path`, or the default one shipped with aot."""
     if path is None:
         return parse_policy((resources.files("aot") / "policy.toml").read_text(), "default")
-    try:
-        text = Path(path).read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise CheckInputError(f"policy {path} is unreadable: {e}") from None
+    text = read_text(
+        Path(path),
+        MAX_POLICY_BYTES,
+        lambda reason: CheckInputError(f"policy {path} {reason}: give a policy TOML file"),
+    )
     return parse_policy(text, str(path))
 
 
@@ -149,6 +152,8 @@ def parse_policy(text: str, source: str) -> Policy:
     typo must not silently turn a rule off)."""
     try:
         raw = tomllib.loads(text)
+    except RecursionError:  # tomllib has no nesting limit of its own
+        raise CheckInputError(f"policy {source} is not valid TOML: nested too deeply") from None
     except tomllib.TOMLDecodeError as e:
         raise CheckInputError(f"policy {source} is not valid TOML: {e}") from None
     where = f"policy {source}"

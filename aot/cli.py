@@ -285,16 +285,15 @@ def gc_cmd(folder: Path, dry_run: bool) -> None:
 def _manifests(folder: Path) -> list:
     """The manifests of the builds in `folder`; a build whose manifest does not read is
     skipped with a line saying why (its files stay whole: they are its own hard links)."""
-    from runtime.artifact import MANIFEST, ArtifactError, read_manifest
+    from runtime.artifact import Manifest
+    from runtime.loader import read_builds
 
     manifests = []
-    for path in sorted(folder.iterdir()):
-        if path.name.startswith(".") or not (path / MANIFEST).is_file():
-            continue
-        try:
-            manifests.append(read_manifest(path))
-        except ArtifactError as e:
-            click.echo(f"skipped {path.name}: {e}", err=True)
+    for path, found in read_builds(folder):
+        if isinstance(found, Manifest):
+            manifests.append(found)
+        else:
+            click.echo(f"skipped {path.name}: {found}", err=True)
     return manifests
 
 

@@ -270,7 +270,7 @@ def test_bad_policy_is_one_line_exit_2(tiny_build, tmp_path, policy, message):
 def test_bad_input_is_one_line_exit_2(tiny_build, tmp_path):
     result = run_cli("aot", "check", str(tiny_build), "--policy", str(tmp_path / "no.toml"), check=False)  # fmt: skip
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
-    assert "unreadable" in result.stderr and "Traceback" not in result.stderr
+    assert "no.toml is missing" in result.stderr and "Traceback" not in result.stderr
     (tmp_path / "empty").mkdir()
     for path, message in [
         (tmp_path / "empty", "neither a build folder"),

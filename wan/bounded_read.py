@@ -75,7 +75,17 @@ def parse_json(data: bytes, refuse: Refuse, *, allow_nan: bool = False) -> Any:
         raise refuse("is not valid JSON (nested too deeply)") from None
     except ValueError as e:  # JSONDecodeError, a constant, an integer of too many digits
         first = (str(e).splitlines() or [type(e).__name__])[0]
+        # Python's advice for too many digits (raise its limit) is not the user's to take.
+        first = first.partition("; use sys.set_int_max_str_digits")[0]
         raise refuse(f"is not valid JSON ({first[:200]})") from None
+
+
+def check_size(path: Path, limit: int, refuse: Refuse) -> None:
+    """`path` is a regular file of at most `limit` bytes, for a library that reads it by name
+    itself (a sentencepiece model): its size is known before a byte is read."""
+    with open_regular(path, refuse) as f:
+        if os.fstat(f.fileno()).st_size > limit:
+            raise refuse(f"is over {_size(limit)}")
 
 
 def _size(limit: int) -> str:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import tokenizers
 
-from wan.bounded_read import read_json
+from wan.bounded_read import Refuse, check_size, read_json, read_text
 from wan.configs import MAX_CONFIG_BYTES
 from wan.errors import InputError
 
@@ -47,6 +47,7 @@ class TextTokenizer:
 
 
 FAST, SENTENCEPIECE, CONFIG = "tokenizer.json", "spiece.model", "tokenizer_config.json"
+MAX_TOKENIZER_BYTES = 64 << 20  # UMT5's tokenizer.json: 16 MiB, its spiece.model: 4 MiB
 
 
 def load_tokenizer(folder: str | Path) -> TextTokenizer:
@@ -66,9 +67,22 @@ def load_tokenizer(folder: str | Path) -> TextTokenizer:
             f"{SENTENCEPIECE}); copy the model's tokenizer folder there"
         )
     config = _read_config(folder / CONFIG)
+
+    def refuse(name: str) -> Refuse:
+        return lambda reason: TokenizerError(
+            f"cannot load a tokenizer from {folder}: {name} {reason}; copy the model's "
+            "tokenizer folder there"
+        )
+
+    # Bounded before the libraries read them (a 1 GiB tokenizer.json is 1.5 GB of memory).
+    fast = (folder / FAST).is_file()
+    if fast:
+        text = read_text(folder / FAST, MAX_TOKENIZER_BYTES, refuse(FAST))
+    else:
+        check_size(folder / SENTENCEPIECE, MAX_TOKENIZER_BYTES, refuse(SENTENCEPIECE))
     try:
-        if (folder / FAST).is_file():
-            backend = tokenizers.Tokenizer.from_file(str(folder / FAST))
+        if fast:
+            backend = tokenizers.Tokenizer.from_str(text)
             pad = _token_text(config.get("pad_token", "<pad>"))
             eos = _token_text(config.get("eos_token", "</s>"))
         else:

@@ -22,6 +22,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from wan.bounded_read import open_regular
 from wan.strict_config import WeightError, excerpt
 
 Path_ = tuple[str, ...]
@@ -128,8 +129,11 @@ def safetensors_header(path: str | Path) -> tuple[dict[str, Any], int]:
     overlapping, sizes that disagree with shapes) fails here with a WeightError naming the file
     and the entry, before any of its data is mapped."""
     path = Path(path)
-    size = path.stat().st_size
-    with path.open("rb") as f:
+    # Not a plain open: a FIFO would block until a writer came.
+    with open_regular(
+        path, lambda reason: WeightError(f"{path} {reason}: give a safetensors file")
+    ) as f:
+        size = os.fstat(f.fileno()).st_size
         header_len = int.from_bytes(f.read(8), "little") if size >= 8 else 0
         if not 2 <= header_len <= min(size - 8, MAX_HEADER_BYTES):
             raise WeightError(f"{path} is not a safetensors file (or is cut short in its header)")
