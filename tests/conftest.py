@@ -1,6 +1,7 @@
 """Test setup: 8 CPU host devices (sharding tests), fp32 matmuls at full precision."""
 
 import os
+import shutil
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -58,6 +59,19 @@ def tiny_build(shared_dir) -> Path:
     run_cli("aot", "build", "--model", "tiny", *TINY_SHAPE, "--target", "cpu-8", "--out", str(out))
     (folder,) = [p for p in out.iterdir() if p.name.startswith("tiny_192x320_f9_b1_")]
     return folder
+
+
+def with_its_store(build: Path, out: Path) -> Path:
+    """A copy of `build` in the artifacts folder `out`, with its programs' store entries, so that
+    builds made into `out` reuse what they share with it (and it is up to date)."""
+    from aot import store
+    from runtime.artifact import read_manifest
+
+    shutil.copytree(build, out / build.name)
+    for program in read_manifest(build).programs.values():
+        entry = build.parent / store.STORE / program.program_id
+        shutil.copytree(entry, out / store.STORE / program.program_id, dirs_exist_ok=True)
+    return out / build.name
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import TINY_SHAPE, run_cli
+from conftest import TINY_SHAPE, run_cli, with_its_store
 from flax import nnx
 from safetensors.numpy import save_file
 
@@ -117,11 +117,13 @@ def test_a_lora_is_merged_before_the_weights_are_quantized(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def quant_builds(tmp_path_factory):
-    """The tiny model's full-precision build and a build per --quant mode, in one artifacts
-    folder (their text encoder and decode are compiled once); the full-precision one's name."""
+def quant_builds(tiny_build, tmp_path_factory):
+    """The tiny model's full-precision build (the session's) and a build per --quant mode, in
+    one artifacts folder (they reuse its text encoder and decode); the full-precision one's
+    name."""
     root = tmp_path_factory.mktemp("quant")
-    for mode in quant.MODES:
+    with_its_store(tiny_build, root)
+    for mode in quant.SCHEMES:
         run_cli("aot", "build", "--model", "tiny", *TINY_SHAPE, "--target", "cpu-8",
                 "--quant", mode, "--out", str(root))  # fmt: skip
     (full,) = [p.name for p in root.iterdir() if not p.name.startswith(".") and "_w8" not in p.name]
