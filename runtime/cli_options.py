@@ -4,8 +4,10 @@ starts jax for the build it serves."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -26,6 +28,19 @@ def utf8_text(ctx: click.Context, param: click.Parameter, text: str | None) -> s
 def finite(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
     check_finite(param.opts[0], value)
     return value
+
+
+class Seconds(click.FloatRange):
+    """A number of seconds from `min` to `max`; NaN is refused too (click's FloatRange lets it
+    through, and a NaN window or timeout never ends)."""
+
+    name = "seconds"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        seconds = super().convert(value, param, ctx)
+        if math.isnan(seconds):
+            self.fail(f"{value!r} is not a number: give seconds from {self.min} to {self.max}")
+        return seconds
 
 
 ARTIFACTS = click.option(

@@ -10,6 +10,7 @@ import click
 from runtime import cli_options, processes, signing, step_cache
 from runtime.artifact import ArtifactError, BuildKey, Manifest
 from runtime.cli_args import TRUSTED_KEY, CliError
+from runtime.job_store import LOCK_TIMEOUT_S, JobStore
 from runtime.loader import (
     Present,
     Request,
@@ -50,15 +51,51 @@ from wan.presets import model_spec
     "--batch-window",
     default=0.5,
     show_default=True,
-    type=click.FloatRange(min=0),
+    type=cli_options.Seconds(0, 3600),
     help="Seconds a request waits for others to share its batch (a full batch runs at once).",
 )
 @click.option(
     "--drain-timeout",
     default=300.0,
     show_default=True,
-    type=click.FloatRange(min=0),
+    type=cli_options.Seconds(0, 86400),
     help="On SIGTERM: seconds to finish the batch in flight (else it is queued again).",
+)
+@click.option(
+    "--store-timeout",
+    default=LOCK_TIMEOUT_S,
+    show_default=True,
+    type=cli_options.Seconds(0.01, 600),
+    help="Seconds a job-store operation waits for a lock another process holds; past it the "
+    "store counts as unusable (POST and /healthz 503) and the worker retries.",
+)
+@click.option(
+    "--max-body-bytes",
+    default=1 << 20,
+    show_default=True,
+    type=click.IntRange(1024, 1 << 30),
+    help="Largest request body (413 past it, refused by its Content-Length before it is read).",
+)
+@click.option(
+    "--max-prompt-chars",
+    default=10_000,
+    show_default=True,
+    type=click.IntRange(1, 1_000_000),
+    help="Longest prompt and negative prompt, in characters (400 past it).",
+)
+@click.option(
+    "--header-timeout",
+    default=10.0,
+    show_default=True,
+    type=cli_options.Seconds(0.1, 3600),
+    help="Seconds a connection has to send a request's head (else it is closed).",
+)
+@click.option(
+    "--body-timeout",
+    default=30.0,
+    show_default=True,
+    type=cli_options.Seconds(0.1, 3600),
+    help="Seconds a request has to send its body (else 408).",
 )
 @click.option(
     "--save-frames",
@@ -69,8 +106,9 @@ from wan.presets import model_spec
 @cli_options.cache_options
 def serve_cmd(
     artifacts, weights, lora_args, build_names, host, port, out_dir, max_queue, batch_window,
-    drain_timeout, save_frames, cache, cache_threshold, cache_max_skip, cache_retention,
-    mag_ratios, trusted_keys,
+    drain_timeout, store_timeout, max_body_bytes, max_prompt_chars, header_timeout, body_timeout,
+    save_frames, cache, cache_threshold, cache_max_skip, cache_retention, mag_ratios,
+    trusted_keys,
 ) -> None:  # fmt: skip
     """Serve the builds in --artifacts over HTTP (OpenAI's Videos API shape): load once, queue
     the requests, run them in the builds' batches, compile nothing."""
@@ -93,12 +131,13 @@ def serve_cmd(
     from runtime.server import listen  # before jax: a taken port fails in a second
 
     sock = listen(host, port)
+    store = JobStore(out_dir, store_timeout)  # a store it cannot use fails before anything loads
+    requeued = store.recover()
     cli_options.start(lambda present: builds(present)[0], None, 1, 0, processes.JOIN_TIMEOUT_S)
     import jax
 
-    from runtime.job_store import JobStore
     from runtime.pipeline import CompileCounter, Pipeline
-    from runtime.server import Service, serve
+    from runtime.server import HttpLimits, Service, serve
 
     served = builds(Present.of(jax.devices()))
     for folder, manifest in served:  # every build before any loads
@@ -115,8 +154,6 @@ def serve_cmd(
         )
         for folder, manifest in served
     }
-    store = JobStore(out_dir)
-    requeued = store.recover()
     counter = CompileCounter()
     service = Service(
         pipelines, store, max_queue, batch_window, lambda: counter.count, save_frames,
@@ -124,7 +161,8 @@ def serve_cmd(
     )  # fmt: skip
     if requeued:
         click.echo(f"{requeued} video(s) queued from the last run", err=True)
-    serve(service, sock, drain_timeout, lambda line: click.echo(line, err=True))
+    limits = HttpLimits(max_body_bytes, max_prompt_chars, header_timeout, body_timeout)
+    serve(service, sock, drain_timeout, limits, lambda line: click.echo(line, err=True))
 
 
 def _serving_builds(

@@ -116,6 +116,12 @@ def serving(*args, **kwargs):
         server.stop()
 
 
+def stored_request(seed: int) -> dict:
+    """A request as the server stores it (runtime.job_store.REQUEST_FIELDS)."""
+    return {"prompt": "q", "negative_prompt": "", "seed": seed, "size": "64x96", "frames": 5,
+            "steps": 3}  # fmt: skip
+
+
 def request(i: int, steps: int = 3) -> dict:
     return {"prompt": f"a cat number {i}", "negative_prompt": f"blur {i}", **SHAPE,
             "steps": steps, "seed": 100 + i, "guidance": 5.0}  # fmt: skip
@@ -224,8 +230,9 @@ def test_full_queue_cancel_and_sigterm_drain(small_builds, tiny_weights, tmp_pat
         assert server.post(request(4)).status_code == 503
         assert server.proc.wait(timeout=120) == 0, server.log.read_text()
     store = JobStore(out)
-    assert [j.status for j in store.jobs()] == ["completed", "completed"]
-    assert all(decode(store.video_path(j.id)).shape[0] == 5 for j in store.jobs())
+    jobs, _ = store.page()
+    assert [j.status for j in jobs] == ["completed", "completed"]
+    assert all(decode(store.video_path(j.id)).shape[0] == 5 for j in jobs)
 
 
 def test_kill_9_mid_batch_then_restart(small_builds, tiny_weights, tmp_path):
@@ -377,9 +384,9 @@ def test_per_video_seeds_are_batch_one_noise():
 def test_job_store_recovers_and_bounds_the_queue(tmp_path):
     store = JobStore(tmp_path)
     group = Group("g", Settings(steps=3, guidance=1.0, sampler="euler", shift=3.0))
-    jobs = [store.add(group, {"n": i}, max_queue=3) for i in range(3)]
+    jobs = [store.add(group, stored_request(i), max_queue=3) for i in range(3)]
     with pytest.raises(QueueFull):
-        store.add(group, {}, max_queue=3)
+        store.add(group, stored_request(3), max_queue=3)
     store.start([jobs[0].id, jobs[1].id])
     store.complete(jobs[0].id)
     (store.videos / f".{jobs[1].id}.mp4.abc.partial").write_bytes(b"half")
@@ -388,7 +395,7 @@ def test_job_store_recovers_and_bounds_the_queue(tmp_path):
     assert store.recover() == 2
     assert [j.id for j in store.queued()] == [jobs[1].id, jobs[2].id]
     assert store.get(jobs[0].id).status == "completed"
-    assert {j.group for j in store.jobs()} == {group}  # read back as written
+    assert {j.group for j in store.page()[0]} == {group}  # read back as written
     assert not list(store.videos.iterdir())
     assert store.delete_queued(jobs[2].id) and not store.delete_queued(jobs[0].id)
 
@@ -401,10 +408,8 @@ def test_failed_batch_fails_its_videos_and_serving_goes_on(tmp_path):
     for pipe, (w, h) in zip(pipelines.values(), [(64, 96), (96, 64)], strict=True):
         pipe.key.width, pipe.key.height, pipe.key.frames, pipe.key.cfg = w, h, 5, True
     service = Service(pipelines, store, max_queue=8, batch_window=0.0, compile_count=lambda: 0)
-    bad = [store.add(Group("bad", Settings(steps=3)), {"prompt": "p", "negative_prompt": "",
-                                                       "seed": i}, 8) for i in range(2)]  # fmt: skip
-    good = store.add(Group("good", Settings(steps=3)), {"prompt": "q", "negative_prompt": "",
-                                                       "seed": 1}, 8)  # fmt: skip
+    bad = [store.add(Group("bad", Settings(steps=3)), stored_request(i), 8) for i in range(2)]
+    good = store.add(Group("good", Settings(steps=3)), stored_request(1), 8)
     _run_until_completed(service, store, good.id)
     assert [store.get(j.id).error for j in bad] == [
         {"code": "generation_failed", "message": "device lost"}
@@ -424,8 +429,7 @@ def test_a_stored_group_that_does_not_read_fails_its_job_only(tmp_path, stored):
     from runtime.server import Service
 
     store = JobStore(tmp_path)
-    request = {"prompt": "q", "negative_prompt": "", "seed": 1, "size": "64x96", "frames": 5,
-               "steps": 3}  # fmt: skip
+    request = stored_request(1)
     damaged, good = (store.add(Group("good", Settings(steps=3)), request, 8) for _ in range(2))
     gone = store.add(Group("gone", Settings(steps=3)), request, 8)
     with sqlite3.connect(tmp_path / DATABASE) as db:
@@ -436,7 +440,7 @@ def test_a_stored_group_that_does_not_read_fails_its_job_only(tmp_path, stored):
     pipe = FakePipeline(1)
     pipe.key.width, pipe.key.height, pipe.key.frames, pipe.key.cfg = 64, 96, 5, True
     service = Service({"good": pipe}, store, max_queue=8, batch_window=0.0, compile_count=lambda: 0)
-    assert [service.video_object(j)["model"] for j in store.jobs()] == ["gone", "good", None]
+    assert [service.video_object(j)["model"] for j in store.page()[0]] == ["gone", "good", None]
     _run_until_completed(service, store, good.id)
     assert store.get(damaged.id).error == {
         "code": "unreadable_job",
