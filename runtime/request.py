@@ -23,7 +23,9 @@ class RequestError(InputError):
 # CFG scales and flow shifts in use are 1-20; far past that the float32 step tables and
 # guidance overflow, so a larger value is a typo, refused before it makes a NaN video.
 MAX_SCALE = 1e4
-MAX_SEED = 2**63 - 1  # a seed is an int64 wherever it is stored (the job store, reports)
+# A seed is a JSON number every client and schema validator reads exactly (and an int64 where
+# it is stored: the job store, reports): the same bound for --seed, --prompts lines and serve.
+MAX_SEED = 2**53 - 1
 
 
 def check_finite(name: str, value: float | None) -> None:

@@ -37,7 +37,7 @@ from runtime.batching import Group, Settings, Video, Waiting, generate_batch, ne
 from runtime.job_store import REQUEST_FIELDS, Job, JobStore, QueueFull, StoreError
 from runtime.loader import Route, describe_route, serving_routes
 from runtime.outputs import write_npy, write_videos
-from runtime.request import MAX_SCALE, check_text
+from runtime.request import MAX_SCALE, MAX_SEED, check_text
 from wan.configs import SAMPLERS, VAEKindConfig
 
 if TYPE_CHECKING:  # jax: imported by runtime.cli_serve once the port is bound
@@ -46,7 +46,6 @@ if TYPE_CHECKING:  # jax: imported by runtime.cli_serve once the port is bound
 
 MAX_STEPS = 1000
 CFG_ABOVE = 1.0  # a guidance above it runs a CFG build (the route's `cfg`)
-MAX_SEED = 2**53 - 1  # a JSON number every client and schema validator reads exactly
 IDLE_POLL_S = 1.0  # the worker looks at the queue at least this often
 RETRY_FIRST_S, RETRY_MAX_S = 0.1, 2.0  # the worker's backoff while the job store fails
 T = TypeVar("T")
