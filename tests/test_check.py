@@ -298,7 +298,7 @@ def test_build_runs_the_check(tiny_build, tmp_path):
     assert strict.returncode == 1
     assert f"error: {tiny_build.name} vae_decode: collective-permute forbidden" in strict.stderr
     bad = run_cli("aot", *args, "--policy", str(tmp_path / "no.toml"), check=False)
-    assert bad.returncode == 2 and "unreadable" in bad.stderr and "compiling" not in bad.stderr
+    assert bad.returncode == 2 and "is missing" in bad.stderr and "compiling" not in bad.stderr
 
 
 # CI: portrait 720x1280's case (latent width 90). Latent width not divisible by the VAE's 8 spatial shards,
