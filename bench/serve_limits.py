@@ -1,0 +1,138 @@
+"""`runtime serve`'s HTTP bounds, two source trees side by side: each tree builds the tiny model
+and serves it with its default flags; against each server, one POST of a 200 MB body with its
+Content-Length declared, one of a 200 MB body sent in chunks (the server's resident memory
+before and after, the answer and its seconds), then N connections that send half a request
+head (how many the server has closed after `--wait` seconds). The tree before the bounds:
+`git worktree add /tmp/before <commit>`.
+
+    python bench/serve_limits.py --before /tmp/before --after . --heads 3000 \
+        --save bench/results/serve_limits.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+from record import save
+from serve_load import free_port
+
+BIN = Path(sys.executable).parent
+SHAPE = ["--res", "64x96", "--frames", "5", "--batch", "1"]
+BODY_MB = 200
+
+
+def env_of(tree: Path) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(tree.resolve())}
+
+
+def rss_mib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) // 1024 for line in f if line.startswith("VmRSS"))
+
+
+def post(client: httpx.Client, content: bytes | Iterator[bytes]) -> tuple[str, float]:
+    start = time.perf_counter()
+    try:
+        answer = str(
+            client.post(
+                "/v1/videos", content=content, headers={"content-type": "application/json"}
+            ).status_code
+        )
+    except httpx.HTTPError as e:
+        answer = type(e).__name__
+    return answer, round(time.perf_counter() - start, 2)
+
+
+def is_closed(s: socket.socket) -> bool:
+    """Whether the server has closed this connection (and close it here)."""
+    s.setblocking(False)
+    try:
+        return s.recv(16) == b""
+    except BlockingIOError:
+        return False
+    except ConnectionResetError:
+        return True
+    finally:
+        s.close()
+
+
+def measure(tree: Path, artifacts: Path, weights: Path, out: Path, heads: int, wait: float) -> dict:
+    port = free_port()
+    server = subprocess.Popen(
+        [str(BIN / "runtime"), "serve", "--artifacts", str(artifacts), "--weights", str(weights),
+         "--port", str(port), "--out-dir", str(out)],
+        env=env_of(tree), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300)
+    try:
+        while True:
+            try:
+                if client.get("/healthz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        result = {}
+        prompt = b"x" * (BODY_MB << 20)
+        declared = b'{"prompt": "' + prompt + b'", "size": "64x96", "frames": 5}'
+        chunked = (declared[i : i + (1 << 20)] for i in range(0, len(declared), 1 << 20))
+        for name, content in (("declared_body", declared), ("chunked_body", chunked)):
+            before = rss_mib(server.pid)
+            answer, seconds = post(client, content)
+            time.sleep(1)
+            result[name] = {"answer": answer, "seconds": seconds, "rss_mib_before": before,
+                            "rss_mib_growth": rss_mib(server.pid) - before}  # fmt: skip
+        sockets = []
+        for _ in range(heads):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # no blank line: never finished
+            sockets.append(s)
+        time.sleep(wait)
+        closed = sum(is_closed(s) for s in sockets)
+        result["half_sent_heads"] = {"sent": heads, "closed_after_s": wait, "closed": closed}
+        return result
+    finally:
+        server.kill()
+        server.wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--before", type=Path, required=True)
+    parser.add_argument("--after", type=Path, required=True)
+    parser.add_argument("--heads", type=int, default=3000)
+    parser.add_argument("--wait", type=float, default=12.0)
+    parser.add_argument("--save", type=Path)
+    args = parser.parse_args()
+    resource.setrlimit(resource.RLIMIT_NOFILE, (args.heads + 1024,) * 2)
+    rows = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        root = Path(scratch)
+        weights = root / "weights"
+        subprocess.run([str(BIN / "python"), "-m", "wan.random_weights", "--model", "tiny", "--out", str(weights)],
+                       env=env_of(args.after), check=True, capture_output=True)  # fmt: skip
+        for name, tree in (("before", args.before), ("after", args.after)):
+            artifacts = root / name
+            subprocess.run([str(BIN / "aot"), "build", "--model", "tiny", *SHAPE, "--target", "cpu-8",
+                            "--out", str(artifacts)], env=env_of(tree), check=True, capture_output=True)  # fmt: skip
+            rows[name] = measure(
+                tree, artifacts, weights, root / f"{name}-jobs", args.heads, args.wait
+            )
+    row = {"command": " ".join(["python bench/serve_limits.py", *sys.argv[1:]]), **rows}
+    print(json.dumps(row, indent=1))
+    if args.save:
+        save(args.save, row)
+
+
+if __name__ == "__main__":
+    main()
