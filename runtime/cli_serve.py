@@ -3,6 +3,7 @@ compiling nothing."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import click
@@ -10,6 +11,7 @@ import click
 from runtime import cli_options, processes, signing, step_cache
 from runtime.artifact import ArtifactError, BuildKey, Manifest
 from runtime.cli_args import TRUSTED_KEY, CliError
+from runtime.http_guards import API_KEYS_ENV, HttpLimits, load_api_keys
 from runtime.job_store import LOCK_TIMEOUT_S, JobStore
 from runtime.loader import (
     Present,
@@ -103,19 +105,36 @@ from wan.presets import model_spec
     help="Keep each video's uint8 frames (F, H, W, 3) as .npy beside its MP4 "
     "(GET /v1/videos/ID/content?variant=frames).",
 )
+@click.option(
+    "--api-key",
+    "api_keys",
+    multiple=True,
+    help="Require `Authorization: Bearer KEY` on every /v1/ route (repeatable; 16 to 512 "
+    "characters). A key on the command line shows in `ps`: prefer --api-key-file or "
+    "$WAN_API_KEYS (comma-separated keys), which are read too. /healthz and /metrics stay open "
+    "for probes and scrapers. Without any key the server is open to whoever reaches the port.",
+)
+@click.option(
+    "--api-key-file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="A file of API keys, one a line (blank lines and # comments skipped), as --api-key.",
+)
 @cli_options.cache_options
 def serve_cmd(
     artifacts, weights, lora_args, build_names, host, port, out_dir, max_queue, batch_window,
     drain_timeout, store_timeout, max_body_bytes, max_prompt_chars, header_timeout, body_timeout,
-    save_frames, cache, cache_threshold, cache_max_skip, cache_retention, mag_ratios,
-    trusted_keys,
+    save_frames, api_keys, api_key_file, cache, cache_threshold, cache_max_skip, cache_retention,
+    mag_ratios, trusted_keys,
 ) -> None:  # fmt: skip
-    """Serve the builds in --artifacts over HTTP (OpenAI's Videos API shape): load once, queue
-    the requests, run them in the builds' batches, compile nothing."""
+    """Serve the builds in --artifacts over HTTP as OpenAI's Videos API (the `openai` SDK works
+    with base_url http://HOST:PORT/v1): load once, queue the requests, run them in the builds'
+    batches, compile nothing. API keys: --api-key-file, $WAN_API_KEYS or --api-key; /healthz and
+    /metrics stay open. Plain HTTP: for TLS put a reverse proxy in front (README)."""
     if not weights.is_dir():
         raise CliError(
             f"--weights {weights} is not a folder (a diffusers-format folder or a checkpoint)"
         )
+    keys = load_api_keys(api_keys, api_key_file, os.environ.get(API_KEYS_ENV))
     loras = cli_options.loras(lora_args, "--lora")
     trusted = signing.load_trusted_keys(trusted_keys)
     config = ModelConfig.from_folder(weights)
@@ -137,7 +156,8 @@ def serve_cmd(
     import jax
 
     from runtime.pipeline import CompileCounter, Pipeline
-    from runtime.server import HttpLimits, Service, serve
+    from runtime.server import serve
+    from runtime.service import Service
 
     served = builds(Present.of(jax.devices()))
     for folder, manifest in served:  # every build before any loads
@@ -162,7 +182,7 @@ def serve_cmd(
     if requeued:
         click.echo(f"{requeued} video(s) queued from the last run", err=True)
     limits = HttpLimits(max_body_bytes, max_prompt_chars, header_timeout, body_timeout)
-    serve(service, sock, drain_timeout, limits, lambda line: click.echo(line, err=True))
+    serve(service, sock, drain_timeout, limits, lambda line: click.echo(line, err=True), keys)
 
 
 def _serving_builds(

@@ -23,10 +23,12 @@ from wan.errors import InputError
 DATABASE = "jobs.sqlite3"
 VIDEOS = "videos"
 STATUSES = ("queued", "in_progress", "completed", "failed")
-# The stored request's fields the server reads back (runtime.server.VideoRequest's, the seed
-# filled in) and their JSON types; a row without them is refused at the start.
+# The stored request's fields the server reads back (runtime.openai_dialect.VideoRequest's, the
+# seed and frames filled in) and their JSON types; a row without them is refused at the start.
 REQUEST_FIELDS = {"prompt": str, "negative_prompt": str, "size": str, "frames": int,
                   "seed": int, "steps": int}  # fmt: skip
+# What a completed video keeps in VIDEOS, by the `variant` of its content: the file's suffix.
+CONTENT = {"video": ".mp4", "thumbnail": ".webp", "spritesheet": ".jpg", "frames": ".npy"}
 LOCK_TIMEOUT_S = 5.0  # an operation's wait for a lock another process holds (--store-timeout)
 MAX_PAGE_BYTES = 1 << 20  # of stored requests in one page of the list: 1,000 short ones
 # What to do about a SQLite failure, by its primary result code.
@@ -152,18 +154,25 @@ class JobStore:
         return None if row is None else _job(row)
 
     def page(
-        self, limit: int = 100, after: str | None = None, max_bytes: int = MAX_PAGE_BYTES
+        self,
+        limit: int = 100,
+        after: str | None = None,
+        max_bytes: int = MAX_PAGE_BYTES,
+        ascending: bool = False,
     ) -> tuple[list[Job], bool]:
-        """The newest jobs first, from the one after `after` (an id) when given: at most `limit`
-        of them and `max_bytes` of their stored requests (one at least), and whether more
-        follow."""
+        """The newest jobs first (the oldest if `ascending`), from the one after `after` (an id)
+        when given: at most `limit` of them and `max_bytes` of their stored requests (one at
+        least), and whether more follow."""
         rows, size = [], 0
+        query = (
+            "SELECT * FROM jobs WHERE seq > COALESCE((SELECT seq FROM jobs WHERE id=?), 0) "
+            "ORDER BY seq"
+            if ascending
+            else "SELECT * FROM jobs WHERE seq < COALESCE((SELECT seq FROM jobs WHERE id=?), "
+            "9223372036854775807) ORDER BY seq DESC"
+        )
         with self._transaction() as db:
-            cursor = db.execute(
-                "SELECT * FROM jobs WHERE seq < COALESCE((SELECT seq FROM jobs WHERE id=?), "
-                "9223372036854775807) ORDER BY seq DESC",
-                (after,),
-            )
+            cursor = db.execute(query, (after,))
             for row in cursor:
                 size += len(row["request"])
                 if len(rows) == limit or (rows and size > max_bytes):
@@ -183,11 +192,16 @@ class JobStore:
             found = dict(db.execute("SELECT status, COUNT(*) FROM jobs GROUP BY status"))
         return {s: found.get(s, 0) for s in STATUSES}
 
-    def delete_queued(self, job_id: str) -> bool:
-        """Remove a job that has not started; False if it is not queued."""
+    def delete(self, job_id: str) -> bool:
+        """Remove a job that is not in progress (a queued one is cancelled) and then its files;
+        False if it is in progress."""
         with self._transaction() as db:
-            cursor = db.execute("DELETE FROM jobs WHERE id=? AND status='queued'", (job_id,))
-        return cursor.rowcount == 1
+            cursor = db.execute("DELETE FROM jobs WHERE id=? AND status!='in_progress'", (job_id,))
+        if cursor.rowcount != 1:
+            return False
+        for variant in CONTENT:  # after the row: a kill between them leaves files, not a row
+            self.content_path(job_id, variant).unlink(missing_ok=True)
+        return True
 
     def start(self, job_ids: list[str]) -> list[Job]:
         """Of `job_ids`, those still queued (not cancelled meanwhile), now in progress."""
@@ -225,12 +239,13 @@ class JobStore:
         with self._transaction() as db:
             db.execute("UPDATE jobs SET status='queued', progress=0 WHERE status='in_progress'")
 
-    def video_path(self, job_id: str) -> Path:
-        return self.videos / f"{job_id}.mp4"
+    def content_path(self, job_id: str, variant: str) -> Path:
+        """Where a job's `variant` of CONTENT is kept: its MP4, thumbnail (WebP), spritesheet
+        (JPEG), or uint8 frames as .npy (a server run with --save-frames)."""
+        return self.videos / f"{job_id}{CONTENT[variant]}"
 
-    def frames_path(self, job_id: str) -> Path:
-        """The video's uint8 frames as .npy (a server run with --save-frames)."""
-        return self.videos / f"{job_id}.npy"
+    def video_path(self, job_id: str) -> Path:
+        return self.content_path(job_id, "video")
 
     def close(self) -> None:
         with self._lock:

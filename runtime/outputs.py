@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import secrets
 import stat
@@ -31,6 +32,8 @@ class WriteError(OSError):
 
 
 Writer = Callable[[Path], None]  # writes one output's content at the (staged) path it is given
+THUMBNAIL_QUALITY = 90  # WebP, of 100
+SPRITE_TILES, SPRITE_TILE_PIXELS, SPRITE_QUALITY = 16, 256, 85  # a spritesheet's (JPEG)
 
 
 def npy_path(path: Path) -> Path:
@@ -139,6 +142,34 @@ def write_videos(
         for video, path in zip(videos, paths, strict=True)
     }
     write_files({**mp4s, **(extra or {})})
+
+
+def previews(video: np.ndarray, thumbnail: Path, spritesheet: Path) -> dict[Path, Writer]:
+    """The writers of a video's previews, to write beside its MP4 (`write_videos`' `extra`):
+    its first frame as a WebP `thumbnail`, and up to SPRITE_TILES frames, evenly spaced and
+    each at most SPRITE_TILE_PIXELS on its longer side, in a grid (row by row) as a JPEG
+    `spritesheet`."""
+    from PIL import Image  # only a server writes previews
+
+    def write_thumbnail(path: Path) -> None:
+        Image.fromarray(video[0]).save(path, format="WEBP", quality=THUMBNAIL_QUALITY)
+
+    def write_spritesheet(path: Path) -> None:
+        count, height, width = video.shape[:3]
+        picked = sorted(
+            set(np.linspace(0, count - 1, min(count, SPRITE_TILES)).round().astype(int))
+        )
+        scale = min(1.0, SPRITE_TILE_PIXELS / max(width, height))
+        tile = (max(1, round(width * scale)), max(1, round(height * scale)))
+        columns = math.ceil(math.sqrt(len(picked)))
+        rows = math.ceil(len(picked) / columns)
+        sheet = Image.new("RGB", (columns * tile[0], rows * tile[1]))
+        for i, index in enumerate(picked):
+            frame = Image.fromarray(video[index]).resize(tile, Image.Resampling.BILINEAR)
+            sheet.paste(frame, ((i % columns) * tile[0], (i // columns) * tile[1]))
+        sheet.save(path, format="JPEG", quality=SPRITE_QUALITY)
+
+    return {thumbnail: write_thumbnail, spritesheet: write_spritesheet}
 
 
 def write_files(writers: Mapping[Path, Writer]) -> None:

@@ -1,405 +1,58 @@
-"""`runtime serve`: a resident video-generation service over HTTP, in the shape of OpenAI's Videos
-API. The builds are loaded once (runtime.cli_serve chooses them), the requests are queued in a
-SQLite job store (runtime.job_store) and run in the compiled batches (runtime.batching) by one
-worker thread that calls the same `Pipeline` as `runtime run`; this module is only the HTTP layer,
-the worker loop and the drain on SIGTERM."""
+"""`runtime serve`: a resident video-generation service over HTTP that speaks OpenAI's Videos API
+(runtime.openai_dialect), so the official `openai` SDK works against it unchanged. The builds are
+loaded once (runtime.cli_serve chooses them), the requests are queued in a SQLite job store
+(runtime.job_store) and run by the worker (runtime.service.Service); the bounds and the API keys
+wrap the app (runtime.http_guards). This module is the routes, their OpenAPI schema, and the
+server's start and drain on SIGTERM."""
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import functools
-import logging
-import math
 import os
 import re
-import secrets
 import signal
 import socket
 import sys
 import threading
-import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-import h11
 import uvicorn
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.routing import Match
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from starlette.types import Scope
 
-from runtime.batching import Group, Settings, Video, Waiting, generate_batch, next_batch
-from runtime.job_store import REQUEST_FIELDS, Job, JobStore, QueueFull, StoreError
-from runtime.loader import Route, describe_route, serving_routes
-from runtime.outputs import write_npy, write_videos
-from runtime.request import MAX_SCALE, MAX_SEED, check_text
-from wan.configs import SAMPLERS, VAEKindConfig
+from runtime.http_guards import (
+    API_KEYS_ENV,
+    ApiKeys,
+    BoundedBody,
+    HeaderDeadline,
+    HttpLimits,
+    JsonErrors,
+)
+from runtime.job_store import Job, StoreError
+from runtime.openai_dialect import (
+    CFG_ABOVE,
+    ERRORS,
+    MEDIA_TYPES,
+    ApiError,
+    ErrorBody,
+    VideoRequest,
+    error_response,
+    form_schema,
+    list_page,
+    model_object,
+    read_video_request,
+    seconds_text,
+    validation_message,
+)
+from runtime.service import Service
 
-if TYPE_CHECKING:  # jax: imported by runtime.cli_serve once the port is bound
-    from runtime.pipeline import Pipeline
-    from runtime.step_cache import CacheRequest
-
-MAX_STEPS = 1000
-CFG_ABOVE = 1.0  # a guidance above it runs a CFG build (the route's `cfg`)
-IDLE_POLL_S = 1.0  # the worker looks at the queue at least this often
-RETRY_FIRST_S, RETRY_MAX_S = 0.1, 2.0  # the worker's backoff while the job store fails
 T = TypeVar("T")
-
-
-class VideoRequest(BaseModel):
-    """The body of POST /v1/videos: strict types, no unknown fields."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    prompt: str = Field(min_length=1)
-    negative_prompt: str = ""
-    size: str = Field(pattern=r"^[1-9][0-9]{0,4}x[1-9][0-9]{0,4}$", description="WxH")
-    frames: int = Field(ge=1, le=10_000)
-    steps: int = Field(50, ge=1, le=MAX_STEPS)
-    guidance: float = Field(5.0, ge=-MAX_SCALE, le=MAX_SCALE)
-    guidance_2: float | None = Field(None, ge=-MAX_SCALE, le=MAX_SCALE)
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)  # None: a random one, recorded
-    sampler: Literal[SAMPLERS] | None = None
-    shift: float | None = Field(None, gt=0, le=MAX_SCALE)
-
-    @field_validator("frames", "steps", "seed", mode="before")
-    @classmethod
-    def _whole(cls, value: Any) -> Any:
-        """A JSON integer may be written 5.0 (JSON Schema's, so the API's); strict mode would
-        refuse it."""
-        return int(value) if isinstance(value, float) and value.is_integer() else value
-
-    @field_validator("prompt", "negative_prompt")
-    @classmethod
-    def _utf8(cls, text: str) -> str:
-        check_text("the text", text)  # a JSON string may hold a lone surrogate
-        return text
-
-    @field_validator("guidance", "guidance_2", "shift")
-    @classmethod
-    def _finite(cls, value: float | None) -> float | None:
-        if value is not None and not math.isfinite(value):
-            raise ValueError("give a finite number")
-        return value
-
-    def shape(self) -> Route:
-        """What picks the build (runtime.loader.serving_routes)."""
-        width, height = map(int, self.size.split("x"))
-        return width, height, self.frames, self.guidance > CFG_ABOVE
-
-    def settings(self) -> Settings:
-        return Settings(self.steps, self.guidance, self.guidance_2, self.sampler, self.shift)
-
-
-@dataclasses.dataclass(frozen=True)
-class HttpLimits:
-    """What one request may take of the server (the flags of `runtime serve`)."""
-
-    max_body_bytes: int  # a larger body is 413, refused by its Content-Length before it is read
-    max_prompt_chars: int  # each of prompt and negative_prompt; longer is 400
-    header_timeout: float  # seconds to send a request's head, else the connection is closed
-    body_timeout: float  # seconds to send its body, else 408
-
-
-class _ErrorDetail(BaseModel):
-    code: str
-    message: str
-
-
-class ErrorBody(BaseModel):
-    """Every error answer: {"error": {"code", "message"}}."""
-
-    error: _ErrorDetail
-
-
-# Why the server answers each error status (the OpenAPI schema's descriptions).
-ERRORS = {
-    400: "The request does not hold what the operation takes.",
-    404: "No such video (or, for frames, none kept).",
-    408: "The request body did not arrive within --body-timeout.",
-    409: "The video is not in a state that allows this.",
-    410: "The video's file is no longer in --out-dir.",
-    413: "The request body is over --max-body-bytes.",
-    429: "The queue holds --max-queue videos.",
-    500: "A bug in the server (one line in its log).",
-    503: "The server is shutting down, or its job store is unusable for now.",
-}
-
-
-class ApiError(Exception):
-    """An HTTP error answered as {"error": {"code", "message"}}."""
-
-    def __init__(self, status: int, code: str, message: str):
-        super().__init__(message)
-        self.status, self.code, self.message = status, code, message
-
-
-@dataclasses.dataclass
-class Metrics:
-    """What /metrics exports, counted since this process started."""
-
-    completed: int = 0
-    failed: int = 0
-    batches: int = 0
-    slots_filled: int = 0
-    slots: int = 0
-    step_seconds: float = 0.0
-    steps: int = 0
-
-
-class Service:
-    """The loaded pipelines, the job store and the worker that runs their batches."""
-
-    def __init__(
-        self,
-        pipelines: dict[str, Pipeline],
-        store: JobStore,
-        max_queue: int,
-        batch_window: float,
-        compile_count: Callable[[], int],
-        save_frames: bool = False,
-        cache: CacheRequest | None = None,
-    ):
-        """`cache`: the step caching every batch runs with."""
-        self.pipelines, self.store, self.save_frames = pipelines, store, save_frames
-        self.cache = cache
-        self.max_queue, self.batch_window, self.compile_count = (
-            max_queue,
-            batch_window,
-            compile_count,
-        )
-        self.metrics = Metrics()
-        self.wake = threading.Event()  # a request arrived, or the drain began
-        self.idle = threading.Event()  # no batch in flight
-        self.idle.set()
-        self.draining = False
-        # Why the job store is unusable, while it is (the last attempt failed): /healthz 503.
-        self.store_problem: str | None = None
-        self._progress_due = 0.0  # while the store fails, progress is tried again from then
-        self._lock = threading.Lock()  # draining vs. the start of a batch
-        # The rule runtime.cli_serve loaded the builds by, which gives each route one build.
-        self.shapes = serving_routes({name: pipe.key for name, pipe in pipelines.items()})
-
-    def served(self) -> str:
-        return ", ".join(
-            f"{describe_route(r)} (batch {self.pipelines[name].key.batch})"
-            for r, name in sorted(self.shapes.items())
-        )
-
-    def submit(self, body: VideoRequest) -> Job:
-        if self.draining:
-            raise ApiError(503, "shutting_down", "the server is shutting down: retry later")
-        if self.store_problem:  # answered now, not after a lock wait: the worker retries it
-            raise ApiError(503, "store_unavailable", f"{self.store_problem}; retry later")
-        build = self.shapes.get(body.shape())
-        if build is None:
-            raise ApiError(
-                400,
-                "unsupported_shape",
-                f"no loaded build makes size {body.size} with {body.frames} frames "
-                f"{'with' if body.shape()[3] else 'without'} CFG; served: {self.served()}",
-            )
-        request = body.model_dump()
-        if request["seed"] is None:
-            request["seed"] = secrets.randbelow(2**31)
-        try:
-            job = self.store.add(Group(build, body.settings()), request, self.max_queue)
-        except QueueFull as e:
-            raise ApiError(429, "queue_full", str(e)) from None
-        self.wake.set()
-        return job
-
-    def video_object(self, job: Job) -> dict[str, Any]:
-        """The job as the API's video object, at its build's frame rate; a job of a build this
-        start does not load (an earlier start's) is timed at Wan 2.1's rate, VAEKindConfig's."""
-        pipe = self.pipelines.get(job.group.build) if job.group else None
-        return video_object(job, pipe.config.fps if pipe else VAEKindConfig.fps)
-
-    def runnable(self) -> list[Waiting]:
-        """The queued jobs as the scheduler sees them. A job this start cannot run fails instead
-        of waiting forever: one of a build not loaded (queued by an earlier start), or one whose
-        stored group does not read."""
-        waiting = []
-        for job in self.store.queued():
-            if job.group is None:
-                self.store.fail(
-                    [job.id],
-                    "unreadable_job",
-                    "its stored batch group does not read: submit the video again",
-                )
-            elif job.group.build not in self.pipelines:
-                self.store.fail(
-                    [job.id], "unsupported_shape", f"build {job.group.build} is not served"
-                )
-            else:
-                waiting.append(Waiting(job.id, job.group, job.created_at))
-        return waiting
-
-    def run(self) -> None:
-        """The worker loop: the next batch (runtime.batching.next_batch), until the drain. A job
-        store that fails is retried, never the end of the loop."""
-        while True:
-            self._stored(self.store.check)  # idle too: /healthz says when another holds its lock
-            batch, wait = next_batch(
-                self._stored(self.runnable),
-                lambda g: self.pipelines[g.build].key.batch,
-                time.time(),
-                self.batch_window,
-            )
-            with self._lock:
-                if self.draining:
-                    return
-                if batch:
-                    self.idle.clear()
-            if not batch:
-                self.wake.wait(min(wait, IDLE_POLL_S))
-                self.wake.clear()
-                continue
-            try:
-                self._run_batch([w.id for w in batch], batch[0].group)
-            finally:
-                self.idle.set()
-
-    def drain(self) -> None:
-        """Stop taking requests and batches; the batch in flight goes on (`idle` when done)."""
-        with self._lock:
-            self.draining = True
-        self.wake.set()
-
-    def _stored(self, call: Callable[[], T]) -> T:
-        """`call`, a job-store operation the worker cannot skip, once the store takes it:
-        retried with backoff while it fails, the server unhealthy meanwhile."""
-        delay = RETRY_FIRST_S
-        while True:
-            try:
-                result = call()
-            except StoreError as e:
-                self.store_problem = str(e)
-            else:
-                self.store_problem = None
-                return result
-            time.sleep(delay)
-            delay = min(2 * delay, RETRY_MAX_S)
-
-    def _progress(self, ids: list[str], percent: int) -> None:
-        """Progress is kept where the store takes it: while it fails, tried every RETRY_MAX_S
-        (not each step: a lock wait would slow the batch down)."""
-        if self.store_problem and time.monotonic() < self._progress_due:
-            return
-        try:
-            self.store.progress(ids, percent)
-        except StoreError as e:
-            self.store_problem = str(e)
-            self._progress_due = time.monotonic() + RETRY_MAX_S
-        else:
-            self.store_problem = None
-
-    def _run_batch(self, ids: list[str], group: Group) -> None:
-        pipe = self.pipelines[group.build]
-        started = self._stored(functools.partial(self.store.start, ids))  # not cancelled since
-        damaged = [j.id for j in started if j.request is None]
-        if damaged:
-            why = "its stored request does not read: submit the video again"
-            self._stored(functools.partial(self.store.fail, damaged, "unreadable_job", why))
-        jobs = [j for j in started if j.request is not None]
-        if not jobs:
-            return
-        ids = [j.id for j in jobs]
-        videos = [Video(j.request["prompt"], j.request["negative_prompt"], j.request["seed"])
-                  for j in jobs]  # fmt: skip
-
-        def on_step(done: int, total: int) -> None:
-            self._progress(ids, 100 * done // total)
-
-        try:
-            frames, report = generate_batch(pipe, videos, group.settings, on_step, self.cache)
-        except Exception as e:  # any failure fails this batch's videos, not the server
-            why = str(e) or type(e).__name__
-            self._stored(functools.partial(self.store.fail, ids, "generation_failed", why))
-            self.metrics.failed += len(ids)
-            return
-        m = self.metrics
-        m.batches += 1
-        m.slots_filled, m.slots = m.slots_filled + len(ids), m.slots + pipe.key.batch
-        m.step_seconds, m.steps = m.step_seconds + report.seconds_denoising, m.steps + report.steps
-        for job_id, video in zip(ids, frames, strict=True):
-            paths = [self.store.video_path(job_id)]
-            npy = {self.store.frames_path(job_id): functools.partial(write_npy, array=video)}
-            try:
-                write_videos([video], paths, pipe.config.fps, npy if self.save_frames else None)
-            except OSError as e:  # a WriteError naming the file
-                self._stored(functools.partial(self.store.fail, [job_id], "write_failed", str(e)))
-                m.failed += 1
-                continue
-            self._stored(functools.partial(self.store.complete, job_id))
-            m.completed += 1
-
-    def metrics_text(self) -> str:
-        """The metrics in Prometheus' text format."""
-        m, counts = self.metrics, self.store.counts()
-        rows = [
-            ("queue_depth", "gauge", "Videos queued, not started.", counts["queued"]),
-            ("videos_in_progress", "gauge", "Videos in the batch in flight.", counts["in_progress"]),
-            ("videos_completed_total", "counter", "Videos completed.", m.completed),
-            ("videos_failed_total", "counter", "Videos failed.", m.failed),
-            ("batches_total", "counter", "Batches run.", m.batches),
-            ("batch_fill_ratio", "gauge", "Videos per batch slot, all batches.",
-             m.slots_filled / m.slots if m.slots else 0.0),
-            ("seconds_per_step", "gauge", "Mean seconds per denoising step.",
-             m.step_seconds / m.steps if m.steps else 0.0),
-            ("compile_count", "counter", "Compilations since the builds loaded.",
-             self.compile_count()),
-        ]  # fmt: skip
-        lines = []
-        for name, kind, help_text, value in rows:
-            lines += [f"# HELP wan_{name} {help_text}", f"# TYPE wan_{name} {kind}"]
-            lines.append(
-                f"wan_{name} {value:g}" if isinstance(value, float) else f"wan_{name} {value}"
-            )
-        return "\n".join(lines) + "\n"
-
-
-def video_object(job: Job, fps: int) -> dict[str, Any]:
-    """A job as the API's video object (`fps`: its model's frame rate); a request that does
-    not read (the row damaged while serving) shows as nulls."""
-    r = job.request or dict.fromkeys(REQUEST_FIELDS)
-    return {
-        "id": job.id,
-        "object": "video",
-        "model": job.group.build if job.group else None,
-        "status": job.status,
-        "progress": job.progress,
-        "created_at": int(job.created_at),
-        "completed_at": None if job.completed_at is None else int(job.completed_at),
-        "size": r["size"],
-        "frames": r["frames"],
-        "seconds": None if r["frames"] is None else f"{r['frames'] / fps:g}",
-        "prompt": r["prompt"],
-        "seed": r["seed"],
-        "steps": r["steps"],
-        "error": job.error,
-    }
-
-
-def _error(
-    status: int, code: str, message: str, headers: dict[str, str] | None = None
-) -> JSONResponse:
-    body = ErrorBody(error=_ErrorDetail(code=code, message=message))
-    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
-
-
-def _validation_message(e: RequestValidationError) -> str:
-    """Pydantic's errors as one line: field: problem; ..."""
-    parts = []
-    for err in e.errors():
-        where = ".".join(str(p) for p in err["loc"] if p != "body") or "body"
-        parts.append(f"{where}: {err['msg']}")
-    return "; ".join(parts)
 
 
 def _responses(*statuses: int, ok: dict[str, Any] | None = None) -> dict[int | str, Any]:
@@ -412,31 +65,33 @@ def _responses(*statuses: int, ok: dict[str, Any] | None = None) -> dict[int | s
 
 
 # Longer than most: the API's routes, read top to bottom as the API.
-def make_app(service: Service, limits: HttpLimits) -> FastAPI:
+def make_app(service: Service, limits: HttpLimits, keys: tuple[str, ...] = ()) -> FastAPI:
+    """The app; with `keys`, every /v1/ route takes `Authorization: Bearer KEY` of one of them."""
     app = FastAPI(title="wan-aot runtime serve")
     store = service.store
 
     @app.exception_handler(ApiError)
     def _api_error(request: Request, e: ApiError) -> JSONResponse:
-        return _error(e.status, e.code, e.message)
+        return error_response(e.status, e.code, e.message, param=e.param)
 
     @app.exception_handler(RequestValidationError)
     def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
-        return _error(400, "invalid_request", _validation_message(e))
+        message, param = validation_message(list(e.errors()))
+        return error_response(400, "invalid_request", message, param=param)
 
     @app.exception_handler(HTTPException)
     def _http(request: Request, e: HTTPException) -> JSONResponse:
         if e.status_code == 405:  # Allow: every route's methods at this path, not the first's
             allowed = ", ".join(sorted(_methods_at(app, request.scope)))
             message = f"{request.method} is not served at {request.url.path}: use {allowed}"
-            return _error(405, "method_not_allowed", message, {"Allow": allowed})
+            return error_response(405, "method_not_allowed", message, {"Allow": allowed})
         code = "not_found" if e.status_code == 404 else "http_error"
-        return _error(e.status_code, code, e.detail, e.headers)
+        return error_response(e.status_code, code, e.detail, e.headers)
 
     @app.exception_handler(StoreError)
     def _store_error(request: Request, e: StoreError) -> JSONResponse:
         service.store_problem = str(e)
-        return _error(503, "store_unavailable", f"{e}; retry later")
+        return error_response(503, "store_unavailable", f"{e}; retry later")
 
     def get(path: str, **kwargs: Any) -> Callable[[Callable[..., T]], Callable[..., T]]:
         """A GET route, and HEAD at the same path (the same answer without its body)."""
@@ -447,75 +102,90 @@ def make_app(service: Service, limits: HttpLimits) -> FastAPI:
 
         return register
 
-    def found(video_id: str) -> Job:
+    def found(video_id: str, param: str | None = None) -> Job:
         job = store.get(video_id)
         if job is None:
-            raise ApiError(404, "not_found", f"no video {video_id}")
+            raise ApiError(404, "not_found", f"no video {video_id}", param)
         return job
 
     @app.post("/v1/videos", status_code=202, responses=_responses(400, 429, 503))
-    def create(body: VideoRequest) -> dict[str, Any]:
-        for name in ("prompt", "negative_prompt"):
-            if len(getattr(body, name)) > limits.max_prompt_chars:
-                raise ApiError(
-                    400,
-                    "invalid_request",
-                    f"{name}: {len(getattr(body, name))} characters, over the server's "
-                    f"{limits.max_prompt_chars} (--max-prompt-chars): shorten it",
-                )
-        return service.video_object(service.submit(body))
+    async def create(request: Request) -> dict[str, Any]:
+        """A video to make, as JSON or multipart/form-data (the SDK's): queued, answered at
+        once; its `status` and `progress` say the rest."""
+        body = await read_video_request(request, limits.max_prompt_chars)
+        return service.video_object(await run_in_threadpool(service.submit, body))
 
-    @get("/v1/videos", responses=_responses(400, 503))
+    @get("/v1/videos", responses=_responses(400, 404, 503))
     def list_videos(
-        limit: Annotated[int, Query(ge=1, le=1000)] = 100, after: str | None = None
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+        after: str | None = None,
+        order: Literal["asc", "desc"] = "desc",
     ) -> dict[str, Any]:
-        """Newest first; a page holds at most `limit` videos and about a MiB of them."""
-        jobs, more = store.page(limit, after)
-        data = [service.video_object(j) for j in jobs]
-        return {"object": "list", "data": data, "has_more": more}
+        """Newest first (`order=asc`: oldest first), after the video `after`; a page holds at
+        most `limit` videos and about a MiB of them, `has_more` says whether more follow."""
+        if after is not None:
+            found(after, "after")
+        jobs, more = store.page(limit, after, ascending=order == "asc")
+        return list_page([service.video_object(j) for j in jobs], more)
 
     @get("/v1/videos/{video_id}", responses=_responses(404, 503))
     def get_video(video_id: str) -> dict[str, Any]:
         return service.video_object(found(video_id))
 
     binary = {"schema": {"type": "string", "format": "binary"}}
-    files = {"content": {"video/mp4": binary, "application/octet-stream": binary}}
+    files = {"content": {media: binary for media in MEDIA_TYPES.values()}}
 
     @get(
         "/v1/videos/{video_id}/content",
         response_class=FileResponse,
         responses=_responses(400, 404, 409, 410, 503, ok=files),
     )
-    def content(video_id: str, variant: Literal["video", "frames"] = "video") -> FileResponse:
-        """The MP4, or (`variant=frames`, a server run with --save-frames) the uint8 frames
+    def content(
+        video_id: str, variant: Literal["video", "thumbnail", "spritesheet", "frames"] = "video"
+    ) -> FileResponse:
+        """The MP4; its first frame (`variant=thumbnail`, WebP); a grid of its frames
+        (`spritesheet`, JPEG); or (`frames`, a server run with --save-frames) the uint8 frames
         (F, H, W, 3) as .npy."""
         job = found(video_id)
         if job.status != "completed":
             raise ApiError(409, "not_ready", f"video {video_id} is {job.status}, not completed")
-        if variant == "frames" and not store.frames_path(job.id).exists():
-            raise ApiError(404, "not_found", "no frames kept: start the server with --save-frames")
-        path = store.video_path(job.id) if variant == "video" else store.frames_path(job.id)
-        if not path.is_file():
+        video, path = store.video_path(job.id), store.content_path(job.id, variant)
+        if not video.is_file():
             raise ApiError(
-                410, "gone", f"{path.name} is no longer in {store.videos}: submit the video again"
+                410, "gone", f"{video.name} is no longer in {store.videos}: submit the video again"
             )
-        media = "video/mp4" if variant == "video" else "application/octet-stream"
-        return FileResponse(path, media_type=media)
+        if not path.is_file():
+            why = "start the server with --save-frames" if variant == "frames" else (
+                "it was made before this server wrote them")  # fmt: skip
+            raise ApiError(404, "not_found", f"no {variant} kept of video {video_id}: {why}")
+        return FileResponse(path, media_type=MEDIA_TYPES[variant])
 
     @app.delete("/v1/videos/{video_id}", responses=_responses(404, 409, 503))
     def delete(video_id: str) -> dict[str, Any]:
+        """A queued video is cancelled; a completed or failed one deleted with its files."""
         job = found(video_id)
-        if not store.delete_queued(video_id):
+        if not store.delete(video_id):
             raise ApiError(
-                409,
-                "not_queued",
-                f"video {video_id} is {job.status}: only a queued one is cancelled",
+                409, "in_progress", f"video {video_id} is {job.status}: wait until it finishes"
             )
         return {"id": video_id, "object": "video.deleted", "deleted": True}
 
+    @get("/v1/models", responses=_responses(503))
+    def models() -> dict[str, Any]:
+        """The served models (the `model` of POST /v1/videos)."""
+        data = [model_object(m, service.started) for m in service.models()]
+        return {"object": "list", "data": data}
+
+    @get("/v1/models/{model}", responses=_responses(404, 503))
+    def get_model(model: str) -> dict[str, Any]:
+        if model not in service.models():
+            raise ApiError(404, "model_not_found", f"model {model} is not served")
+        return model_object(model, service.started)
+
     @get("/healthz", responses=_responses(503))
     def healthz() -> dict[str, Any]:
-        """200 while serving; 503 while draining or while the job store is unusable."""
+        """200 while serving; 503 while draining or while the job store is unusable. Open
+        without a key, for probes."""
         if service.draining:
             raise ApiError(503, "shutting_down", "the server is shutting down")
         if service.store_problem:
@@ -526,17 +196,18 @@ def make_app(service: Service, limits: HttpLimits) -> FastAPI:
 
     @get("/metrics", response_class=PlainTextResponse, responses=_responses(503, ok=text))
     def metrics() -> PlainTextResponse:
-        """Prometheus' text format."""
+        """Prometheus' text format. Open without a key, for scrapers."""
         return PlainTextResponse(service.metrics_text(), media_type="text/plain; version=0.0.4")
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            _document(FastAPI.openapi(app), service, limits)
+            _document(FastAPI.openapi(app), service, limits, bool(keys))
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
-    app.add_middleware(_BoundedBody, limit=limits.max_body_bytes, timeout=limits.body_timeout)
-    app.add_middleware(_JsonErrors)  # the outermost: whatever raises below
+    app.add_middleware(BoundedBody, limit=limits.max_body_bytes, timeout=limits.body_timeout)
+    app.add_middleware(ApiKeys, keys=keys)  # outside the body's read: no key, nothing read
+    app.add_middleware(JsonErrors)  # the outermost: whatever raises below
     return app
 
 
@@ -550,138 +221,56 @@ def _methods_at(app: FastAPI, scope: Scope) -> set[str]:
     }
 
 
-def _document(schema: dict[str, Any], service: Service, limits: HttpLimits) -> None:
+def _document(schema: dict[str, Any], service: Service, limits: HttpLimits, keyed: bool) -> None:
     """What FastAPI's schema leaves out of what the server does: no 422 (a request that does
-    not validate is 400, documented per operation), the prompts' limit, and the shapes the loaded
-    builds make (a size, frames and CFG no build makes is 400)."""
-    for operations in schema["paths"].values():
-        for operation in operations.values():
-            operation["responses"].pop("422", None)
+    not validate is 400, documented per operation), POST /v1/videos' body as JSON and as a form
+    (read by hand: runtime.openai_dialect.read_video_request), the prompts' limit, the models,
+    sizes, lengths and guidance the loaded builds serve, and with `keyed` the key every /v1/
+    operation takes (401 without it)."""
     components = schema["components"]["schemas"]
     for name in ("HTTPValidationError", "ValidationError"):
         components.pop(name, None)
+    request = VideoRequest.model_json_schema(ref_template="#/components/schemas/{model}")
     for name in ("prompt", "negative_prompt"):
-        components["VideoRequest"]["properties"][name]["maxLength"] = limits.max_prompt_chars
+        request["properties"][name]["maxLength"] = limits.max_prompt_chars
+    components["VideoRequest"], components["VideoRequestForm"] = request, form_schema(request)
+    several = len(service.models()) > 1
     routes = []
-    for width, height, frames, cfg in sorted(service.shapes):
+    for build in sorted(service.builds.values(), key=lambda b: b.route):
+        width, height, frames, cfg = build.route
         guidance = {"exclusiveMinimum": CFG_ABOVE} if cfg else {"maximum": CFG_ABOVE}
-        properties = {"size": {"const": f"{width}x{height}"}, "frames": {"const": frames},
-                      "guidance": guidance}  # fmt: skip
-        routes.append({"properties": properties} | ({} if cfg else {"required": ["guidance"]}))
-    body = schema["paths"]["/v1/videos"]["post"]["requestBody"]["content"]["application/json"]
-    body["schema"] = {"allOf": [body["schema"], {"anyOf": routes}]}
-
-
-class _BoundedBody:
-    """ASGI middleware: a request's body is read whole before the app sees it, at most `limit`
-    bytes (413; a larger Content-Length is refused before a byte is read) within `timeout`
-    seconds (408). Either answer closes the connection, whose unread body is dropped."""
-
-    def __init__(self, app: ASGIApp, limit: int, timeout: float):
-        self.app, self.limit, self.timeout = app, limit, timeout
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        close = {"Connection": "close"}
-        too_large = _error(
-            413,
-            "body_too_large",
-            f"the request body is over {self.limit} bytes (--max-body-bytes)",
-            close,
-        )
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and int(declared) > self.limit:  # h11 checked its digits
-            await too_large(scope, receive, send)
-            return
-        body = bytearray()
-        try:
-            async with asyncio.timeout(self.timeout):
-                more = True
-                while more:
-                    message = await receive()
-                    if message["type"] == "http.disconnect":
-                        return
-                    body += message.get("body", b"")
-                    more = message.get("more_body", False)
-                    if len(body) > self.limit:
-                        await too_large(scope, receive, send)
-                        return
-        except TimeoutError:
-            message = f"the request body did not arrive within {self.timeout:g} s (--body-timeout)"
-            await _error(408, "body_timeout", message, close)(scope, receive, send)
-            return
-        whole: list[Message] = [{"type": "http.request", "body": bytes(body), "more_body": False}]
-
-        async def replay() -> Message:
-            return whole.pop() if whole else await receive()
-
-        await self.app(scope, replay, send)
-
-
-class _JsonErrors:
-    """ASGI middleware: an exception nothing else answered (a bug) is a JSON 500 and one line in
-    the log, never a traceback."""
-
-    def __init__(self, app: ASGIApp):
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        started = False
-
-        async def sending(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, receive, sending)
-        except Exception as e:
-            what = f"{type(e).__name__}: {e}"
-            where = f"{scope.get('method', '')} {scope.get('path', '')}"
-            logging.getLogger("uvicorn.error").error("internal error in %s: %s", where, what)
-            if not started and scope["type"] == "http":
-                await _error(500, "internal_error", what)(scope, receive, send)
-
-
-class _HeaderDeadline(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol with a deadline on a request's head: a connection that has
-    not sent one whole within `header_timeout` seconds of opening, or of its last answer, is
-    closed (uvicorn alone waits forever; the body's deadline is _BoundedBody's)."""
-
-    def __init__(self, *args: Any, header_timeout: float, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.header_timeout = header_timeout
-        self._deadline: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._watch()
-
-    def data_received(self, data: bytes) -> None:
-        super().data_received(data)
-        self._watch()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        self._watch()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._stop()
-        super().connection_lost(exc)
-
-    def _watch(self) -> None:
-        """A deadline runs while the next request's head is awaited (h11: they are IDLE)."""
-        if self.conn.their_state is not h11.IDLE:
-            self._stop()
-        elif self._deadline is None:
-            self._deadline = self.loop.call_later(self.header_timeout, self.transport.close)
-
-    def _stop(self) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-            self._deadline = None
+        seconds = seconds_text(frames, build.fps)
+        lengths = {"frames": [frames], "seconds": [seconds, float(seconds)]}
+        properties = {"size": {"const": f"{width}x{height}"}, "guidance": guidance,
+                      "model": {"const": build.model}}  # fmt: skip
+        properties |= {name: {"enum": [*values, None]} for name, values in lengths.items()}
+        required = ([] if cfg else ["guidance"]) + (["model"] if several else [])
+        # Either length given (not null); both given, they agree.
+        length = [{"required": [name], "properties": {name: {"enum": values}}}
+                  for name, values in lengths.items()]  # fmt: skip
+        routes.append({"properties": properties, "required": required, "anyOf": length})
+    schema["paths"]["/v1/videos"]["post"]["requestBody"] = {
+        "required": True,
+        "content": {
+            media: {
+                "schema": {"allOf": [{"$ref": f"#/components/schemas/{name}"}, {"anyOf": routes}]}
+            }  # fmt: skip
+            for media, name in (
+                ("application/json", "VideoRequest"),
+                ("multipart/form-data", "VideoRequestForm"),
+            )  # fmt: skip
+        },
+    }
+    unauthorized = {"description": ERRORS[401], "content": {"application/json": {
+        "schema": {"$ref": "#/components/schemas/ErrorBody"}}}}  # fmt: skip
+    if keyed:
+        schema["components"]["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
+    for path, operations in schema["paths"].items():
+        for operation in operations.values():
+            operation["responses"].pop("422", None)
+            if keyed and path.startswith("/v1/"):
+                operation["responses"]["401"] = unauthorized
+                operation["security"] = [{"apiKey": []}]
 
 
 class _DrainingServer(uvicorn.Server):
@@ -724,20 +313,25 @@ def serve(
     drain_timeout: float,
     limits: HttpLimits,
     log: Callable[[str], None],
+    keys: tuple[str, ...] = (),
 ) -> None:
-    """Serve until SIGTERM (drained) or SIGINT; the jobs of an unfinished batch stay queued."""
+    """Serve until SIGTERM (drained) or SIGINT; the jobs of an unfinished batch stay queued.
+    With `keys`, /v1/ takes one of them; without, the start says the server is open."""
     worker = threading.Thread(target=service.run, name="generation", daemon=True)
     worker.start()
     config = uvicorn.Config(
-        make_app(service, limits),
+        make_app(service, limits, keys),
         log_level="warning",
         timeout_graceful_shutdown=5,
         lifespan="off",
-        http=functools.partial(_HeaderDeadline, header_timeout=limits.header_timeout),
+        http=functools.partial(HeaderDeadline, header_timeout=limits.header_timeout),
     )
     server = _DrainingServer(config, service, drain_timeout)
     host, port = sock.getsockname()[:2]
     log(f"serving {len(service.pipelines)} build(s) on http://{host}:{port}: {service.served()}")
+    if not keys:
+        log(f"open: no API key (--api-key-file, ${API_KEYS_ENV}, --api-key): anyone who reaches "
+            f"{host}:{port} can queue videos")  # fmt: skip
     server.run(sockets=[sock])
     service.drain()
     finished = service.idle.wait(0)

@@ -60,16 +60,21 @@ def free_port() -> int:
 class Server:
     """`runtime serve` in a subprocess; `url` once /healthz answers."""
 
-    def __init__(self, artifacts: Path, weights: Path, out_dir: Path, *extra: str):
+    def __init__(
+        self, artifacts: Path, weights: Path, out_dir: Path, *extra: str, env=None, key=None
+    ):
+        """`env`: the server's environment (default: this one's); `key`: the API key `client`
+        sends."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = out_dir.parent / f"serve-{self.port}.log"
         self.proc = subprocess.Popen(
             [str(BIN / "runtime"), "serve", "--artifacts", str(artifacts), "--weights",
              str(weights), "--port", str(self.port), "--out-dir", str(out_dir), *extra],
-            stdout=subprocess.DEVNULL, stderr=self.log.open("w"),
+            stdout=subprocess.DEVNULL, stderr=self.log.open("w"), env=env,
         )  # fmt: skip
-        self.client = httpx.Client(base_url=self.url, timeout=30)
+        auth = {"Authorization": f"Bearer {key}"} if key else {}
+        self.client = httpx.Client(base_url=self.url, timeout=30, headers=auth)
         deadline = time.monotonic() + 180
         while True:
             assert self.proc.poll() is None, self.log.read_text()
@@ -142,7 +147,7 @@ def test_concurrent_requests_share_batches_and_equal_runtime_run(
         created = [a.json() for a in answers]
         assert all(v["status"] == "queued" and v["progress"] == 0 for v in created)
         assert all(v["object"] == "video" and v["size"] == "64x96" for v in created)
-        assert all("_b2_" in v["model"] for v in created)
+        assert all("_b2_" in v["build"] and v["model"] == "tiny" for v in created)
         # Only the build that serves the shape is loaded, not the batch-1 one beside it.
         [served] = server.client.get("/healthz").json()["builds"]
         assert "_b2_" in served
@@ -161,7 +166,7 @@ def test_concurrent_requests_share_batches_and_equal_runtime_run(
         for body in bad:
             answer = server.post(body)
             assert answer.status_code == 400, (body, answer.text)
-            assert set(answer.json()["error"]) == {"code", "message"}, answer.text
+            assert set(answer.json()["error"]) == {"message", "type", "param", "code"}, answer.text
         unserved = server.post({**request(0), "frames": 6}).json()["error"]["message"]
         assert "64x96 frames=5" in unserved
         not_json = server.client.post(
@@ -345,7 +350,7 @@ class FakePipeline:
     """What generate_batch calls, recording its arguments: video i's frames hold its seed."""
 
     def __init__(self, batch: int, fail: bool = False):
-        self.key = type("Key", (), {"batch": batch})()
+        self.key = type("Key", (), {"batch": batch, "model": "tiny"})()
         self.config = type("Config", (), {"fps": 16})()
         self.fail, self.calls = fail, []
 
@@ -397,11 +402,15 @@ def test_job_store_recovers_and_bounds_the_queue(tmp_path):
     assert store.get(jobs[0].id).status == "completed"
     assert {j.group for j in store.page()[0]} == {group}  # read back as written
     assert not list(store.videos.iterdir())
-    assert store.delete_queued(jobs[2].id) and not store.delete_queued(jobs[0].id)
+    store.start([jobs[1].id])
+    assert store.delete(jobs[2].id) and not store.delete(jobs[1].id)  # queued; in progress
+    (store.video_path(jobs[0].id)).write_bytes(b"mp4")
+    assert store.delete(jobs[0].id) and not store.video_path(jobs[0].id).exists()  # completed
+    assert [j.id for j in store.page()[0]] == [jobs[1].id]
 
 
 def test_failed_batch_fails_its_videos_and_serving_goes_on(tmp_path):
-    from runtime.server import Service
+    from runtime.service import Service
 
     store = JobStore(tmp_path)
     pipelines = {"bad": FakePipeline(2, fail=True), "good": FakePipeline(2)}
@@ -426,7 +435,7 @@ def test_failed_batch_fails_its_videos_and_serving_goes_on(tmp_path):
 def test_a_stored_group_that_does_not_read_fails_its_job_only(tmp_path, stored):
     """A damaged row in the job database: the server starts, lists it, fails it with a reason
     and runs the others; a job of a build not loaded fails too."""
-    from runtime.server import Service
+    from runtime.service import Service
 
     store = JobStore(tmp_path)
     request = stored_request(1)
@@ -440,7 +449,7 @@ def test_a_stored_group_that_does_not_read_fails_its_job_only(tmp_path, stored):
     pipe = FakePipeline(1)
     pipe.key.width, pipe.key.height, pipe.key.frames, pipe.key.cfg = 64, 96, 5, True
     service = Service({"good": pipe}, store, max_queue=8, batch_window=0.0, compile_count=lambda: 0)
-    assert [service.video_object(j)["model"] for j in store.page()[0]] == ["gone", "good", None]
+    assert [service.video_object(j)["build"] for j in store.page()[0]] == ["gone", "good", None]
     _run_until_completed(service, store, good.id)
     assert store.get(damaged.id).error == {
         "code": "unreadable_job",
@@ -458,7 +467,7 @@ def test_the_samplers_are_listed_once():
     import pydantic
 
     from runtime.cli import run_cmd
-    from runtime.server import VideoRequest
+    from runtime.openai_dialect import VideoRequest
     from wan.configs import SAMPLERS, SchedulerConfig
 
     body = {"prompt": "p", "size": "64x96", "frames": 5}

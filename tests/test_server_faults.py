@@ -252,7 +252,7 @@ def test_a_request_damaged_while_serving_fails_its_job_only(tmp_path):
     """A row edited into `{` after the start: its job fails with a reason and lists with nulls;
     the worker runs the others."""
     from runtime.job_store import JobStore
-    from runtime.server import Service
+    from runtime.service import Service
 
     store = JobStore(tmp_path)
     pipe = FakePipeline(1)

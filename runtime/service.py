@@ -1,0 +1,267 @@
+"""`runtime serve`'s worker: the loaded pipelines, the job store, and the one thread that takes
+the next batch from the store, runs it through the same `Pipeline` as `runtime run`
+(runtime.batching.generate_batch) and writes each video with its previews before marking it
+completed. A job store that fails is retried, never the end of the loop. No HTTP here
+(runtime.server)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from runtime.batching import Group, Video, Waiting, generate_batch, next_batch
+from runtime.job_store import Job, JobStore, QueueFull, StoreError
+from runtime.loader import route, serving_routes
+from runtime.openai_dialect import (
+    ApiError,
+    ServedBuild,
+    VideoRequest,
+    describe_builds,
+    resolve,
+    video_object,
+)
+from runtime.outputs import previews, write_npy, write_videos
+from wan.configs import VAEKindConfig
+
+if TYPE_CHECKING:  # jax: imported by runtime.cli_serve once the port is bound
+    from runtime.pipeline import Pipeline
+    from runtime.step_cache import CacheRequest
+
+IDLE_POLL_S = 1.0  # the worker looks at the queue at least this often
+RETRY_FIRST_S, RETRY_MAX_S = 0.1, 2.0  # the worker's backoff while the job store fails
+T = TypeVar("T")
+
+
+@dataclasses.dataclass
+class Metrics:
+    """What /metrics exports, counted since this process started."""
+
+    completed: int = 0
+    failed: int = 0
+    batches: int = 0
+    slots_filled: int = 0
+    slots: int = 0
+    step_seconds: float = 0.0
+    steps: int = 0
+
+
+class Service:
+    """The loaded pipelines, the job store and the worker that runs their batches."""
+
+    def __init__(
+        self,
+        pipelines: dict[str, Pipeline],
+        store: JobStore,
+        max_queue: int,
+        batch_window: float,
+        compile_count: Callable[[], int],
+        save_frames: bool = False,
+        cache: CacheRequest | None = None,
+    ):
+        """`cache`: the step caching every batch runs with."""
+        self.pipelines, self.store, self.save_frames = pipelines, store, save_frames
+        self.cache = cache
+        self.max_queue, self.batch_window, self.compile_count = (
+            max_queue,
+            batch_window,
+            compile_count,
+        )
+        self.metrics = Metrics()
+        self.wake = threading.Event()  # a request arrived, or the drain began
+        self.idle = threading.Event()  # no batch in flight
+        self.idle.set()
+        self.draining = False
+        # Why the job store is unusable, while it is (the last attempt failed): /healthz 503.
+        self.store_problem: str | None = None
+        self._progress_due = 0.0  # while the store fails, progress is tried again from then
+        self._lock = threading.Lock()  # draining vs. the start of a batch
+        # The rule runtime.cli_serve loaded the builds by, which gives each route one build.
+        self.shapes = serving_routes({name: pipe.key for name, pipe in pipelines.items()})
+        self.builds = {
+            name: ServedBuild(name, p.key.model, p.config.fps, route(p.key), p.key.batch)
+            for name, p in pipelines.items()
+        }
+        self.started = int(time.time())  # the served models' `created`
+
+    def served(self) -> str:
+        return describe_builds(self.builds.values())
+
+    def models(self) -> list[str]:
+        """The served models (the builds' BuildKey.model), the API's `model`."""
+        return sorted({b.model for b in self.builds.values()})
+
+    def submit(self, body: VideoRequest) -> Job:
+        """A new queued job for `body`, placed on the build that serves it."""
+        if self.draining:
+            raise ApiError(503, "shutting_down", "the server is shutting down: retry later")
+        if self.store_problem:  # answered now, not after a lock wait: the worker retries it
+            raise ApiError(503, "store_unavailable", f"{self.store_problem}; retry later")
+        placed = resolve(body, self.builds, self.shapes)
+        request = body.model_dump(exclude={"seconds"})
+        request |= {"model": placed.model, "frames": placed.frames}
+        if request["seed"] is None:
+            request["seed"] = secrets.randbelow(2**31)
+        group = Group(placed.build, body.settings())
+        try:
+            job = self.store.add(group, request, self.max_queue)
+        except QueueFull as e:
+            raise ApiError(429, "queue_full", str(e)) from None
+        self.wake.set()
+        return job
+
+    def video_object(self, job: Job) -> dict[str, Any]:
+        """The job as the API's video object, at its build's frame rate; a job of a build this
+        start does not load (an earlier start's) is timed at Wan 2.1's rate, VAEKindConfig's."""
+        build = self.builds.get(job.group.build) if job.group else None
+        return video_object(job, build.fps if build else VAEKindConfig.fps,
+                            build.model if build else None)  # fmt: skip
+
+    def runnable(self) -> list[Waiting]:
+        """The queued jobs as the scheduler sees them. A job this start cannot run fails instead
+        of waiting forever: one of a build not loaded (queued by an earlier start), or one whose
+        stored group does not read."""
+        waiting = []
+        for job in self.store.queued():
+            if job.group is None:
+                self.store.fail(
+                    [job.id],
+                    "unreadable_job",
+                    "its stored batch group does not read: submit the video again",
+                )
+            elif job.group.build not in self.pipelines:
+                self.store.fail(
+                    [job.id], "unsupported_shape", f"build {job.group.build} is not served"
+                )
+            else:
+                waiting.append(Waiting(job.id, job.group, job.created_at))
+        return waiting
+
+    def run(self) -> None:
+        """The worker loop: the next batch (runtime.batching.next_batch), until the drain. A job
+        store that fails is retried, never the end of the loop."""
+        while True:
+            self._stored(self.store.check)  # idle too: /healthz says when another holds its lock
+            batch, wait = next_batch(
+                self._stored(self.runnable),
+                lambda g: self.pipelines[g.build].key.batch,
+                time.time(),
+                self.batch_window,
+            )
+            with self._lock:
+                if self.draining:
+                    return
+                if batch:
+                    self.idle.clear()
+            if not batch:
+                self.wake.wait(min(wait, IDLE_POLL_S))
+                self.wake.clear()
+                continue
+            try:
+                self._run_batch([w.id for w in batch], batch[0].group)
+            finally:
+                self.idle.set()
+
+    def drain(self) -> None:
+        """Stop taking requests and batches; the batch in flight goes on (`idle` when done)."""
+        with self._lock:
+            self.draining = True
+        self.wake.set()
+
+    def _stored(self, call: Callable[[], T]) -> T:
+        """`call`, a job-store operation the worker cannot skip, once the store takes it:
+        retried with backoff while it fails, the server unhealthy meanwhile."""
+        delay = RETRY_FIRST_S
+        while True:
+            try:
+                result = call()
+            except StoreError as e:
+                self.store_problem = str(e)
+            else:
+                self.store_problem = None
+                return result
+            time.sleep(delay)
+            delay = min(2 * delay, RETRY_MAX_S)
+
+    def _progress(self, ids: list[str], percent: int) -> None:
+        """Progress is kept where the store takes it: while it fails, tried every RETRY_MAX_S
+        (not each step: a lock wait would slow the batch down)."""
+        if self.store_problem and time.monotonic() < self._progress_due:
+            return
+        try:
+            self.store.progress(ids, percent)
+        except StoreError as e:
+            self.store_problem = str(e)
+            self._progress_due = time.monotonic() + RETRY_MAX_S
+        else:
+            self.store_problem = None
+
+    def _run_batch(self, ids: list[str], group: Group) -> None:
+        pipe = self.pipelines[group.build]
+        started = self._stored(functools.partial(self.store.start, ids))  # not cancelled since
+        damaged = [j.id for j in started if j.request is None]
+        if damaged:
+            why = "its stored request does not read: submit the video again"
+            self._stored(functools.partial(self.store.fail, damaged, "unreadable_job", why))
+        jobs = [j for j in started if j.request is not None]
+        if not jobs:
+            return
+        ids = [j.id for j in jobs]
+        videos = [Video(j.request["prompt"], j.request["negative_prompt"], j.request["seed"])
+                  for j in jobs]  # fmt: skip
+
+        def on_step(done: int, total: int) -> None:
+            self._progress(ids, 100 * done // total)
+
+        try:
+            frames, report = generate_batch(pipe, videos, group.settings, on_step, self.cache)
+        except Exception as e:  # any failure fails this batch's videos, not the server
+            why = str(e) or type(e).__name__
+            self._stored(functools.partial(self.store.fail, ids, "generation_failed", why))
+            self.metrics.failed += len(ids)
+            return
+        m = self.metrics
+        m.batches += 1
+        m.slots_filled, m.slots = m.slots_filled + len(ids), m.slots + pipe.key.batch
+        m.step_seconds, m.steps = m.step_seconds + report.seconds_denoising, m.steps + report.steps
+        for job_id, video in zip(ids, frames, strict=True):
+            path = functools.partial(self.store.content_path, job_id)
+            extra = previews(video, path("thumbnail"), path("spritesheet"))
+            if self.save_frames:
+                extra[path("frames")] = functools.partial(write_npy, array=video)
+            try:
+                write_videos([video], [path("video")], pipe.config.fps, extra)
+            except OSError as e:  # a WriteError naming the file
+                self._stored(functools.partial(self.store.fail, [job_id], "write_failed", str(e)))
+                m.failed += 1
+                continue
+            self._stored(functools.partial(self.store.complete, job_id))
+            m.completed += 1
+
+    def metrics_text(self) -> str:
+        """The metrics in Prometheus' text format."""
+        m, counts = self.metrics, self.store.counts()
+        rows = [
+            ("queue_depth", "gauge", "Videos queued, not started.", counts["queued"]),
+            ("videos_in_progress", "gauge", "Videos in the batch in flight.", counts["in_progress"]),
+            ("videos_completed_total", "counter", "Videos completed.", m.completed),
+            ("videos_failed_total", "counter", "Videos failed.", m.failed),
+            ("batches_total", "counter", "Batches run.", m.batches),
+            ("batch_fill_ratio", "gauge", "Videos per batch slot, all batches.",
+             m.slots_filled / m.slots if m.slots else 0.0),
+            ("seconds_per_step", "gauge", "Mean seconds per denoising step.",
+             m.step_seconds / m.steps if m.steps else 0.0),
+            ("compile_count", "counter", "Compilations since the builds loaded.",
+             self.compile_count()),
+        ]  # fmt: skip
+        lines = []
+        for name, kind, help_text, value in rows:
+            lines += [f"# HELP wan_{name} {help_text}", f"# TYPE wan_{name} {kind}"]
+            lines.append(
+                f"wan_{name} {value:g}" if isinstance(value, float) else f"wan_{name} {value}"
+            )
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,215 @@
+"""`runtime serve` driven by the official `openai` SDK, unchanged: a real server in its own
+process (the tiny serving builds of tests/test_server.py) with API keys, the SDK's own calls and
+helpers (multipart create, create_and_poll, poll, retrieve, download_content of the MP4 and its
+previews, auto-paging list, delete) and its typed exceptions; one JSON request with curl."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from click.testing import CliRunner
+from PIL import Image
+from test_server import decode, serving, small_builds  # noqa: F401 (small_builds: a fixture)
+
+# The SDK marks its video calls deprecated (the hosted service's end), not their shape.
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+KEY_FILE, KEY_ENV = "file-key-0123456789abcdef", "env-key-0123456789abcdef"
+SECONDS = "0.25"  # the serving builds' 5 frames at the tiny model's 16 fps: 4 / 16 s
+SIZE = "64x96"
+SETTINGS = {"steps": 2, "negative_prompt": "blur"}
+
+
+@pytest.fixture(scope="module")
+def server(small_builds, tiny_weights, tmp_path_factory):  # noqa: F811
+    """One keyed server for the module: a key in --api-key-file, another in $WAN_API_KEYS."""
+    root = tmp_path_factory.mktemp("openai")
+    (root / "keys").write_text(f"# the test's key\n\n{KEY_FILE}\n")
+    env = os.environ | {"WAN_API_KEYS": f" {KEY_ENV}, "}
+    with serving(small_builds, tiny_weights, root / "out", "--batch-window", "0",
+                 "--api-key-file", str(root / "keys"), env=env, key=KEY_FILE) as s:  # fmt: skip
+        yield s
+    assert "Traceback" not in s.log.read_text()
+
+
+def sdk(server, key: str = KEY_FILE) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0)
+
+
+def test_the_sdk_makes_and_fetches_videos(server):
+    """create (multipart) and poll, create_and_poll, retrieve; the MP4 equals the JSON path's
+    for the same request; the thumbnail is its first frame, the spritesheet its frames."""
+    client = sdk(server)
+    created = client.videos.create(
+        prompt="a red cat", model="tiny", size=SIZE, seconds=SECONDS,
+        extra_body={**SETTINGS, "seed": 7, "guidance_2": None},
+    )  # fmt: skip
+    assert (created.object, created.status, created.model) == ("video", "queued", "tiny")
+    assert (created.seconds, created.size, created.progress) == (SECONDS, SIZE, 0)
+    assert created.remixed_from_video_id is None and created.error is None
+    done = client.videos.poll(created.id, poll_interval_ms=100)
+    assert done.status == "completed" and done.progress == 100 and done.completed_at
+    assert client.videos.retrieve(created.id) == done
+    # The same request as JSON with `frames`, the extension, gives the same video.
+    body = {"prompt": "a red cat", "size": SIZE, "frames": 5, "seed": 7, **SETTINGS}
+    as_json = server.post(body).json()
+    assert as_json["seconds"] == SECONDS and as_json["model"] == "tiny"
+    other = client.videos.create_and_poll(
+        prompt="a blue dog", size=SIZE, seconds=SECONDS, poll_interval_ms=100,
+        extra_body={**SETTINGS, "seed": 8},
+    )  # fmt: skip
+    assert other.status == "completed" and other.model == "tiny"
+    json_done = client.videos.poll(as_json["id"], poll_interval_ms=100)
+    assert json_done.status == "completed"
+
+    mp4 = client.videos.download_content(created.id).content
+    (server.log.parent / "sdk.mp4").write_bytes(mp4)
+    frames = decode(server.log.parent / "sdk.mp4")
+    assert frames.shape == (5, 96, 64, 3)
+    assert client.videos.download_content(as_json["id"]).content == mp4
+    assert client.videos.download_content(other.id).content != mp4
+
+    thumbnail = Image.open(io.BytesIO(client.videos.download_content(created.id,
+                                                                     variant="thumbnail").content))  # fmt: skip
+    assert thumbnail.format == "WEBP" and thumbnail.size == (64, 96)
+    # The thumbnail is the first frame (both lossy: H.264's 4:2:0 chroma and WebP, on the tiny
+    # model's noise-like frames: about 7 of 255 on average, against about 48 to another frame).
+    error = np.abs(np.asarray(thumbnail.convert("RGB"), int) - frames.astype(int))
+    assert error[0].mean() < 10 and error[0].mean() < min(e.mean() for e in error[1:]) / 4, [
+        e.mean() for e in error
+    ]
+    sheet = Image.open(io.BytesIO(client.videos.download_content(created.id,
+                                                                 variant="spritesheet").content))  # fmt: skip
+    assert sheet.format == "JPEG" and sheet.size == (3 * 64, 2 * 96)  # 5 frames, 3 a row
+    tiles = np.asarray(sheet, int)
+    for i in range(5):  # each tile is its frame (JPEG: about 10 of 255 off), not another
+        row, column = divmod(i, 3)
+        tile = tiles[row * 96 : (row + 1) * 96, column * 64 : (column + 1) * 64]
+        off = [np.abs(tile - frame.astype(int)).mean() for frame in frames]
+        assert np.argmin(off) == i and off[i] < 20, (i, off)
+
+
+def test_list_pages_and_delete(server):
+    """list auto-pages over every video once, newest or oldest first, with OpenAI's cursor
+    page; delete removes a finished video and its files."""
+    client = sdk(server)
+    ids = [
+        client.videos.create(
+            prompt=f"a fish {i}", size=SIZE, seconds=SECONDS, extra_body={**SETTINGS, "seed": i}
+        ).id  # fmt: skip
+        for i in range(5)
+    ]
+    for video_id in ids:
+        assert client.videos.poll(video_id, poll_interval_ms=100).status == "completed"
+    newest = [v.id for v in client.videos.list(limit=2)]  # 2 a page: the SDK asks for the rest
+    assert len(newest) == len(set(newest)) and newest[:5] == ids[::-1]
+    oldest = [v.id for v in client.videos.list(limit=3, order="asc")]
+    assert oldest == newest[::-1]
+    page = server.client.get("/v1/videos", params={"limit": 2}).json()
+    assert page["object"] == "list" and page["has_more"] is True
+    assert (page["first_id"], page["last_id"]) == (ids[4], ids[3])
+    last = server.client.get("/v1/videos", params={"after": ids[1], "limit": 1000}).json()
+    assert ids[0] in [v["id"] for v in last["data"]] and last["has_more"] is False
+
+    deleted = client.videos.delete(ids[0])
+    assert (deleted.id, deleted.deleted, deleted.object) == (ids[0], True, "video.deleted")
+    with pytest.raises(openai.NotFoundError):
+        client.videos.retrieve(ids[0])
+    with pytest.raises(openai.NotFoundError):
+        client.videos.download_content(ids[0], variant="thumbnail")
+    assert not list((server.log.parent / "out" / "videos").glob(f"{ids[0]}.*"))
+    assert ids[0] not in [v.id for v in client.videos.list()]
+    with pytest.raises(openai.NotFoundError):  # a cursor that is no video
+        client.videos.list(after=ids[0])
+
+
+def test_keys_and_errors(server):
+    """Each key works; a wrong key or none is AuthenticationError on every /v1/ route, while
+    /healthz and /metrics stay open; unserved sizes, lengths and models and a bad form field
+    are BadRequestError naming what is served or the field."""
+    assert [m.id for m in sdk(server, KEY_ENV).models.list()] == ["tiny"]
+    wrong = sdk(server, "wrong-key-0123456789abcdef")
+    with pytest.raises(openai.AuthenticationError) as refused:
+        wrong.videos.create(prompt="x", size=SIZE, seconds=SECONDS)
+    assert refused.value.code == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        wrong.videos.list()
+    with pytest.raises(openai.AuthenticationError):  # no Authorization header at all
+        sdk(server).models.list(extra_headers={"Authorization": openai.Omit()})
+    plain = httpx.Client(base_url=server.url)
+    for path in ("/healthz", "/metrics"):
+        assert plain.get(path).status_code == 200
+    answer = plain.get("/v1/videos")
+    assert answer.status_code == 401 and set(answer.json()["error"]) == {
+        "message", "type", "param", "code"
+    }  # fmt: skip
+
+    client = sdk(server)
+    refusals = {  # what is wrong -> (the param at fault, what the message names)
+        "size": ({"size": "720x1280", "seconds": SECONDS}, "size", "64x96 frames=5"),
+        "seconds": ({"size": SIZE, "seconds": "4"}, "seconds", "served: 0.25 s (5 frames)"),
+        "model": ({"size": SIZE, "seconds": SECONDS, "model": "sora-2"}, "model", "served: tiny"),
+        "a bad number": ({"size": SIZE, "seconds": SECONDS, "extra_body": {"steps": "many"}},
+                         "steps", "steps: 'many' is not a number"),
+        "an unknown field": ({"size": SIZE, "seconds": SECONDS, "extra_body": {"colour": "red"}},
+                             "colour", "colour"),
+        "frames against seconds": ({"size": SIZE, "seconds": SECONDS, "extra_body": {"frames": 9}},
+                                   "frames", "disagree"),
+    }  # fmt: skip
+    for what, (kwargs, param, named) in refusals.items():
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.videos.create(prompt="a cat", **kwargs)
+        assert refused.value.param == param and named in refused.value.message, (what, refused)
+    with pytest.raises(openai.NotFoundError):
+        client.videos.retrieve("video_nope")
+    running = client.videos.create(prompt="slow", size=SIZE, seconds=SECONDS,
+                                   extra_body={"steps": 40})  # fmt: skip
+    with pytest.raises(openai.ConflictError):  # not completed yet
+        client.videos.download_content(running.id)
+    assert client.videos.poll(running.id, poll_interval_ms=100).status == "completed"
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="no curl binary on this host")
+def test_a_json_request_with_curl(server):
+    """curl with a JSON body and a key, as the README shows it."""
+    body = {"prompt": "a red cat", "size": SIZE, "seconds": 0.25, "steps": 2, "seed": 3}
+    result = subprocess.run(
+        ["curl", "-s", f"{server.url}/v1/videos", "-H", "content-type: application/json",
+         "-H", f"Authorization: Bearer {KEY_ENV}", "-d", json.dumps(body)],
+        capture_output=True, text=True, timeout=30, check=True,
+    )  # fmt: skip
+    video = json.loads(result.stdout)
+    assert video["status"] == "queued" and video["seconds"] == SECONDS and video["frames"] == 5
+    assert sdk(server).videos.poll(video["id"], poll_interval_ms=100).status == "completed"
+    no_key = subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}",
+                             f"{server.url}/v1/videos/{video['id']}"],
+                            capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert no_key.stdout == "401"
+
+
+def test_keys_are_checked_at_the_start(tmp_path):
+    """A key too short (or of characters no header carries), from any source, is one line
+    before anything loads; so is a key file that is missing."""
+    from runtime.cli import cli
+    from runtime.http_guards import load_api_keys
+
+    (tmp_path / "keys").write_text("# comment\n\n  a-key-0123456789abcdef  \n")
+    assert load_api_keys(("b-key-0123456789abcdef",), tmp_path / "keys", "c-key-0123456789ab,,") \
+        == ("b-key-0123456789abcdef", "a-key-0123456789abcdef", "c-key-0123456789ab")  # fmt: skip
+    base = ["serve", "--weights", str(tmp_path), "--out-dir", str(tmp_path / "out")]
+    for args, env, expected in [
+        (["--api-key", "short"], {}, "API key 1 (of --api-key"),
+        ([], {"WAN_API_KEYS": "0123456789abcdef0123, with space 0123456789"}, "API key 2"),
+        (["--api-key-file", str(tmp_path / "none")], {}, "is missing"),
+    ]:
+        result = CliRunner().invoke(cli, [*base, *args], env=env)
+        assert result.exit_code == 2 and expected in result.output, result.output
+        assert len(result.output.strip().splitlines()) == 1, result.output
