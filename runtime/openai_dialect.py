@@ -242,12 +242,15 @@ def _frames(body: VideoRequest, own: list[ServedBuild], model: str) -> int:
     return frames
 
 
-async def read_video_request(request: Request, max_prompt_chars: int) -> VideoRequest:
+async def read_video_request(
+    request: Request, max_prompt_chars: int, max_body_bytes: int
+) -> VideoRequest:
     """POST /v1/videos' body, JSON or a form (multipart/form-data, the SDK's; or urlencoded),
-    checked whole; the prompts at most `max_prompt_chars` each."""
+    checked whole; the prompts at most `max_prompt_chars` each; a form's parts at most
+    `max_body_bytes` (the body's own bound, runtime.http_guards.BoundedBody)."""
     media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
     if media in ("multipart/form-data", "application/x-www-form-urlencoded"):
-        fields = await _form_fields(request)
+        fields = await _form_fields(request, max_body_bytes)
     elif media in ("", "application/json") or media.endswith("+json"):
         fields = parse_json(await request.body(), _not_json)
     else:
@@ -277,12 +280,14 @@ def _not_json(reason: str) -> ApiError:
     return ApiError(400, "invalid_request", f"the body {reason}")
 
 
-async def _form_fields(request: Request) -> dict[str, Any]:
+async def _form_fields(request: Request, max_part_bytes: int) -> dict[str, Any]:
     """A form's fields as VideoRequest takes them: each field once, no files, numbers read
-    strictly as JSON numbers, an empty field of one that may be null as null (the SDK sends a
-    None so). The body is whole already (runtime.http_guards.BoundedBody), its size bounded."""
+    strictly as JSON numbers, an empty field of a number that may be null as null (the SDK
+    sends a None so). The body is whole already (runtime.http_guards.BoundedBody)."""
     try:
-        form = await request.form(max_files=MAX_FORM_FILES, max_fields=MAX_FORM_FIELDS)
+        form = await request.form(
+            max_files=MAX_FORM_FILES, max_fields=MAX_FORM_FIELDS, max_part_size=max_part_bytes
+        )
     except HTTPException as e:  # starlette's answer to a form that does not parse or is too big
         raise ApiError(400, "invalid_request", f"the form does not read: {e.detail}") from None
     fields: dict[str, Any] = {}

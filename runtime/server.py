@@ -112,7 +112,7 @@ def make_app(service: Service, limits: HttpLimits, keys: tuple[str, ...] = ()) -
     async def create(request: Request) -> dict[str, Any]:
         """A video to make, as JSON or multipart/form-data (the SDK's): queued, answered at
         once; its `status` and `progress` say the rest."""
-        body = await read_video_request(request, limits.max_prompt_chars)
+        body = await read_video_request(request, limits.max_prompt_chars, limits.max_body_bytes)
         return service.video_object(await run_in_threadpool(service.submit, body))
 
     @get("/v1/videos", responses=_responses(400, 404, 503))

@@ -221,6 +221,11 @@ def test_http_limits(small_builds, tiny_weights, tmp_path):  # noqa: F811
         for s in half:
             s.close()
 
+        # A form (the openai SDK's multipart) is under the same bound, and its fields too.
+        form = server.client.post("/v1/videos", files={"prompt": (None, "p" * 5000)})
+        assert form.status_code == 413 and form.json()["error"]["code"] == "body_too_large"
+        fields = server.client.post("/v1/videos", data={f"f{i}": "x" for i in range(40)})
+        assert fields.status_code == 400 and "Too many fields" in fields.json()["error"]["message"]
         long = server.post({**request(0), "prompt": "p" * 101})
         assert long.status_code == 400 and "--max-prompt-chars" in long.json()["error"]["message"]
         assert server.post({**request(0), "negative_prompt": "n" * 101}).status_code == 400
