@@ -78,6 +78,12 @@ def plan_build(
     options = plain_option_values(plain)
     quant_mode = dict(options)["quant"]
     check_quant(quant_mode, target)
+    if dict(options)["continuous"] and dict(options)["step_cache"]:
+        raise BuildError(
+            "--continuous with --step-cache: a continuous batch's videos are at different steps, "
+            "and step caching decides for a whole batch whether its blocks run; build one or "
+            "the other"
+        )
     default = sharding.default_mesh(
         num_devices, shape.step_batch, transformer_bytes(config, quant_mode), target.hbm_bytes
     )

@@ -1,12 +1,16 @@
-"""`runtime serve` under load, side by side: one fixed Poisson arrival trace of N requests sent to
-a server of a batch-1 build and to one of a batch-4 build of the same shape, alternating
-(b1, b4, b1, b4, ...: machine noise hits both alike). Per server: videos per minute (N over the
-span from the first request to the last video), p50/p95 latency (request to completed, polled
-every 0.1 s), batch fill (/metrics), and seconds from the server's process start to its first
-video; beside them, N `runtime run` processes of the same requests one after another on the
-batch-1 build (seconds to the first video and to all N).
+"""`runtime serve` under load, side by side: one Poisson arrival trace of N requests (the same
+draws, scaled to each `--rates` rate) sent to three servers of one shape, alternating within each
+round and rate (machine noise hits them alike): a batch-1 build, a batch-B build that waits
+`--batch-window` to fill its batches, and the continuous batch-B build (`aot build --continuous`),
+whose videos join at the next step. Per server and rate: videos per minute (N over the span from
+the first request to the last video), p50/p95 latency (request to completed, polled every
+0.1 s), p50 time to first step (request to progress > 0), slot fill (/metrics: videos per batch
+slot; continuous: occupied slots per slot-step), and seconds from the server's process start to
+its first video; medians over `--rounds`. Beside them, N `runtime run` processes of the same
+requests one after another on the batch-1 build.
 
-    python bench/serve_load.py --model small --res 64x96 --frames 5 --steps 4 --n 8 --rate 0.5
+    python bench/serve_load.py --model small --res 64x96 --frames 5 --steps 8 --n 12 \
+        --batch 4 --rates 0.1,0.25,0.5 --rounds 3
 """
 
 from __future__ import annotations
@@ -57,8 +61,9 @@ def free_port() -> int:
 
 
 def trace(n: int, rate: float, seed: int = 0) -> list[float]:
-    """Arrival seconds of n requests, Poisson at `rate` a second, the first at 0."""
-    gaps = np.random.default_rng(seed).exponential(1 / rate, n - 1)
+    """Arrival seconds of n requests, Poisson at `rate` a second, the first at 0: the same draws
+    for every rate, scaled."""
+    gaps = np.random.default_rng(seed).exponential(1.0, n - 1) / rate
     return [0.0, *np.cumsum(gaps).round(3).tolist()]
 
 
@@ -88,16 +93,19 @@ def serve_trace(artifacts: Path, weights: Path, build: str, out: Path, arrivals,
             time.sleep(POLL_S)
         t0 = time.time()
 
-        def one(i: int) -> tuple[float, float]:
+        def one(i: int) -> tuple[float, float, float]:
             time.sleep(max(t0 + arrivals[i] - time.time(), 0))
             sent = time.time()
             video = call(f"{url}/v1/videos", body(i, args))
+            first_step = None
             while video["status"] not in ("completed", "failed"):
                 time.sleep(POLL_S)
                 video = call(f"{url}/v1/videos/{video['id']}")
+                if first_step is None and (video["progress"] or video["status"] == "completed"):
+                    first_step = time.time()
             if video["status"] == "failed":
                 raise SystemExit(f"a video failed: {video['error']}")
-            return sent, time.time()
+            return sent, first_step or time.time(), time.time()
 
         with concurrent.futures.ThreadPoolExecutor(len(arrivals)) as pool:
             times = list(pool.map(one, range(len(arrivals))))
@@ -105,16 +113,19 @@ def serve_trace(artifacts: Path, weights: Path, build: str, out: Path, arrivals,
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=600)
-    latencies = sorted(done - sent for sent, done in times)
-    span = max(done for _, done in times) - t0
+    latencies = [done - sent for sent, _, done in times]
+    span = max(done for *_, done in times) - t0
+    slot_steps = m["wan_slot_steps_total"] + m["wan_empty_slot_steps_total"]
     return {
         "videos_per_minute": round(60 * len(times) / span, 2),
         "latency_p50_s": round(float(np.percentile(latencies, 50)), 2),
         "latency_p95_s": round(float(np.percentile(latencies, 95)), 2),
-        "batch_fill": round(m["wan_batch_fill_ratio"], 3),
-        "batches": int(m["wan_batches_total"]),
+        "first_step_p50_s": round(float(np.median([f - s for s, f, _ in times])), 2),
+        "slot_fill": round(
+            m["wan_slot_steps_total"] / slot_steps if slot_steps else m["wan_batch_fill_ratio"], 3
+        ),
         "compile_count": int(m["wan_compile_count"]),
-        "start_to_first_video_s": round(min(done for _, done in times) - started, 2),
+        "start_to_first_video_s": round(min(done for *_, done in times) - started, 2),
     }
 
 
@@ -139,41 +150,60 @@ def main() -> None:
     parser.add_argument("--model", default="small")
     parser.add_argument("--res", default="64x96")
     parser.add_argument("--frames", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--n", type=int, default=8, help="requests in the trace")
-    parser.add_argument("--rate", type=float, default=0.5, help="arrivals per second")
-    parser.add_argument("--rounds", type=int, default=1, help="b1, b4 pairs")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--n", type=int, default=12, help="requests in the trace")
+    parser.add_argument("--batch", type=int, default=4, help="the batched builds' batch")
+    parser.add_argument(
+        "--rates", default="0.1,0.25,0.5", help="arrivals per second, comma-separated"
+    )
+    parser.add_argument("--rounds", type=int, default=1, help="passes over every rate and server")
     parser.add_argument("--batch-window", type=float, default=1.0)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "serve_load.json")
     args = parser.parse_args()
+    rates = [float(r) for r in args.rates.split(",")]
     command = "python bench/serve_load.py " + " ".join(sys.argv[1:])
+    shape = ["--model", args.model, "--res", args.res, "--frames", str(args.frames),
+             "--target", "cpu-8"]  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         artifacts, weights = work / "artifacts", work / "weights"
         subprocess.run([sys.executable, "-m", "wan.random_weights", "--model", args.model,
                         "--out", str(weights)], check=True, capture_output=True)  # fmt: skip
-        subprocess.run([str(BIN / "aot"), "build", "--model", args.model, "--res", args.res,
-                        "--frames", str(args.frames), "--batch", "1", "--batch", "4",
-                        "--target", "cpu-8", "--out", str(artifacts)],
-                       check=True, capture_output=True)  # fmt: skip
-        builds = {b: next(artifacts.glob(f"*_b{b}_*")).name for b in (1, 4)}
-        arrivals = trace(args.n, args.rate)
-        runs: dict[int, list[dict]] = {1: [], 4: []}
+        for extra in (["--batch", "1", "--batch", str(args.batch)],
+                      ["--batch", str(args.batch), "--continuous"]):  # fmt: skip
+            subprocess.run([str(BIN / "aot"), "build", *shape, *extra, "--out", str(artifacts)],
+                           check=True, capture_output=True)  # fmt: skip
+        b, names = args.batch, [p.name for p in artifacts.iterdir() if not p.name.startswith(".")]
+        builds = {
+            "serve_b1": next(n for n in names if "_b1_" in n),
+            f"serve_b{b}_window": next(
+                n for n in names if f"_b{b}_" in n and "continuous" not in n
+            ),
+            f"serve_b{b}_continuous": next(n for n in names if "continuous" in n),
+        }
+        runs: dict[str, dict[str, list[dict]]] = {f"{r:g}": {s: [] for s in builds} for r in rates}
         for r in range(args.rounds):
-            for b in (1, 4):
-                out = work / f"out_b{b}_{r}"
-                runs[b].append(serve_trace(artifacts, weights, builds[b], out, arrivals, args))
-                print(f"batch {b} round {r}: {runs[b][-1]}", file=sys.stderr)
+            for rate in rates:
+                arrivals = trace(args.n, rate)
+                for server, build in builds.items():
+                    out = work / f"out_{server}_{rate:g}_{r}"
+                    row = serve_trace(artifacts, weights, build, out, arrivals, args)
+                    runs[f"{rate:g}"][server].append(row)
+                    print(f"round {r} rate {rate:g} {server}: {row}", file=sys.stderr)
         processes = run_processes(artifacts, weights, work, args.n, args)
     medians = {
-        f"serve_b{b}": {k: statistics.median(x[k] for x in rows) for k in rows[0]}
-        for b, rows in runs.items()
+        rate: {
+            server: {k: statistics.median(x[k] for x in rows) for k in rows[0]}
+            for server, rows in by_server.items()
+        }
+        for rate, by_server in runs.items()
     }
     row = {"command": command, "model": args.model, "res": args.res, "frames": args.frames,
-           "steps": args.steps, "n": args.n, "rate_per_s": args.rate, "arrivals_s": arrivals,
-           **medians, "runs": runs, f"runtime_run_x{args.n}": processes}  # fmt: skip
+           "steps": args.steps, "n": args.n, "batch": args.batch, "rates_per_s": rates,
+           "builds": builds, "medians": medians, "runs": runs,
+           f"runtime_run_x{args.n}": processes}  # fmt: skip
     save(args.out, row)
-    print(json.dumps({k: v for k, v in row.items() if k not in ("runs", "arrivals_s")}, indent=1))
+    print(json.dumps(medians, indent=1))
 
 
 if __name__ == "__main__":

@@ -168,7 +168,7 @@ def _prompt_line(where: str, line: bytes, default_seed: int, base: Path) -> Prom
     seed = item.get("seed", default_seed)
     if not 0 <= seed <= MAX_SEED:
         shown = seed if abs(seed) < 10**30 else "of too many digits"
-        raise RequestError(f"{where}: seed {shown}: give an integer in [0, 2**63 - 1]")
+        raise RequestError(f"{where}: seed {shown}: give an integer in [0, {MAX_SEED}]")
     for key in ("prompt", "negative_prompt", "out"):
         check_text(f"{where}: {key}", item.get(key, ""))
     return PromptLine(

@@ -18,7 +18,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from runtime import json_checks
-from wan.interface import DEFAULT_PIPELINE, PIPELINES, with_step_cache
+from wan.interface import (
+    CONTINUOUS_PROGRAMS,
+    DEFAULT_PIPELINE,
+    PIPELINES,
+    replaced,
+    with_step_cache,
+)
 from wan.quant import MODES as QUANT_MODES
 
 
@@ -110,6 +116,20 @@ _DECLARED = (
         check=json_checks.boolean,
         parse=bool,
         programs=lambda names, on: with_step_cache(names) if on else names,
+    ),
+    BuildOption(
+        "continuous", "--continuous",
+        "Step-level continuous batching for `runtime serve` (wan.interface.CONTINUOUS_PROGRAMS): "
+        "the batch's B slots each hold a video at its own step, with its own step count, "
+        "guidance, sampler, shift and seed; a request joins at the next step and a finished "
+        "video is decoded alone while the others go on. Not with --step-cache.",
+        token=lambda k: "_continuous" if k.option("continuous") else "",
+        argv=lambda k: ["--continuous"] if k.option("continuous") else [],
+        default=False,
+        is_flag=True,
+        check=json_checks.boolean,
+        parse=bool,
+        programs=lambda names, on: replaced(names, CONTINUOUS_PROGRAMS) if on else names,
     ),
     BuildOption(
         "quant", "--quant",

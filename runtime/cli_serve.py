@@ -190,8 +190,7 @@ def _serving_builds(
 ) -> list[tuple[Path, Manifest]]:
     """The builds to serve, one per route (runtime.loader.serving_routes, which the server routes
     by): those named, two of one route refused; else, of the builds of the weights' model that
-    fit `present` devices, each route's largest batch (of builds of that shape, the one
-    `runtime run` would choose)."""
+    fit `present` devices, each route's continuous build, else its largest batch."""
     manifests = {f.name: m for f, m in candidate_builds(artifacts) if isinstance(m, Manifest)}
     if names:
         named = {n: manifests[n].key for n in names if n in manifests}
@@ -199,7 +198,7 @@ def _serving_builds(
         return [
             match_build(
                 artifacts,
-                Request(named[n].shape if n in named else None, model_hash),
+                Request(named[n].shape if n in named else None, model_hash, serving=True),
                 model_name,
                 present,
                 n,
@@ -209,7 +208,7 @@ def _serving_builds(
     fits = {
         name: m.key
         for name, m in manifests.items()
-        if passed_over(m, Request(m.key.shape, model_hash), present) is None
+        if passed_over(m, Request(m.key.shape, model_hash, serving=True), present) is None
     }
     if not fits:
         raise ArtifactError(
@@ -218,7 +217,13 @@ def _serving_builds(
             "same shape says why each build is passed over)"
         )
     return [
-        match_build(artifacts, Request(fits[name].shape, model_hash), model_name, present)
+        match_build(
+            artifacts,
+            Request(fits[name].shape, model_hash, serving=True),
+            model_name,
+            present,
+            name,
+        )
         for name in sorted(serving_routes(fits).values())
     ]
 

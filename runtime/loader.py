@@ -32,6 +32,7 @@ from wan.interface import SIGNATURES
 class Request:
     shape: VideoShape
     model_hash: str | None = None  # the weights' model config hash, when known
+    serving: bool = False  # for `runtime serve`, which also runs continuous builds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +95,8 @@ def passed_over(manifest: Manifest, request: Request, present: Present) -> str |
     k, m = manifest.key, manifest
     if k.shape != request.shape:
         return f"another shape ({k.width}x{k.height} f{k.frames} b{k.batch}{'' if k.cfg else ' nocfg'})"
+    if k.option("continuous") and not request.serving:
+        return "a continuous build (aot build --continuous), which `runtime serve` runs"
     if request.model_hash is not None and m.model_hash != request.model_hash:
         return "another model config than the weights"
     if m.platform != present.platform:
@@ -171,12 +174,18 @@ def describe_route(r: Route) -> str:
 
 
 def serving_routes(keys: Mapping[str, BuildKey]) -> dict[Route, str]:
-    """For each route, the one build of `keys` (by name) that serves it: the largest batch,
-    whose generate() makes the most videos at once (of equal batches, the first name).
+    """For each route, the one build of `keys` (by name) that serves it: a continuous build
+    (any settings, joining at the next step), else the largest batch, whose generate() makes
+    the most videos at once (of equal ones, the first name).
     `runtime serve` loads one build of each route's shape chosen here (runtime.cli_serve) and
     routes each request by this mapping of the builds it loaded."""
     chosen: dict[Route, str] = {}
-    for name, key in sorted(keys.items(), key=lambda item: (-item[1].batch, item[0])):
+
+    def preference(item: tuple[str, BuildKey]) -> tuple[bool, int, str]:
+        name, key = item
+        return not key.option("continuous"), -key.batch, name
+
+    for name, key in sorted(keys.items(), key=preference):
         chosen.setdefault(route(key), name)
     return chosen
 

@@ -242,10 +242,10 @@ class Pipeline:
         params = {c: placed[keys[c]] for c in abstracts}
         return cls(executables, params, config, tok, key, name, applied)
 
-    def _input_sharding(self, program: str, name: str) -> Any:
+    def input_sharding(self, program: str, name: str) -> Any:
         return interface.named(program, self.exe[program].input_shardings[0])[name]
 
-    def _run(self, program: str, **inputs: Any) -> dict[str, Any]:
+    def run(self, program: str, **inputs: Any) -> dict[str, Any]:
         """`program` on `inputs` (by name), its outputs by name."""
         return self.exe[program](*interface.positional(program, inputs))
 
@@ -273,30 +273,31 @@ class Pipeline:
         solver order, which sizes the sampler state, is the build's). `cache`: step caching
         (a build with `--step-cache`); its report is the report's `cache`."""
         started_at, start = time.time(), time.perf_counter()
+        if self.key.option("continuous"):
+            raise RequestError(
+                f"build {self.name} is a continuous build (aot build --continuous), which "
+                "`runtime serve` runs: for `runtime run`, build without --continuous"
+            )
         check_settings(guidance, guidance_2, shift)
         cache = resolve(
             self.key, cache, self.config.num_experts, model_spec(self.config, self.key.model)
         )
-        texts = self._texts(prompt, negative_prompt)
+        texts = self.texts(prompt, negative_prompt)
         step = self.key.step_program
         latent_shape = tuple(interface.named(step, self.exe[step].args_info[0])["latents"].shape)
         latents = _initial_latents(latent_shape, seed, init_noise)
-        scheduler = dataclasses.replace(
-            self.config.scheduler,
-            kind=sampler or self.config.scheduler.kind,
-            flow_shift=self.config.scheduler.flow_shift if shift is None else shift,
-        )
+        scheduler = self.scheduler(sampler, shift)
         tables = schedulers.make_tables(scheduler, steps)
         state = schedulers.init_state(scheduler, latent_shape)
-        experts, expert_at = self._experts(tables, guidance, guidance_2)
+        experts, expert_at = self.experts(tables, guidance, guidance_2)
         step_experts = [expert_at(i)[0] for i in range(steps)]
         step_cache = StepCache(cache, step, step_experts, self.config.transformer.num_layers)
-        denoiser = Denoiser(self._run, self.exe, step_cache, self.key.cfg)
+        denoiser = Denoiser(self.run, self.exe, step_cache, self.key.cfg)
         marks = {}  # phase -> seconds from start to its end
         with no_compilation() as counter:
-            emb = self._encode(texts)
+            emb = self.encode(texts)
             marks["text_encode"] = time.perf_counter() - start
-            kv = self._kv_caches(emb, experts)
+            kv = self.kv_caches(emb, experts)
             marks["kv_cache"] = time.perf_counter() - start
             x = self._denoise(latents, state, tables, kv, expert_at, on_step, denoiser)
             marks["denoise"] = time.perf_counter() - start
@@ -340,7 +341,15 @@ class Pipeline:
             cache=CacheOutcome(None, {}, [], 0, 0),
         )
 
-    def _experts(
+    def scheduler(self, sampler: str | None, shift: float | None) -> SchedulerConfig:
+        """The model's scheduler with a request's sampler and flow shift (None: the model's)."""
+        return dataclasses.replace(
+            self.config.scheduler,
+            kind=sampler or self.config.scheduler.kind,
+            flow_shift=self.config.scheduler.flow_shift if shift is None else shift,
+        )
+
+    def experts(
         self, tables: Any, guidance: float, guidance_2: float | None
     ) -> tuple[list[str], Callable[[int], tuple[str, float]]]:
         """The transformers in use, and for step i the one that runs it with its guidance
@@ -356,7 +365,7 @@ class Pipeline:
 
         return ["transformer"] + (["transformer_2"] if boundary is not None else []), expert_at
 
-    def _texts(self, prompt: str | list[str], negative_prompt: str | list[str]) -> list[str]:
+    def texts(self, prompt: str | list[str], negative_prompt: str | list[str]) -> list[str]:
         """The texts to encode, in the step's batch layout: with CFG, prompt i then its
         negative (cond_i, uncond_i)."""
         batch = self.key.batch
@@ -371,21 +380,21 @@ class Pipeline:
         pairs = zip(prompts, negatives, strict=True)
         return [t for pair in pairs for t in pair] if self.key.cfg else prompts
 
-    def _encode(self, texts: list[str]) -> jax.Array:
+    def encode(self, texts: list[str]) -> jax.Array:
         """Prompt embeddings, laid out as kv_cache takes them."""
         ids, mask = tokenizer.tokenize(self.tokenizer, texts, self.config.text_encoder.max_length)
-        emb = self._run(
+        emb = self.run(
             "text_encode",
             params=self.params["text_encoder"],
-            ids=place(ids, self._input_sharding("text_encode", "ids")),
-            mask=place(mask, self._input_sharding("text_encode", "mask")),
+            ids=place(ids, self.input_sharding("text_encode", "ids")),
+            mask=place(mask, self.input_sharding("text_encode", "mask")),
         )["embeddings"]
-        return handoff(jax.block_until_ready(emb), self._input_sharding("kv_cache", "embeddings"))
+        return handoff(jax.block_until_ready(emb), self.input_sharding("kv_cache", "embeddings"))
 
-    def _kv_caches(self, emb: jax.Array, experts: list[str]) -> dict[str, Any]:
+    def kv_caches(self, emb: jax.Array, experts: list[str]) -> dict[str, Any]:
         """Every layer's cross-attention keys and values, per expert."""
         return jax.block_until_ready(
-            {e: self._run("kv_cache", params=self.params[e], embeddings=emb)["kv"] for e in experts}
+            {e: self.run("kv_cache", params=self.params[e], embeddings=emb)["kv"] for e in experts}
         )
 
     def _denoise(
@@ -435,12 +444,12 @@ class Pipeline:
 
     def _decode(self, latents: jax.Array) -> np.ndarray:
         """uint8 frames on the host (replicated in multi-process builds: local data)."""
-        x = handoff(latents, self._input_sharding("latents_handoff", "latents"))
+        x = handoff(latents, self.input_sharding("latents_handoff", "latents"))
         x = handoff(
-            self._run("latents_handoff", latents=x)["latents"],
-            self._input_sharding("vae_decode", "latents"),
+            self.run("latents_handoff", latents=x)["latents"],
+            self.input_sharding("vae_decode", "latents"),
         )
-        return np.asarray(self._run("vae_decode", params=self.params["vae"], latents=x)["frames"])
+        return np.asarray(self.run("vae_decode", params=self.params["vae"], latents=x)["frames"])
 
 
 def _placement(component: str, abstract: Any) -> tuple[Any, ...]:

@@ -29,6 +29,9 @@ from runtime.outputs import previews, write_npy, write_videos
 from wan.configs import VAEKindConfig
 
 if TYPE_CHECKING:  # jax: imported by runtime.cli_serve once the port is bound
+    import numpy as np
+
+    from runtime.continuous import SlotBatch
     from runtime.pipeline import Pipeline
     from runtime.step_cache import CacheRequest
 
@@ -48,6 +51,8 @@ class Metrics:
     slots: int = 0
     step_seconds: float = 0.0
     steps: int = 0
+    slot_steps: int = 0  # continuous builds: slots that held a video at a step
+    empty_slot_steps: int = 0  # and slots that did not (computed, masked, discarded)
 
 
 class Service:
@@ -87,6 +92,15 @@ class Service:
             for name, p in pipelines.items()
         }
         self.started = int(time.time())  # the served models' `created`
+        # The continuous builds' slots, which the worker steps between other batches (jax, as
+        # the pipelines: runtime.cli_serve makes the service once the port is bound).
+        from runtime.continuous import SlotBatch
+
+        self.slot_batches = {
+            name: SlotBatch(pipe)
+            for name, pipe in pipelines.items()
+            if pipe.key.option("continuous")
+        }
 
     def served(self) -> str:
         return describe_builds(self.builds.values())
@@ -146,8 +160,11 @@ class Service:
         store that fails is retried, never the end of the loop."""
         while True:
             self._stored(self.store.check)  # idle too: /healthz says when another holds its lock
+            waiting = self._stored(self.runnable)
+            if self._advance_slots(waiting):
+                continue
             batch, wait = next_batch(
-                self._stored(self.runnable),
+                [w for w in waiting if w.group.build not in self.slot_batches],
                 lambda g: self.pipelines[g.build].key.batch,
                 time.time(),
                 self.batch_window,
@@ -200,14 +217,23 @@ class Service:
         else:
             self.store_problem = None
 
-    def _run_batch(self, ids: list[str], group: Group) -> None:
-        pipe = self.pipelines[group.build]
-        started = self._stored(functools.partial(self.store.start, ids))  # not cancelled since
+    def _start(self, ids: list[str]) -> list[Job]:
+        """The jobs `ids` started (those not cancelled since), a job whose request does not
+        read failed instead."""
+        started = self._stored(functools.partial(self.store.start, ids))
         damaged = [j.id for j in started if j.request is None]
         if damaged:
             why = "its stored request does not read: submit the video again"
             self._stored(functools.partial(self.store.fail, damaged, "unreadable_job", why))
-        jobs = [j for j in started if j.request is not None]
+        return [j for j in started if j.request is not None]
+
+    def _fail(self, ids: list[str], code: str, why: str) -> None:
+        self._stored(functools.partial(self.store.fail, ids, code, why))
+        self.metrics.failed += len(ids)
+
+    def _run_batch(self, ids: list[str], group: Group) -> None:
+        pipe = self.pipelines[group.build]
+        jobs = self._start(ids)
         if not jobs:
             return
         ids = [j.id for j in jobs]
@@ -220,27 +246,82 @@ class Service:
         try:
             frames, report = generate_batch(pipe, videos, group.settings, on_step, self.cache)
         except Exception as e:  # any failure fails this batch's videos, not the server
-            why = str(e) or type(e).__name__
-            self._stored(functools.partial(self.store.fail, ids, "generation_failed", why))
-            self.metrics.failed += len(ids)
+            self._fail(ids, "generation_failed", str(e) or type(e).__name__)
             return
         m = self.metrics
         m.batches += 1
         m.slots_filled, m.slots = m.slots_filled + len(ids), m.slots + pipe.key.batch
         m.step_seconds, m.steps = m.step_seconds + report.seconds_denoising, m.steps + report.steps
         for job_id, video in zip(ids, frames, strict=True):
-            path = functools.partial(self.store.content_path, job_id)
-            extra = previews(video, path("thumbnail"), path("spritesheet"))
-            if self.save_frames:
-                extra[path("frames")] = functools.partial(write_npy, array=video)
-            try:
-                write_videos([video], [path("video")], pipe.config.fps, extra)
-            except OSError as e:  # a WriteError naming the file
-                self._stored(functools.partial(self.store.fail, [job_id], "write_failed", str(e)))
-                m.failed += 1
-                continue
-            self._stored(functools.partial(self.store.complete, job_id))
-            m.completed += 1
+            self._write(job_id, video, pipe.config.fps)
+
+    def _advance_slots(self, waiting: list[Waiting]) -> bool:
+        """The continuous builds' turn (runtime.continuous): the queued videos of each join its
+        free slots, oldest first (none while draining), then every occupied slot takes one
+        step. Whether any slot held a video; the server is idle once none does."""
+        with self._lock:
+            joins = not self.draining
+            if any(s.occupied for s in self.slot_batches.values()) or (
+                joins and any(w.group.build in self.slot_batches for w in waiting)
+            ):
+                self.idle.clear()
+        stepped = False
+        for name, slots in self.slot_batches.items():
+            queued = sorted(
+                (w for w in waiting if w.group.build == name), key=lambda w: w.created_at
+            )
+            if joins and slots.free and queued:
+                self._join(slots, self._start([w.id for w in queued[: len(slots.free)]]))
+            if slots.occupied:
+                self._step_slots(name, slots)
+                stepped = True
+        if not stepped:
+            self.idle.set()
+        return stepped
+
+    def _join(self, slots: SlotBatch, jobs: list[Job]) -> None:
+        videos = [(j.id, Video(j.request["prompt"], j.request["negative_prompt"], j.request["seed"]),
+                   j.group.settings) for j in jobs]  # fmt: skip
+        try:
+            slots.join(videos)
+        except Exception as e:  # any failure fails the joining videos, not the others
+            self._fail([j.id for j in jobs], "generation_failed", str(e) or type(e).__name__)
+
+    def _step_slots(self, name: str, slots: SlotBatch) -> None:
+        pipe, m = self.pipelines[name], self.metrics
+        start = time.perf_counter()
+        occupied = slots.occupied
+        try:
+            left = slots.step()
+        except Exception as e:  # the slots' arrays may be gone: every video in them fails
+            self._fail(list(slots.progress()), "generation_failed", str(e) or type(e).__name__)
+            self.slot_batches[name] = type(slots)(pipe)  # empty slots
+            return
+        m.step_seconds, m.steps = m.step_seconds + time.perf_counter() - start, m.steps + 1
+        m.slot_steps += occupied
+        m.empty_slot_steps += pipe.key.batch - occupied
+        for job_id, (done, steps) in slots.progress().items():
+            self._progress([job_id], 100 * done // steps)
+        for video in left:
+            if video.frames is None:
+                self._fail([video.id], "generation_failed", video.error)
+            else:
+                self._write(video.id, video.frames, pipe.config.fps)
+
+    def _write(self, job_id: str, video: np.ndarray, fps: int) -> None:
+        """A video's MP4 with its previews (and frames, with --save-frames) written, then its
+        job completed."""
+        path = functools.partial(self.store.content_path, job_id)
+        extra = previews(video, path("thumbnail"), path("spritesheet"))
+        if self.save_frames:
+            extra[path("frames")] = functools.partial(write_npy, array=video)
+        try:
+            write_videos([video], [path("video")], fps, extra)
+        except OSError as e:  # a WriteError naming the file
+            self._fail([job_id], "write_failed", str(e))
+            return
+        self._stored(functools.partial(self.store.complete, job_id))
+        self.metrics.completed += 1
 
     def metrics_text(self) -> str:
         """The metrics in Prometheus' text format."""
@@ -255,6 +336,11 @@ class Service:
              m.slots_filled / m.slots if m.slots else 0.0),
             ("seconds_per_step", "gauge", "Mean seconds per denoising step.",
              m.step_seconds / m.steps if m.steps else 0.0),
+            ("slot_steps_total", "counter", "Continuous builds: slots that held a video at a step.",
+             m.slot_steps),
+            ("empty_slot_steps_total", "counter",
+             "Continuous builds: slots computed empty at a step (masked, discarded).",
+             m.empty_slot_steps),
             ("compile_count", "counter", "Compilations since the builds loaded.",
              self.compile_count()),
         ]  # fmt: skip

@@ -208,6 +208,12 @@ def resolve(
     line naming what to change otherwise."""
     if request is None:
         return None
+    if key.option("continuous"):
+        raise StepCacheError(
+            f"--cache {request.kind} with a continuous build ({key.folder_name()}): its videos are "
+            "at different steps and step caching decides for a whole batch; serve it without "
+            "--cache, or a build with --step-cache and without --continuous"
+        )
     if not key.option("step_cache"):
         command = key.with_options(step_cache=True).build_argv(model, artifacts)
         raise StepCacheError(

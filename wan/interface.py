@@ -55,6 +55,18 @@ SIGNATURES: dict[str, Signature] = {
     # share it.
     "latents_handoff": Signature(("latents",), ("latents",), None),
     "vae_decode": Signature(("params", "latents"), ("frames",), "vae"),
+    # Continuous batching (`aot build --continuous`): B slots, each a video at its own step.
+    # A join writes new prompts' keys and values and new noise into the slots marked `joining`
+    # (their sampler state zeroed); a step takes one sampler row and guidance per slot and
+    # changes only the slots marked `active`; a finished slot's video is decoded alone.
+    "join_kv": Signature(("kv", "new_kv", "joining"), ("kv",), None),
+    "join_latents": Signature(("latents", "state", "noise", "joining"), ("latents", "state"), None),
+    "slot_step": Signature(
+        ("params", "latents", "kv", "row", "state", "guidance", "active"),
+        ("latents", "state"),
+        "transformer",
+    ),
+    "slot_decode": Signature(("params", "latents", "slot"), ("frames",), "vae"),
 }
 # Pipeline variants: the programs a build of each holds, in the order a generation runs them.
 # A build key names its variant; the loader checks that its build holds exactly these.
@@ -64,19 +76,34 @@ PIPELINES: dict[str, tuple[str, ...]] = {
 DEFAULT_PIPELINE = "t2v"
 # What a build with step caching holds in place of a program.
 STEP_CACHE_PROGRAMS: dict[str, tuple[str, ...]] = {"denoise_step": ("cache_step", "cached_step")}
+# What a continuous build holds in place of a program: the step and the joins for the step, a
+# video's own decode for the handoff and the batch's decode.
+CONTINUOUS_PROGRAMS: dict[str, tuple[str, ...]] = {
+    "denoise_step": ("slot_step", "join_kv", "join_latents"),
+    "latents_handoff": (),
+    "vae_decode": ("slot_decode",),
+}
+# Every such table; the first program of a replacement has the outputs of the one it replaces.
+REPLACEMENTS = (STEP_CACHE_PROGRAMS, CONTINUOUS_PROGRAMS)
+
+
+def replaced(programs: Sequence[str], table: Mapping[str, tuple[str, ...]]) -> tuple[str, ...]:
+    """`programs` with the replacements of `table` (one of REPLACEMENTS) in place."""
+    return tuple(p for name in programs for p in table.get(name, (name,)))
 
 
 def with_step_cache(programs: Sequence[str]) -> tuple[str, ...]:
     """`programs` with step caching's in place of those it replaces (STEP_CACHE_PROGRAMS)."""
-    return tuple(p for name in programs for p in STEP_CACHE_PROGRAMS.get(name, (name,)))
+    return replaced(programs, STEP_CACHE_PROGRAMS)
 
 
 def producer(source: str, programs: Sequence[str]) -> tuple[str, str]:
     """(program, output) of `source` ("program.output") in a build holding `programs`: a
-    program replaced by step caching's is replaced by the first of them, which has its outputs."""
+    program another replaces (REPLACEMENTS) is replaced by the first of them, which has its
+    outputs."""
     program, output = source.split(".")
     if program not in programs:
-        program = STEP_CACHE_PROGRAMS[program][0]
+        program = next(t[program][0] for t in REPLACEMENTS if t.get(program, ("",))[0] in programs)
     return program, output
 
 

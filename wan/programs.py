@@ -241,14 +241,18 @@ def _step_program(
     extra_out_axes: dict[str, Tree] | None = None,
     donate: tuple[str, ...] = (),
     analyses: tuple[str, ...] = ("attention_kernels",),
+    per_slot: bool = False,
 ) -> Program:
     """A denoise step: the transformer on the latents (both CFG passes at once), guidance and
-    the sampler's update; `transformer_pass` runs the blocks (or stands in for them)."""
+    the sampler's update; `transformer_pass` runs the blocks (or stands in for them).
+    `per_slot` (continuous batching): one sampler row and one guidance scale per video of the
+    batch, and only the videos marked in its `active` input change."""
     graphdef, params, param_axes = split_abstract(abstract_module(config, "transformer", options))
     latents = _sds(shape.latent_shape(config), jnp.float32)
     kv = kv_shape(config, shape)
     kv_axes = (axes.LAYERS, axes.BATCH, axes.KV_LENGTH, axes.HEADS)
-    row = sampler_row_shapes(config)
+    slots = (shape.batch,) if per_slot else ()
+    row = {k: _sds((*slots, *s.shape), s.dtype) for k, s in sampler_row_shapes(config).items()}
     state = state_shapes(config, shape)
     state_axes = {"last_sample": LATENTS, "x0_history": (None, *LATENTS)}
     extra_args, extra_axes, extra_out_axes = (
@@ -259,17 +263,19 @@ def _step_program(
 
     def step(params, latents, kv, row, state, guidance, *extra):
         model = nnx.merge(graphdef, params)
+        extra = dict(zip(extra_args, extra, strict=True))
         x = latents.astype(config.dtype)
+        t = row["timestep"]
         if shape.cfg:
             # Pairs (cond_i, uncond_i) side by side, as the prompts are encoded: a device holding
             # a video's latents holds both of its passes, so guidance needs no collective.
             x = jnp.repeat(x, 2, axis=0)
-        t = jnp.broadcast_to(row["timestep"], (x.shape[0],))
-        embedded = model.embed(x, t)
-        tokens, extra_out = transformer_pass(
-            model, embedded, kv, dict(zip(extra_args, extra, strict=True))
-        )
+            t = jnp.repeat(t, 2) if per_slot else t
+        embedded = model.embed(x, jnp.broadcast_to(t, (x.shape[0],)))
+        tokens, extra_out = transformer_pass(model, embedded, kv, extra)
         flow = model.head(tokens, embedded).astype(jnp.float32)
+        if per_slot:
+            row, guidance = _slot_rows(row, latents.ndim), _per_video(guidance, latents.ndim)
         if shape.cfg:
             pairs = flow.reshape(-1, 2, *flow.shape[1:])
             cond, uncond = pairs[:, 0], pairs[:, 1]
@@ -278,16 +284,23 @@ def _step_program(
             row, schedulers.SamplerState(**state), flow, latents.astype(jnp.float32)
         )
         new_state = {"last_sample": new_state.last_sample, "x0_history": new_state.x0_history}
+        if per_slot:  # the slots not in this step keep what they hold
+            active = _per_video(extra["active"], latents.ndim)
+            new = jnp.where(active, new, latents)
+            new_state = {
+                "last_sample": jnp.where(active, new_state["last_sample"], state["last_sample"]),
+                "x0_history": jnp.where(active[None], new_state["x0_history"], state["x0_history"]),
+            }
         return {"latents": sharding.constrain(new, LATENTS), "state": new_state, **extra_out}
 
     return Program(
         name,
         step,
         {"params": params, "latents": latents, "kv": (kv, kv), "row": row, "state": state,
-         "guidance": _sds((), jnp.float32), **extra_args},
+         "guidance": _sds(slots, jnp.float32), **extra_args},
         {"params": param_axes, "latents": LATENTS, "kv": (kv_axes, kv_axes),
          "row": {k: (None,) * len(s.shape) for k, s in row.items()}, "state": state_axes,
-         "guidance": (), **extra_axes},
+         "guidance": (None,) * len(slots), **extra_axes},
         {"latents": LATENTS, "state": state_axes, **extra_out_axes},
         "transformer",
         donate=("latents", "state", *donate),  # a step holds one copy of each
@@ -300,6 +313,102 @@ def denoise_step_program(
     config: ModelConfig, shape: VideoShape, options: ProgramOptions
 ) -> Program:
     return _step_program("denoise_step", config, shape, options)
+
+
+def _per_video(value: jax.Array, ndim: int) -> jax.Array:
+    """One value per video (B,), shaped to broadcast over arrays (B, ...) of `ndim` dims."""
+    return value.reshape(value.shape[0], *(1,) * (ndim - 1))
+
+
+def _slot_rows(row: dict[str, jax.Array], ndim: int) -> dict[str, jax.Array]:
+    """Sampler rows, one per video, shaped as `schedulers.step` uses them on latents of `ndim`
+    dims: a coefficient (B,) broadcast per video, a history's weights (B, order) as
+    (order, B, 1, ...) so that weight k is again one per video."""
+    return {
+        k: _per_video(v, ndim) if v.ndim == 1 else v.T.reshape(*v.T.shape, *(1,) * (ndim - 1))
+        for k, v in row.items()
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Continuous batching (`aot build --continuous`): the batch's B videos are slots, each at its
+# own step; programs that write new videos into slots and decode one slot's video.
+
+
+def slot_step_program(config: ModelConfig, shape: VideoShape, options: ProgramOptions) -> Program:
+    """A denoise step of the videos marked `active`, each with its own sampler row and guidance
+    (a two-expert model: one call per expert, each marking its videos)."""
+    return _step_program(
+        "slot_step", config, shape, options,
+        extra_args={"active": _sds((shape.batch,), jnp.bool_)},
+        extra_axes={"active": (None,)},
+        per_slot=True,
+    )  # fmt: skip
+
+
+def _select_rows(joining: jax.Array, new: jax.Array, old: jax.Array, axis: int) -> jax.Array:
+    """`old` with the videos marked in `joining` (B,) taken from `new`; along `axis`, a video
+    has len / B consecutive rows (its CFG pair)."""
+    per_video = old.shape[axis] // joining.shape[0]
+    mask = jnp.repeat(joining, per_video).reshape(
+        (1,) * axis + (old.shape[axis],) + (1,) * (old.ndim - axis - 1)
+    )
+    return jnp.where(mask, new, old)
+
+
+def join_kv_program(config: ModelConfig, shape: VideoShape, options: ProgramOptions) -> Program:
+    """The batch's cross-attention keys and values with the joining videos' rows (prompt and
+    negative prompt) replaced by a fresh KV cache's, computed for them by kv_cache."""
+    kv = kv_shape(config, shape)
+    kv_axes = (axes.LAYERS, axes.BATCH, axes.KV_LENGTH, axes.HEADS)
+
+    def join_kv(kv, new_kv, joining):
+        return {
+            "kv": tuple(
+                sharding.constrain(_select_rows(joining, n, o, axis=1), kv_axes)
+                for n, o in zip(new_kv, kv, strict=True)
+            )
+        }
+
+    return Program(
+        "join_kv",
+        join_kv,
+        {"kv": (kv, kv), "new_kv": (kv, kv), "joining": _sds((shape.batch,), jnp.bool_)},
+        {"kv": (kv_axes, kv_axes), "new_kv": (kv_axes, kv_axes), "joining": (None,)},
+        {"kv": (kv_axes, kv_axes)},
+        "transformer",
+        donate=("kv",),
+    )
+
+
+def join_latents_program(
+    config: ModelConfig, shape: VideoShape, options: ProgramOptions
+) -> Program:
+    """The batch's latents with the joining videos' replaced by their initial noise, and their
+    sampler state zeroed (a video's state before its first step)."""
+    latents = _sds(shape.latent_shape(config), jnp.float32)
+    state = state_shapes(config, shape)
+    state_axes = {"last_sample": LATENTS, "x0_history": (None, *LATENTS)}
+
+    def join_latents(latents, state, noise, joining):
+        return {
+            "latents": sharding.constrain(_select_rows(joining, noise, latents, 0), LATENTS),
+            "state": {
+                "last_sample": _select_rows(joining, 0.0, state["last_sample"], 0),
+                "x0_history": _select_rows(joining, 0.0, state["x0_history"], 1),
+            },
+        }
+
+    return Program(
+        "join_latents",
+        join_latents,
+        {"latents": latents, "state": state, "noise": latents,
+         "joining": _sds((shape.batch,), jnp.bool_)},
+        {"latents": LATENTS, "state": state_axes, "noise": LATENTS, "joining": (None,)},
+        {"latents": LATENTS, "state": state_axes},
+        "transformer",
+        donate=("latents", "state"),
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
@@ -432,18 +541,29 @@ def latents_handoff_program(
     )
 
 
+# What the decode programs are besides their inputs: the host reads their frames; their
+# convolutions compile for the build's scoped VMEM; the build records their all-gathers.
+_DECODE = dict(
+    host_outputs=True, scoped_vmem=True, analyses=("vae_gathers",), vmem_hint="a smaller --vae-vmem"
+)
+
+
+def _decoded(vae: WanVAE, latents: jax.Array, config: ModelConfig, options: ProgramOptions) -> dict:
+    """The decode's output: frames as uint8 (what videos are made of), or as float32 in [0, 1]
+    for comparisons (`options.frames_dtype`)."""
+    frames = decode_frames(vae, sharding.constrain(latents, VIDEO), config)
+    if options.frames_dtype == "uint8":
+        frames = jnp.round(frames * 255).astype(jnp.uint8)
+    return {"frames": sharding.constrain(frames, VIDEO)}
+
+
 def vae_decode_program(config: ModelConfig, shape: VideoShape, options: ProgramOptions) -> Program:
-    """Frames as uint8 (what videos are made of), or as float32 in [0, 1] for comparisons
-    (`options.frames_dtype`); the latents arrive in the VAE's layout (latents_handoff)."""
+    """The batch's frames; the latents arrive in the VAE's layout (latents_handoff)."""
     graphdef, params, param_axes = split_abstract(abstract_module(config, "vae", options))
     latents = _sds(shape.latent_shape(config), jnp.float32)
 
     def vae_decode(params: Tree, latents: jax.Array) -> jax.Array:
-        vae = nnx.merge(graphdef, params)
-        frames = decode_frames(vae, sharding.constrain(latents, VIDEO), config)
-        if options.frames_dtype == "uint8":
-            frames = jnp.round(frames * 255).astype(jnp.uint8)
-        return {"frames": sharding.constrain(frames, VIDEO)}
+        return _decoded(nnx.merge(graphdef, params), latents, config, options)
 
     return Program(
         "vae_decode",
@@ -452,10 +572,33 @@ def vae_decode_program(config: ModelConfig, shape: VideoShape, options: ProgramO
         {"params": param_axes, "latents": VIDEO},
         {"frames": VIDEO},
         "vae",
-        host_outputs=True,
-        scoped_vmem=True,
-        analyses=("vae_gathers",),
-        vmem_hint="a smaller --vae-vmem",
+        **_DECODE,
+    )
+
+
+def slot_decode_program(config: ModelConfig, shape: VideoShape, options: ProgramOptions) -> Program:
+    """One video's frames: the video in slot `slot` of the batch's latents, as the step leaves
+    them, taken out and laid out as the decode takes them (the VAE mesh's spatial sharding; on
+    a mesh of one video per device, each device decodes it whole), then decoded as `vae_decode`
+    decodes a batch of one."""
+    graphdef, params, param_axes = split_abstract(abstract_module(config, "vae", options))
+    latents = _sds(shape.latent_shape(config), jnp.float32)
+
+    def slot_decode(params: Tree, latents: jax.Array, slot: jax.Array) -> jax.Array:
+        if options.gather_latents:  # as latents_handoff: replicated before the spatial slices
+            latents = sharding.constrain(latents, (None,) * latents.ndim)
+        video = jax.lax.dynamic_index_in_dim(latents, slot, keepdims=True)
+        return _decoded(nnx.merge(graphdef, params), video, config, options)
+
+    return Program(
+        "slot_decode",
+        slot_decode,
+        {"params": params, "latents": latents, "slot": _sds((), jnp.int32)},
+        {"params": param_axes, "latents": LATENTS, "slot": ()},
+        {"frames": VIDEO},
+        "vae",
+        receives={"latents": "slot_step.latents"},
+        **_DECODE,
     )
 
 
@@ -469,6 +612,10 @@ MAKERS: dict[str, Callable[[ModelConfig, VideoShape, ProgramOptions], Program]] 
     "cached_step": cached_step_program,
     "latents_handoff": latents_handoff_program,
     "vae_decode": vae_decode_program,
+    "join_kv": join_kv_program,
+    "join_latents": join_latents_program,
+    "slot_step": slot_step_program,
+    "slot_decode": slot_decode_program,
 }
 
 
