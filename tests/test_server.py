@@ -23,6 +23,7 @@ from conftest import BIN, run_cli
 
 from runtime.artifact import ArtifactError, BuildKey
 from runtime.batching import Group, Settings, Video, Waiting, generate_batch, next_batch
+from runtime.build_options import OPTIONS
 from runtime.cli_serve import _serving_builds
 from runtime.job_store import DATABASE, JobStore, QueueFull
 from runtime.loader import Present, Request, serving_routes
@@ -350,7 +351,9 @@ class FakePipeline:
     """What generate_batch calls, recording its arguments: video i's frames hold its seed."""
 
     def __init__(self, batch: int, fail: bool = False):
-        self.key = type("Key", (), {"batch": batch, "model": "tiny"})()
+        # A key of the default build options (not continuous, no step caching).
+        option = lambda _, name: OPTIONS[name].default_value  # noqa: E731
+        self.key = type("Key", (), {"batch": batch, "model": "tiny", "option": option})()
         self.config = type("Config", (), {"fps": 16})()
         self.fail, self.calls = fail, []
 
