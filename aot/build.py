@@ -11,6 +11,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+import jax
+
 from aot import store
 from aot.entries import program_entry
 from aot.lower import LoweredProgram, compile_lowered, lower_plan
@@ -279,6 +281,10 @@ def _make_program(
     progress: Callable[[str], None] | None,
     folder: Path,
 ) -> ProgramEntry:
-    """Compile `lowered` and write its files into `folder`: its manifest entry."""
+    """Compile `lowered` and write its files into `folder`: its manifest entry. Compiled
+    afresh: an executable JAX's persistent compilation cache (JAX_COMPILATION_CACHE_DIR) hands
+    back serializes without its code on XLA's CPU client (loading it fails: "Function ... not
+    found"), so this process does not use the cache (aot's store is its cache)."""
+    jax.config.update("jax_enable_compilation_cache", False)
     compiled, seconds, rss = compile_lowered(lowered, label, progress)
     return program_entry(plan, folder, lowered, compiled, seconds, rss)

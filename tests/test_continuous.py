@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import run_cli, save_tiny_diffusers_pipeline
-from test_server import SHAPE, SMALL, serving, small_builds  # noqa: F401 (a fixture)
+from conftest import SMALL, run_cli, save_tiny_diffusers_pipeline
+from test_server import SHAPE, serving
 
 from aot.lower import compile_in_process
 from aot.plan import plan_build
@@ -59,7 +59,7 @@ def _run(slots: SlotBatch, joins: dict[int, list[tuple[str, Video, Settings]]]) 
     return finished, taken
 
 
-def test_videos_joining_at_any_step_equal_batch_one(continuous_build, small_builds, tiny_weights):  # noqa: F811
+def test_videos_joining_at_any_step_equal_batch_one(continuous_build, small_builds, tiny_weights):
     """Joins at step 0, mid-run, and into a slot another video just left; mixed step counts,
     guidance, samplers and shifts in one batch: each video equals its batch-1 generation."""
     config = ModelConfig.from_folder(tiny_weights)
@@ -124,7 +124,7 @@ def test_serve_joins_mid_run_and_a_kill_9_loses_nothing(
     continuous_build,
     small_builds,
     tiny_weights,
-    tmp_path,  # noqa: F811
+    tmp_path,
 ):
     """`runtime serve` of the continuous build: a short video posted while a long one runs
     completes first (it joined, it did not wait for the batch); kill -9 mid-run, and a restart

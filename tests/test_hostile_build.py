@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import pickle
 import shutil
 import subprocess
@@ -15,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import BIN, TINY_SHAPE
+from conftest import BIN, SMALL, TINY_SHAPE, run_cli
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -414,3 +415,18 @@ def test_parsed_targets_stay_within_bounds(name):
     assert isinstance(target, Target)
     if target.platform == "cpu":
         assert 1 <= target.num_devices <= MAX_CPU_DEVICES
+
+
+def test_a_jax_compilation_cache_in_the_environment_does_not_break_a_build(tmp_path, tiny_weights):
+    """JAX_COMPILATION_CACHE_DIR set (as many users have it): two builds of one request in two
+    folders, so the second's compiles would come from the cache; an executable the cache hands
+    back serializes without its code, so `aot build` compiles afresh and both builds run."""
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax-cache"),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}  # fmt: skip
+    for out in ("a", "b"):
+        run_cli("aot", "build", "--model", "tiny", *SMALL, "--batch", "1", "--target", "cpu-8",
+                "--out", str(tmp_path / out), env=env)  # fmt: skip
+        run_cli("runtime", "run", "--artifacts", str(tmp_path / out), "--weights",
+                str(tiny_weights), *SMALL, "--batch", "1",
+                "--steps", "1", "--prompt", "x", "--out", str(tmp_path / f"{out}.mp4"), env=env)  # fmt: skip
+    assert (tmp_path / "b.mp4").stat().st_size > 0

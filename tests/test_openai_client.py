@@ -17,7 +17,7 @@ import openai
 import pytest
 from click.testing import CliRunner
 from PIL import Image
-from test_server import decode, serving, small_builds  # noqa: F401 (small_builds: a fixture)
+from test_server import decode, serving
 
 # The SDK marks its video calls deprecated (the hosted service's end), not their shape.
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -29,7 +29,7 @@ SETTINGS = {"steps": 2, "negative_prompt": "blur"}
 
 
 @pytest.fixture(scope="module")
-def server(small_builds, tiny_weights, tmp_path_factory):  # noqa: F811
+def server(small_builds, tiny_weights, tmp_path_factory):
     """One keyed server for the module: a key in --api-key-file, another in $WAN_API_KEYS."""
     root = tmp_path_factory.mktemp("openai")
     (root / "keys").write_text(f"# the test's key\n\n{KEY_FILE}\n")

@@ -5,14 +5,14 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import run_cli
-from test_server import SMALL, decode, small_builds  # noqa: F401 (a fixture)
+from conftest import SMALL, run_cli
+from test_server import decode
 
 from runtime.batching import read_prompts_file
 from runtime.request import RequestError
 
 
-def test_five_lines_on_a_batch_two_build_one_load(small_builds, tiny_weights, tmp_path):  # noqa: F811
+def test_five_lines_on_a_batch_two_build_one_load(small_builds, tiny_weights, tmp_path):
     lines = [{"prompt": f"a fox {i}", "seed": i, "out": f"videos/fox_{i}.mp4"} for i in range(5)]
     lines[2]["negative_prompt"] = "blurry"
     del lines[4]["seed"]  # --seed's

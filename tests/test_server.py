@@ -19,7 +19,7 @@ import httpx
 import imageio_ffmpeg
 import numpy as np
 import pytest
-from conftest import BIN, run_cli
+from conftest import BIN, SMALL, run_cli
 
 from runtime.artifact import ArtifactError, BuildKey
 from runtime.batching import Group, Settings, Video, Waiting, generate_batch, next_batch
@@ -32,16 +32,6 @@ from runtime.request import initial_latents
 from wan.configs import ModelConfig, VideoShape
 
 SHAPE = {"size": "64x96", "frames": 5}  # small frames: the VAE decode dominates a batch
-SMALL = ["--res", "64x96", "--frames", "5"]
-
-
-@pytest.fixture(scope="session")
-def small_builds(shared_dir) -> Path:
-    """Tiny builds of one shape, batch 1 and batch 2, cpu-8, in one artifacts folder."""
-    out = shared_dir / "serve-artifacts"
-    run_cli("aot", "build", "--model", "tiny", *SMALL, "--batch", "1", "--batch", "2",
-            "--target", "cpu-8", "--out", str(out))  # fmt: skip
-    return out
 
 
 def decode(path: Path) -> np.ndarray:

@@ -18,12 +18,11 @@ from pathlib import Path
 import pytest
 from conftest import BIN, run_cli
 from test_hostile_build import tmpfs
-from test_server import (  # noqa: F401 (small_builds: a fixture)
+from test_server import (
     FakePipeline,
     _run_until_completed,
     request,
     serving,
-    small_builds,
     stored_request,
 )
 
@@ -148,7 +147,7 @@ def test_batch_window_is_finite_and_bounded(value):
     assert result.exit_code == 2 and "--batch-window" in result.output, result.output
 
 
-def test_the_server_survives_a_locked_store(small_builds, tiny_weights, tmp_path):  # noqa: F811
+def test_the_server_survives_a_locked_store(small_builds, tiny_weights, tmp_path):
     """Another process locks the job store while a job runs: the server answers 503 (health and
     new videos) while it lasts, the job completes once it ends, and new jobs run."""
     out = tmp_path / "out"
@@ -193,7 +192,7 @@ def raw_request(port: int, data: bytes, wait: float = 5) -> bytes:
     return answer
 
 
-def test_http_limits(small_builds, tiny_weights, tmp_path):  # noqa: F811
+def test_http_limits(small_builds, tiny_weights, tmp_path):
     """Bodies over the limit (declared or chunked), bodies and heads sent too slowly, prompts too
     long; HEAD and 405 with Allow; a deleted MP4 is 410 and a damaged row a JSON 500."""
     out = tmp_path / "out"
@@ -289,7 +288,7 @@ def test_list_pages_are_bounded_in_bytes(tmp_path):
     assert store.page(4, None)[0] == store.page(100, None)[0][:4]
 
 
-def test_the_openapi_schema_says_what_the_server_does(small_builds, tiny_weights, tmp_path):  # noqa: F811
+def test_the_openapi_schema_says_what_the_server_does(small_builds, tiny_weights, tmp_path):
     """schemathesis (every check, every phase, a fixed seed) finds no answer the schema does not
     describe: statuses, content types, bodies, 405 with Allow, the served shapes."""
     with serving(small_builds, tiny_weights, tmp_path / "out", "--max-queue", "8",
@@ -306,7 +305,7 @@ def test_the_openapi_schema_says_what_the_server_does(small_builds, tiny_weights
     assert "Traceback" not in server.log.read_text()
 
 
-def test_a_request_to_a_server_with_a_failing_store_is_json(small_builds, tiny_weights, tmp_path):  # noqa: F811
+def test_a_request_to_a_server_with_a_failing_store_is_json(small_builds, tiny_weights, tmp_path):
     """A full disk under the job store: a new video is 503 in JSON naming the disk, not a 500."""
     with tmpfs(tmp_path / "out", "2m") as out, serving(small_builds, tiny_weights, out) as server:
         fill(out)
