@@ -91,11 +91,13 @@ def check_writable(path: Path, option: str) -> None:
         parent = parent.parent
     if not parent.is_dir():
         raise OutputError(f"{option} {path}: {parent} is a file, not a folder")
+    probe = _temporary_path(parent, ".write-probe")
     try:
-        probe = _create_temporary(parent, ".write-probe")
+        _create_empty(probe)
     except OSError as e:
         raise OutputError(f"{option} {path}: {parent} is not writable ({e.strerror})") from None
-    probe.unlink()
+    finally:
+        probe.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
@@ -108,10 +110,12 @@ def staged(paths: Sequence[Path]) -> Iterator[list[Path]]:
     temporaries: list[Path] = []
     try:
         for target in targets:
+            # Each listed before it is made: an interruption between the two leaves nothing.
             for folder in _missing_folders(target.parent):
-                folder.mkdir()
                 made.append(folder)
-            temporaries.append(_create_temporary(target.parent, f".{target.name}"))
+                folder.mkdir()
+            temporaries.append(_temporary_path(target.parent, f".{target.name}"))
+            _create_empty(temporaries[-1])
         yield temporaries
         for temporary in temporaries:
             _fsync(temporary)
@@ -219,11 +223,14 @@ def _identities(path: Path) -> set[object]:
     return identities
 
 
-def _create_temporary(folder: Path, prefix: str) -> Path:
-    """A new empty file in `folder`, with the permissions the umask gives a new file."""
-    path = folder / f"{prefix}.{secrets.token_hex(6)}.partial"
+def _temporary_path(folder: Path, prefix: str) -> Path:
+    """A name in `folder` no file has (48 random bits), for a file made and removed by us."""
+    return folder / f"{prefix}.{secrets.token_hex(6)}.partial"
+
+
+def _create_empty(path: Path) -> None:
+    """A new empty file at `path`, with the permissions the umask gives a new file."""
     os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-    return path
 
 
 def _missing_folders(folder: Path) -> list[Path]:

@@ -2,21 +2,9 @@
 
 import os
 import shutil
-import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# One JAX compilation cache for the run, made by the first process (xdist's controller, before
-# it starts the workers) and inherited by every worker and every CLI they start: the many tests
-# that compile the same tiny programs for the CPU devices compile each once. (A deviceless TPU
-# or GPU compile does not read it.) The runtime still compiles nothing: a hit counts.
-MADE_JAX_CACHE = "WAN_TEST_JAX_CACHE" not in os.environ  # removed when the run ends
-if MADE_JAX_CACHE:
-    os.environ["WAN_TEST_JAX_CACHE"] = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(
-        prefix="wan-test-jax-cache-"
-    )
-    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 import jax  # noqa: E402
 
@@ -39,13 +27,6 @@ from transformers import UMT5Config, UMT5EncoderModel  # noqa: E402
 from wan.tokenizer import build_word_tokenizer  # noqa: E402
 
 BIN = Path(sys.executable).parent
-
-
-def pytest_unconfigure(config):
-    if MADE_JAX_CACHE:
-        shutil.rmtree(os.environ["WAN_TEST_JAX_CACHE"], ignore_errors=True)
-
-
 TINY_SHAPE = ["--res", "192x320", "--frames", "9", "--batch", "1"]
 SMALL = ["--res", "64x96", "--frames", "5"]  # the served shape: small frames, the decode dominates
 TEXT_GAIN = 3.0  # on the tiny transformer's text path (_transformer)
