@@ -52,6 +52,23 @@ class BuildOption:
         return self.parse(self.default)
 
 
+def switch(
+    name: str, flag: str, help: str, programs: Callable[[tuple[str, ...]], tuple[str, ...]]
+) -> BuildOption:
+    """A plain on/off option that, on, changes the programs a build holds (`programs`: the
+    programs before it -> with it); its folder-name token is its name without underscores."""
+    return BuildOption(
+        name, flag, help,
+        token=lambda k: f"_{name.replace('_', '')}" if k.option(name) else "",
+        argv=lambda k: [flag] if k.option(name) else [],
+        default=False,
+        is_flag=True,
+        check=json_checks.boolean,
+        parse=bool,
+        programs=lambda names, on: programs(names) if on else names,
+    )  # fmt: skip
+
+
 def _mesh_text(key: Any, separator: str) -> str:
     return separator.join(f"{axis}={size}" for axis, size in key.mesh)
 
@@ -104,32 +121,20 @@ _DECLARED = (
         check=json_checks.key_of(PIPELINES),
         programs=lambda _, pipeline: PIPELINES[pipeline],
     ),
-    BuildOption(
+    switch(
         "step_cache", "--step-cache",
         "Also build step caching's programs (wan.interface.STEP_CACHE_PROGRAMS), which "
         "`runtime run --cache magcache|fbcache` runs: a step that keeps the transformer "
         "blocks' residual on the devices, and one that reuses it instead of running the blocks.",
-        token=lambda k: "_stepcache" if k.option("step_cache") else "",
-        argv=lambda k: ["--step-cache"] if k.option("step_cache") else [],
-        default=False,
-        is_flag=True,
-        check=json_checks.boolean,
-        parse=bool,
-        programs=lambda names, on: with_step_cache(names) if on else names,
+        programs=with_step_cache,
     ),
-    BuildOption(
+    switch(
         "continuous", "--continuous",
         "Step-level continuous batching for `runtime serve` (wan.interface.CONTINUOUS_PROGRAMS): "
         "the batch's B slots each hold a video at its own step, with its own step count, "
         "guidance, sampler, shift and seed; a request joins at the next step and a finished "
         "video is decoded alone while the others go on. Not with --step-cache.",
-        token=lambda k: "_continuous" if k.option("continuous") else "",
-        argv=lambda k: ["--continuous"] if k.option("continuous") else [],
-        default=False,
-        is_flag=True,
-        check=json_checks.boolean,
-        parse=bool,
-        programs=lambda names, on: replaced(names, CONTINUOUS_PROGRAMS) if on else names,
+        programs=lambda names: replaced(names, CONTINUOUS_PROGRAMS),
     ),
     BuildOption(
         "quant", "--quant",
