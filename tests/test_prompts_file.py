@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from conftest import SMALL, run_cli
 from test_server import decode
 
 from runtime.batching import read_prompts_file
+from runtime.loader import Request
+from runtime.outputs import write_videos
+from runtime.pipeline import Pipeline
 from runtime.request import RequestError
+from wan.configs import VideoShape
+
+# Mean |difference| (of 255) of two decoded MP4s whose frames differ by at most 1/255 (H.264
+# spreads a level's change over its block): the batch-2 and batch-1 videos of one request.
+# Measured: 0.00 to 0.46 for the same request, 48 to 51 between two lines.
+MP4_OF_ONE_LEVEL = 2.0
 
 
 def test_five_lines_on_a_batch_two_build_one_load(small_builds, tiny_weights, tmp_path):
@@ -24,9 +34,24 @@ def test_five_lines_on_a_batch_two_build_one_load(small_builds, tiny_weights, tm
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["loads"] == 1 and report["videos"] == 5 and len(report["batches"]) == 3
     assert all("_b2_" in b["build"] for b in report["batches"])
-    for i in range(5):
-        assert decode(tmp_path / "videos" / f"fox_{i}.mp4").shape == (5, 96, 64, 3)
     assert not list((tmp_path / "videos").glob(".*"))
+
+    # Each line's MP4 is its own request's video: the MP4 of the batch-1 generation of that
+    # line (its prompt, negative prompt and seed, --seed's when it has none), through the same
+    # writer, and not another line's (two lines of one batch hold different seeds and prompts).
+    batch_one = Pipeline.load(small_builds, tiny_weights, Request(VideoShape(64, 96, 5, 1)))
+    written = [decode(tmp_path / "videos" / f"fox_{i}.mp4") for i in range(5)]
+    expected = []
+    for i, line in enumerate(lines):
+        frames, _ = batch_one.generate(line["prompt"], line.get("negative_prompt", ""),
+                                       steps=2, seed=line.get("seed", 9))  # fmt: skip
+        write_videos(frames, [tmp_path / f"expected_{i}.mp4"], fps=batch_one.config.fps)
+        expected.append(decode(tmp_path / f"expected_{i}.mp4"))
+    for i, video in enumerate(written):
+        assert video.shape == (5, 96, 64, 3)
+        off = [np.abs(video.astype(int) - e.astype(int)).mean() for e in expected]
+        assert off[i] <= MP4_OF_ONE_LEVEL, (i, off)  # batch 2 and 1 round apart by 1/255
+        assert min(o for j, o in enumerate(off) if j != i) > 10 * MP4_OF_ONE_LEVEL, (i, off)
 
 
 @pytest.mark.parametrize(
