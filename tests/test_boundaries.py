@@ -50,3 +50,12 @@ def test_wan_imports_neither_aot_nor_the_runtime():
     loaded = _loaded_after_importing(modules)
     assert "flax" in loaded  # the models were imported
     assert _top(loaded, ("aot", "runtime")) == set()
+
+
+def test_the_request_checks_load_no_jax():
+    """What the CLI checks before jax starts (a request, its step caching, its outputs) imports
+    no jax: a bad request is refused in the time Python takes to start."""
+    loaded = _loaded_after_importing(
+        ["runtime.step_cache", "runtime.request", "runtime.outputs", "runtime.build_options"]
+    )
+    assert "numpy" in loaded and _top(loaded, ("jax", "jaxlib", "flax")) == set()

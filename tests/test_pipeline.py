@@ -23,6 +23,7 @@ from wan.configs import ModelConfig, VideoShape
 WIDTH, HEIGHT, FRAMES, STEPS = 32, 48, 9, 4  # portrait; 3 latent frames
 PROMPTS = ["a red cat running in the rain", "a boat on the sea at night"]
 NEGATIVE = ["blurry low quality", ""]
+ATOL = 1e-3  # frames in [0, 1], float32
 
 
 @pytest.mark.parametrize("two_experts", [False, True], ids=["wan2.1", "two-experts"])
@@ -35,18 +36,20 @@ def test_pipeline_matches_diffusers(tmp_path, two_experts):
     guidance_2 = 3.0 if two_experts else None
 
     reference = WanPipeline.from_pretrained(folder, torch_dtype=torch.float32)
-    expected = reference(
-        prompt=PROMPTS,
-        negative_prompt=NEGATIVE,
-        height=HEIGHT,
-        width=WIDTH,
-        num_frames=FRAMES,
-        num_inference_steps=STEPS,
-        guidance_scale=5.0,
-        guidance_scale_2=guidance_2,
-        latents=torch.from_numpy(noise),
-        output_type="np",
-    ).frames
+
+    def diffusers_frames(prompts: list[str]) -> np.ndarray:
+        return reference(prompt=prompts, negative_prompt=NEGATIVE, height=HEIGHT, width=WIDTH,
+                         num_frames=FRAMES, num_inference_steps=STEPS, guidance_scale=5.0,
+                         guidance_scale_2=guidance_2, latents=torch.from_numpy(noise),
+                         output_type="np").frames  # fmt: skip
+
+    expected = diffusers_frames(PROMPTS)
+    # Controls, the same noise: the prompts swapped between the rows; and (two experts) the
+    # first expert for every step. Each moves the frames well past the tolerance.
+    controls = [diffusers_frames(PROMPTS[::-1])]
+    if two_experts:
+        reference.transformer_2 = reference.transformer
+        controls.append(diffusers_frames(PROMPTS))
 
     config = ModelConfig.from_diffusers(folder, dtype="float32")
     assert config.num_experts == (2 if two_experts else 1)
@@ -60,5 +63,7 @@ def test_pipeline_matches_diffusers(tmp_path, two_experts):
 
     assert frames.shape == expected.shape == (2, FRAMES, HEIGHT, WIDTH, 3)
     assert report.compile_count == 0
-    np.testing.assert_allclose(frames, expected, atol=1e-3, rtol=0)
+    np.testing.assert_allclose(frames, expected, atol=ATOL, rtol=0)
     assert np.ptp(frames) > 0.05  # the comparison is between real videos, not flat frames
+    for control in controls:
+        assert all(np.abs(frames[i] - control[i]).max() > 10 * ATOL for i in range(len(PROMPTS)))

@@ -191,10 +191,13 @@ def test_a_quantized_checkpoint_loads_as_stored(quant_builds, tiny_weights, tmp_
     assert len(refused.stderr.strip().splitlines()) == 1
 
 
-def test_a_target_without_the_8bit_unit_is_refused(tmp_path):
-    result = run_cli("aot", "build", "--model", "tiny", *TINY_SHAPE, "--target", "tpu-v6e-8",
-                     "--quant", "w8a8-fp8", "--out", str(tmp_path), check=False)  # fmt: skip
-    assert result.returncode == 2 and "no fp8 matrix unit" in result.stderr
+@pytest.mark.parametrize(
+    "target, mode, unit", [("tpu-v6e-8", "w8a8-fp8", "fp8"), ("tpu7x-8", "w8a8-int8", "int8")]
+)
+def test_a_target_without_the_8bit_unit_is_refused(tmp_path, target, mode, unit):
+    result = run_cli("aot", "build", "--model", "tiny", *TINY_SHAPE, "--target", target,
+                     "--quant", mode, "--out", str(tmp_path), check=False)  # fmt: skip
+    assert result.returncode == 2 and f"no {unit} matrix unit" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not any(tmp_path.iterdir())
 
 

@@ -482,3 +482,44 @@ def _run_until_completed(service, store: JobStore, job_id: str) -> None:
         time.sleep(0.05)
     service.drain()
     worker.join(10)
+
+
+def test_the_metrics_follow_the_queue(tmp_path):
+    """wan_queue_depth, wan_videos_in_progress and wan_seconds_per_step as the queue moves: 3
+    queued; a batch of 2 in flight (held on a gate) and 1 queued; all done, and the mean step
+    time the reports gave."""
+    from runtime.service import Service
+
+    store = JobStore(tmp_path)
+    pipe = FakePipeline(2)
+    pipe.key.width, pipe.key.height, pipe.key.frames, pipe.key.cfg = 64, 96, 5, True
+    started, gate, generate = threading.Event(), threading.Event(), pipe.generate
+
+    def held(*args, **kwargs):
+        started.set()
+        assert gate.wait(30)
+        return generate(*args, **kwargs)
+
+    pipe.generate = held
+    service = Service({"good": pipe}, store, max_queue=8, batch_window=0.0, compile_count=lambda: 0)
+    jobs = [store.add(Group("good", Settings(steps=3)), stored_request(i), 8) for i in range(3)]
+
+    def metrics() -> tuple[float, ...]:
+        values = dict(line.split() for line in service.metrics_text().splitlines()
+                      if not line.startswith("#"))  # fmt: skip
+        names = ("queue_depth", "videos_in_progress", "videos_completed_total", "seconds_per_step")
+        return tuple(float(values[f"wan_{name}"]) for name in names)
+
+    assert metrics() == (3, 0, 0, 0)
+    worker = threading.Thread(target=service.run, daemon=True)
+    worker.start()
+    assert started.wait(30)
+    assert metrics() == (1, 2, 0, 0)
+    gate.set()
+    deadline = time.monotonic() + 30
+    while store.get(jobs[2].id).status != "completed":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    service.drain()
+    worker.join(10)
+    assert metrics() == (0, 0, 3, pytest.approx(0.1 / 3))  # FakePipeline: 0.1 s for 3 steps

@@ -31,6 +31,11 @@ FBC_MARGIN = 0.03  # every relative change is at least 3% of the threshold away 
 # The other blocks of the fbcache model are scaled up, so that reusing their residual moves the
 # frames by more than the tolerance (at the tiny model's init it moves them by less).
 FBC_BLOCK_GAIN = 3.0
+# The calibration model's time embedder is scaled up, so that its blocks' residual changes from
+# step to step: magnitude ratios up to 25% from 1 (at the tiny model's init, within 0.34%, where
+# an all-ones calibration would pass a loose check).
+CAL_TIME_GAIN = 4.0
+CAL_RTOL = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -40,22 +45,30 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("step_cache")
     save_tiny_diffusers_pipeline(root / "one")
     save_tiny_diffusers_pipeline(root / "two", two_experts=True)
-    save_tiny_diffusers_pipeline(root / "fbc")
-    transformer = WanTransformer3DModel.from_pretrained(root / "fbc" / "transformer")
-    with torch.no_grad():
-        for name, p in transformer.named_parameters():
-            if name.startswith("blocks.1.ffn.net.2"):
-                p.mul_(FBC_BLOCK_GAIN)
-    transformer.save_pretrained(root / "fbc" / "transformer")
+    _with_gain(root / "fbc", "blocks.1.ffn.net.2", FBC_BLOCK_GAIN)
+    _with_gain(root / "cal", "condition_embedder.time_embedder", CAL_TIME_GAIN)
     noise = np.random.default_rng(1).standard_normal(
         (1, 16, 3, HEIGHT // 8, WIDTH // 8), np.float32
     )
     np.save(root / "noise.npy", noise)
-    for model in ("one", "two", "fbc"):
-        for cache in ([], ["--step-cache"]):
+    for model, caches in (("one", ([], ["--step-cache"])), ("two", ([], ["--step-cache"])),
+                          ("fbc", ([], ["--step-cache"])), ("cal", (["--step-cache"],))):  # fmt: skip
+        for cache in caches:
             run_cli("aot", "build", "--model", str(root / model), *SHAPE, *cache,
                     "--target", "cpu-8", "--out", str(root / "artifacts"))  # fmt: skip
     return root, noise
+
+
+def _with_gain(folder, prefix: str, gain: float) -> None:
+    """A tiny diffusers pipeline saved in `folder`, its transformer's parameters under
+    `prefix` multiplied by `gain`."""
+    save_tiny_diffusers_pipeline(folder)
+    transformer = WanTransformer3DModel.from_pretrained(folder / "transformer")
+    with torch.no_grad():
+        for name, p in transformer.named_parameters():
+            if name.startswith(prefix):
+                p.mul_(gain)
+    transformer.save_pretrained(folder / "transformer")
 
 
 @contextlib.contextmanager
@@ -204,16 +217,18 @@ def test_calibration_matches_diffusers(tiny, tmp_path):
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         _diffusers(
-            root / "one",
+            root / "cal",
             noise,
             {"transformer": MagCacheConfig(num_inference_steps=STEPS, calibrate=True)},
         )
     expected = json.loads(re.findall(r"\n(\[[^\]]*\])\n", printed.getvalue())[0])
     out = tmp_path / "calibrated.json"
     args = ["--cache", "magcache", "--calibrate-mag-ratios", str(out)]
-    _, report = _run_ours(root, "one", tmp_path, args)
+    _, report = _run_ours(root, "cal", tmp_path, args)
     assert report["cache"]["skipped_steps"] == []
-    np.testing.assert_allclose(json.loads(out.read_text()), expected, rtol=1e-3)
+    np.testing.assert_allclose(json.loads(out.read_text()), expected, rtol=CAL_RTOL)
+    # Control: the ratios are far from any constant (an all-ones or a shifted calibration).
+    assert np.ptp(expected) > 100 * CAL_RTOL
 
 
 def test_first_block_cache_matches_diffusers(tiny, tmp_path):

@@ -195,11 +195,14 @@ def test_runtime_matches_diffusers_expand_timesteps(
     prompt, negative = "a red cat running in the rain", "blurry"
     pipe = WanPipeline.from_pretrained(ti2v_folder)
     assert pipe.config.expand_timesteps
-    expected = pipe(
-        prompt=prompt, negative_prompt=negative, height=height, width=width, num_frames=FRAMES,
-        num_inference_steps=STEPS, guidance_scale=GUIDANCE, latents=torch.from_numpy(noise),
-        output_type="np",
-    ).frames  # fmt: skip
+    expected, other_prompt = (
+        pipe(
+            prompt=text, negative_prompt=negative, height=height, width=width, num_frames=FRAMES,
+            num_inference_steps=STEPS, guidance_scale=GUIDANCE, latents=torch.from_numpy(noise),
+            output_type="np",
+        ).frames
+        for text in (prompt, "a boat on the sea at night")
+    )  # fmt: skip
     run_cli(
         "runtime", "run", "--artifacts", str(ti2v_builds), "--weights", str(ti2v_folder), *shape,
         "--prompt", prompt, "--negative-prompt", negative, "--steps", str(STEPS),
@@ -210,6 +213,8 @@ def test_runtime_matches_diffusers_expand_timesteps(
     assert ours.shape == expected.shape == (1, FRAMES, height, width, 3)
     assert expected.max() - expected.min() > 0.3  # frames with content, not a constant
     assert np.abs(ours - expected).max() <= TOLERANCE
+    # Control: another prompt, the same noise, moves the frames well past the tolerance.
+    assert np.abs(ours - other_prompt).max() > 5 * TOLERANCE
     assert _fps(tmp_path / "v.mp4") == 24
     builds = [p for p in ti2v_builds.iterdir() if not p.name.startswith(".")]
     assert [read_manifest(b).fps for b in builds] == [24, 24]  # recorded in the manifests
