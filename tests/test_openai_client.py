@@ -64,9 +64,16 @@ def test_the_sdk_makes_and_fetches_videos(server):
     assert as_json["seconds"] == SECONDS and as_json["model"] == "tiny"
     other = client.videos.create_and_poll(
         prompt="a blue dog", size=SIZE, seconds=SECONDS, poll_interval_ms=100,
-        extra_body={**SETTINGS, "seed": 8},
+        extra_body=SETTINGS,
     )  # fmt: skip
     assert other.status == "completed" and other.model == "tiny"
+    # No seed: a random one, recorded; asking for it again makes the same video.
+    seed = other.model_extra["seed"]
+    assert isinstance(seed, int)
+    again = client.videos.create_and_poll(
+        prompt="a blue dog", size=SIZE, seconds=SECONDS, poll_interval_ms=100,
+        extra_body={**SETTINGS, "seed": seed},
+    )  # fmt: skip
     json_done = client.videos.poll(as_json["id"], poll_interval_ms=100)
     assert json_done.status == "completed"
 
@@ -76,6 +83,10 @@ def test_the_sdk_makes_and_fetches_videos(server):
     assert frames.shape == (5, 96, 64, 3)
     assert client.videos.download_content(as_json["id"]).content == mp4
     assert client.videos.download_content(other.id).content != mp4
+    assert (
+        client.videos.download_content(again.id).content
+        == client.videos.download_content(other.id).content
+    )
 
     thumbnail = Image.open(io.BytesIO(client.videos.download_content(created.id,
                                                                      variant="thumbnail").content))  # fmt: skip

@@ -16,6 +16,7 @@ import torch
 from conftest import run_cli, save_tiny_diffusers_pipeline
 from diffusers import WanPipeline, WanTransformer3DModel
 from diffusers.hooks import FirstBlockCacheConfig, MagCacheConfig, first_block_cache, mag_cache
+from test_server import serving
 
 WIDTH, HEIGHT, FRAMES, STEPS = 48, 32, 9, 12
 SHAPE = ["--res", f"{WIDTH}x{HEIGHT}", "--frames", str(FRAMES), "--batch", "1"]
@@ -327,3 +328,35 @@ def test_serve_takes_the_cache_of_its_builds(tiny, tmp_path):
     )  # fmt: skip
     assert result.returncode == 2 and "--step-cache" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_serve_with_magcache_is_runtime_run_with_magcache(tiny, tmp_path):
+    """`runtime serve --cache magcache` on the step-cache build: a request's frames equal
+    `runtime run --cache magcache` of the same request bit for bit, a run that skipped steps,
+    and differ from the uncached run's (the cache acted in the server)."""
+    root, _ = tiny
+    cache = _magcache_args(tmp_path, MAG_RATIOS)
+    request = ["--steps", str(STEPS), "--guidance", str(GUIDANCE), "--seed", "5"]
+
+    def run(name: str, *cache_args: str) -> np.ndarray:
+        run_cli("runtime", "run", "--artifacts", str(root / "artifacts"), "--weights",
+                str(root / "one"), *SHAPE, *PROMPTS_ARGS, *request, "--build",
+                _step_cache_build(root, "one"), "--save-frames", str(tmp_path / f"{name}.npy"),
+                "--out", str(tmp_path / f"{name}.mp4"), "--report",
+                str(tmp_path / f"{name}.json"), *cache_args)  # fmt: skip
+        return np.load(tmp_path / f"{name}.npy")[0]
+
+    cached, uncached = run("cached", *cache), run("uncached")
+    with serving(root / "artifacts", root / "one", tmp_path / "out", "--build",
+                 _step_cache_build(root, "one"), "--batch-window", "0", "--save-frames",
+                 *cache) as server:  # fmt: skip
+        video = server.post({**PROMPTS, "size": f"{WIDTH}x{HEIGHT}", "frames": FRAMES,
+                             "steps": STEPS, "guidance": GUIDANCE, "seed": 5}).json()  # fmt: skip
+        server.wait([video["id"]])
+        answer = server.client.get(
+            f"/v1/videos/{video['id']}/content", params={"variant": "frames"}
+        )
+    served = np.load(io.BytesIO(answer.content))
+    np.testing.assert_array_equal(served, cached)
+    assert json.loads((tmp_path / "cached.json").read_text())["cache"]["skipped_steps"]
+    assert np.any(served != uncached)
