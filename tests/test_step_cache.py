@@ -360,3 +360,14 @@ def test_serve_with_magcache_is_runtime_run_with_magcache(tiny, tmp_path):
     np.testing.assert_array_equal(served, cached)
     assert json.loads((tmp_path / "cached.json").read_text())["cache"]["skipped_steps"]
     assert np.any(served != uncached)
+
+
+def test_aot_check_passes_the_step_cache_builds(tiny):
+    """`aot check` reads a step-cache build's programs (cache_step, cached_step) like any."""
+    root, _ = tiny
+    result = run_cli("aot", "check", str(root / "artifacts"))
+    builds = [name for name in _builds(root, "") if not name.startswith(".")]
+    assert sum(name.endswith("_stepcache") for name in builds) == 4
+    assert f"{len(builds)} build(s) pass" in result.stdout
+    for name in builds:
+        assert name in result.stdout
