@@ -115,7 +115,8 @@ def cli() -> None:
 @click.option(
     "--save-frames",
     type=click.Path(path_type=Path),
-    help="Write the uint8 frames (B, F, H, W, 3) as .npy (.npy is appended unless given).",
+    help="Also write the uint8 frames (B, F, H, W, 3) as .npy (.npy is appended unless given): "
+    "the video without the codec's loss, for quality metrics (PSNR, FVD) and comparisons.",
 )
 @click.option(
     "--report", "report_path", type=click.Path(path_type=Path), help="Write a JSON report."

@@ -103,7 +103,8 @@ from wan.presets import model_spec
     "--save-frames",
     is_flag=True,
     help="Keep each video's uint8 frames (F, H, W, 3) as .npy beside its MP4 "
-    "(GET /v1/videos/ID/content?variant=frames).",
+    "(GET /v1/videos/ID/content?variant=frames): the video without the codec's loss, for "
+    "quality metrics and evaluation tools.",
 )
 @click.option(
     "--api-key",

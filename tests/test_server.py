@@ -27,6 +27,7 @@ from runtime.build_options import OPTIONS
 from runtime.cli_serve import _serving_builds
 from runtime.job_store import DATABASE, JobStore, QueueFull
 from runtime.loader import Present, Request, serving_routes
+from runtime.outputs import write_videos
 from runtime.pipeline import Pipeline
 from runtime.request import initial_latents
 from wan.configs import ModelConfig, VideoShape
@@ -181,6 +182,11 @@ def test_concurrent_requests_share_batches_and_equal_runtime_run(
             assert decode(tmp_path / f"{v['id']}.mp4").shape == (5, 96, 64, 3)
             raw = server.client.get(f"/v1/videos/{v['id']}/content", params={"variant": "frames"})
             frames.append(np.load(io.BytesIO(raw.content), allow_pickle=False))
+            # The MP4 is these frames: the one writer's MP4 of them decodes to the same pixels.
+            write_videos([frames[-1]], [tmp_path / "expected.mp4"], fps=16)
+            np.testing.assert_array_equal(
+                decode(tmp_path / f"{v['id']}.mp4"), decode(tmp_path / "expected.mp4")
+            )
         assert server.client.get("/healthz").status_code == 200
 
     # Each video equals `runtime run` of its request on the batch-1 build: the first through the
