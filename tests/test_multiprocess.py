@@ -148,3 +148,15 @@ def test_missing_process_is_a_one_line_error(artifacts, tmp_path, tiny_weights):
                          "--process-id", str(process_id), "--join-timeout", "2", check=False)  # fmt: skip
         assert result.returncode == 2 and message in result.stderr, result.stderr
         assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_serve_refuses_a_multi_process_build(artifacts, tiny_weights, tmp_path):
+    """`runtime serve` runs on one host: a build for two processes is refused, exit 2, with
+    the reason and what to run instead."""
+    (multi,) = [p.name for p in artifacts.iterdir() if "_cpu-2x4_" in p.name]
+    result = run_cli("runtime", "serve", "--artifacts", str(artifacts), "--weights",
+                     str(tiny_weights), "--build", multi, "--out-dir", str(tmp_path / "out"),
+                     "--port", "0", check=False)  # fmt: skip
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"build {multi} cannot serve" in result.stderr.splitlines()[0]
+    assert f"{multi}: a 2-process job, this one has 1" in result.stderr
