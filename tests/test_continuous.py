@@ -11,6 +11,7 @@ import signal
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from conftest import SMALL, run_cli, save_tiny_diffusers_pipeline
@@ -183,3 +184,33 @@ def test_what_continuous_batching_does_not_do_is_one_line(continuous_build, tiny
                      "--cache", "magcache", check=False)  # fmt: skip
     assert cached.returncode != 0 and "with a continuous build" in cached.stderr
     assert "Traceback" not in cached.stderr
+
+
+def test_weights_are_placed_once_per_distinct_sharding(
+    continuous_build, small_builds, tiny_weights
+):
+    """Builds loaded with one `placed` (as runtime serve loads its builds): a component whose
+    tensors have the same shardings in two builds is the same arrays (read and placed once);
+    one whose shardings differ is placed for each."""
+    from runtime.loader import read_builds
+
+    config = ModelConfig.from_folder(tiny_weights)
+    found = {folder.name: (folder, manifest) for folder, manifest in
+             [*read_builds(small_builds), *read_builds(continuous_build)]}  # fmt: skip
+    placed: dict = {}
+    pipes = {name: Pipeline.from_build(*build, tiny_weights, config, placed=placed)
+             for name, build in found.items()}  # fmt: skip
+    assert len(pipes) == 3
+    names = sorted(pipes)
+
+    def leaves(name: str) -> list:
+        return jax.tree.leaves(pipes[name].params["transformer"])
+
+    pairs = {"shared": 0, "apart": 0}
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            same = [x.sharding for x in leaves(a)] == [y.sharding for y in leaves(b)]
+            shared = all(x is y for x, y in zip(leaves(a), leaves(b), strict=True))
+            assert shared == same, (a, b)
+            pairs["shared" if shared else "apart"] += 1
+    assert pairs == {"shared": 1, "apart": 2}, pairs  # the two batch-2 builds; the batch-1 one
