@@ -237,6 +237,23 @@ def test_full_queue_cancel_and_sigterm_drain(small_builds, tiny_weights, tmp_pat
     assert all(decode(store.video_path(j.id)).shape[0] == 5 for j in jobs)
 
 
+def test_a_drain_past_its_timeout_leaves_the_batch_queued(small_builds, tiny_weights, tmp_path):
+    """SIGTERM while a long batch runs, --drain-timeout 1: the server stops within seconds, not
+    after the batch; its videos are queued again (the store says so at once, the log too)."""
+    out = tmp_path / "out"
+    with serving(small_builds, tiny_weights, out, "--batch-window", "0",
+                 "--drain-timeout", "1") as server:  # fmt: skip
+        long = server.post(request(0, steps=400)).json()
+        server.wait([long["id"]], ("in_progress",))
+        server.proc.send_signal(signal.SIGTERM)
+        start = time.monotonic()
+        assert server.proc.wait(timeout=60) == 0, server.log.read_text()
+        assert time.monotonic() - start < 30
+    assert "the batch in flight was not finished, it stays queued" in server.log.read_text()
+    [job] = JobStore(out).page()[0]
+    assert (job.id, job.status) == (long["id"], "queued")
+
+
 def test_kill_9_mid_batch_then_restart(small_builds, tiny_weights, tmp_path):
     """kill -9 while the second batch runs: a restart serves the completed videos and completes
     the others; no partial MP4 is ever visible."""
