@@ -24,6 +24,7 @@ from conftest import (
     tiny_wan22_vae,
 )
 from flax import nnx
+from test_server import serving
 from test_sharding import CPU8, place, single_device, vae_mesh
 
 from aot import hlo
@@ -229,6 +230,20 @@ def test_prompts_file_videos_play_at_the_model_frame_rate(ti2v_folder, ti2v_buil
             "--res", f"{width}x{height}", "--frames", str(FRAMES), "--steps", "1",
             "--guidance", str(GUIDANCE), "--prompts", str(tmp_path / "p.jsonl"))  # fmt: skip
     assert [_fps(tmp_path / f"v{i}.mp4") for i in range(2)] == [24, 24]
+
+
+def test_served_videos_play_at_the_model_frame_rate(ti2v_folder, ti2v_builds, tmp_path):
+    """`runtime serve` of the TI2V builds writes its MP4s at 24 fps, and the video object's
+    `seconds` counts at 24 fps too."""
+    width, height = SHAPES["portrait"]
+    with serving(ti2v_builds, ti2v_folder, tmp_path / "out", "--batch-window", "0") as server:
+        video = server.post({"prompt": "a red cat", "size": f"{width}x{height}",
+                             "frames": FRAMES, "steps": 1}).json()  # fmt: skip
+        [done] = server.wait([video["id"]])
+        content = server.client.get(f"/v1/videos/{video['id']}/content")
+    assert float(done["seconds"]) == pytest.approx((FRAMES - 1) / 24)
+    (tmp_path / "served.mp4").write_bytes(content.content)
+    assert _fps(tmp_path / "served.mp4") == 24
 
 
 # ----------------------------------------------------------------------------------------------
