@@ -71,7 +71,7 @@ _BUILD_OPTIONS = [
     click.option(
         option.flag,
         option.name,
-        default=option.default,
+        default=option.flag_default or option.default,
         show_default=not option.is_flag,
         help=option.help.format(vae_vmem_mib=targets.VAE_VMEM_MIB),
         **(

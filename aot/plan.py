@@ -75,9 +75,14 @@ def plan_build(
     defaults where not given."""
     check_model_name(model_name)
     check_shape(config, shape)
+    plain["pipeline"] = choose_pipeline(plain.get("pipeline"), config, model_name)
     options = plain_option_values(plain)
     quant_mode = dict(options)["quant"]
     check_quant(quant_mode, target)
+    if dict(options)["continuous"] and dict(options)["pipeline"] != "t2v":
+        raise BuildError(
+            "--continuous builds text to video only: build image to video without --continuous"
+        )
     if dict(options)["continuous"] and dict(options)["step_cache"]:
         raise BuildError(
             "--continuous with --step-cache: a continuous batch's videos are at different steps, "
@@ -120,6 +125,19 @@ def plan_build(
         options=options,
     )
     return BuildPlan(config, shape, target, layout, attention, key, mesh == default)
+
+
+def choose_pipeline(requested: str | None, config: ModelConfig, model_name: str) -> str:
+    """The pipeline variant of a build: `auto` (None) is the model's own; another is refused
+    (a text-to-video model has no image path, an image-to-video model needs its image)."""
+    if requested in (None, "auto"):
+        return config.pipeline
+    if requested != config.pipeline:
+        raise BuildError(
+            f"--pipeline {requested}: {model_name} runs the {config.pipeline} pipeline: use "
+            f"--pipeline {config.pipeline} (or leave it out)"
+        )
+    return requested
 
 
 def check_model_name(name: str) -> None:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from runtime import images
 from runtime.artifact import BuildKey
 from runtime.request import MAX_SEED, RequestError, check_text
 from wan.bounded_read import parse_json, read_bytes
@@ -29,6 +30,7 @@ class Video:
     prompt: str
     negative_prompt: str = ""
     seed: int = 0
+    image: Path | None = None  # image to video's first frame (checked by runtime.images)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,12 +101,16 @@ def generate_batch(
     if not 0 < len(videos) <= batch:
         raise RequestError(f"a batch holds 1 to {batch} videos, not {len(videos)}")
     slots = [*videos, *[videos[-1]] * (batch - len(videos))]
+    given = [v.image is not None for v in slots]
+    if any(given) and not all(given):
+        raise RequestError("some videos of the batch have an image and others none: give each one")
     frames, report = pipe.generate(
         [v.prompt for v in slots],
         [v.negative_prompt for v in slots],
         seed=[v.seed for v in slots],
         on_step=on_step,
         cache=cache,
+        **({"images": [images.read_image(v.image) for v in slots]} if any(given) else {}),
         **dataclasses.asdict(settings),
     )
     return frames[: len(videos)], report
@@ -118,7 +124,7 @@ class PromptLine:
     out: Path
 
 
-PROMPT_FIELDS = {"prompt": str, "negative_prompt": str, "seed": int, "out": str}
+PROMPT_FIELDS = {"prompt": str, "negative_prompt": str, "seed": int, "out": str, "image": str}
 MAX_PROMPT_LINES = 100_000
 MAX_PROMPTS_BYTES = 64 << 20  # 100,000 lines of 670 bytes
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")
@@ -137,7 +143,7 @@ def read_prompts_file(
     )
     base = (path.parent if out_dir is None else out_dir).resolve()
     found = [
-        _prompt_line(f"--prompts {path} line {number}", line, default_seed, base)
+        _prompt_line(f"--prompts {path} line {number}", line, default_seed, base, path.parent)
         for number, line in enumerate(data.splitlines(), 1)
         if line.strip()
     ]
@@ -146,7 +152,11 @@ def read_prompts_file(
     return found
 
 
-def _prompt_line(where: str, line: bytes, default_seed: int, base: Path) -> PromptLine:
+def _prompt_line(
+    where: str, line: bytes, default_seed: int, base: Path, folder: Path
+) -> PromptLine:
+    """One line; its `out` inside `base`, its `image` (read and checked now, again when its
+    batch runs) relative to the prompts file's `folder`."""
     item = parse_json(
         line, lambda reason: RequestError(f"{where} {reason}: give one JSON object a line")
     )
@@ -169,10 +179,14 @@ def _prompt_line(where: str, line: bytes, default_seed: int, base: Path) -> Prom
     if not 0 <= seed <= MAX_SEED:
         shown = seed if abs(seed) < 10**30 else "of too many digits"
         raise RequestError(f"{where}: seed {shown}: give an integer in [0, {MAX_SEED}]")
-    for key in ("prompt", "negative_prompt", "out"):
+    for key in ("prompt", "negative_prompt", "out", "image"):
         check_text(f"{where}: {key}", item.get(key, ""))
+    image = None
+    if "image" in item:
+        image = folder / item["image"]
+        images.read_image(image, what=f"{where}: image")
     return PromptLine(
-        Video(item["prompt"], item.get("negative_prompt", ""), seed),
+        Video(item["prompt"], item.get("negative_prompt", ""), seed, image),
         _out_path(where, item["out"], base),
     )
 

@@ -45,6 +45,9 @@ class BuildOption:
     # A plain option that decides which programs a build holds: (the programs the options
     # before it chose, its value) -> the programs.
     programs: Callable[[tuple[str, ...], Any], tuple[str, ...]] | None = None
+    # The flag's default when it is not `default` (what a manifest without the option means):
+    # "auto", resolved against the model by aot.plan.
+    flag_default: str | None = None
 
     @property
     def default_value(self) -> Any:
@@ -113,11 +116,14 @@ _DECLARED = (
     ),
     BuildOption(
         "pipeline", "--pipeline",
-        "The programs the build holds (wan.interface.PIPELINES): t2v, text to video.",
+        "The programs the build holds (wan.interface.PIPELINES): t2v, text to video; i2v, "
+        "image to video through the image's VAE latents (Wan 2.2 I2V-A14B); i2v-clip, and its "
+        "CLIP features (Wan 2.1 I2V). auto: the model's own.",
         token=lambda k: "" if k.option("pipeline") == DEFAULT_PIPELINE else f"_{k.option('pipeline')}",
         argv=lambda k: ["--pipeline", k.option("pipeline")],
         default=DEFAULT_PIPELINE,
-        choices=tuple(PIPELINES),
+        flag_default="auto",
+        choices=("auto", *PIPELINES),
         check=json_checks.key_of(PIPELINES),
         programs=lambda _, pipeline: PIPELINES[pipeline],
     ),

@@ -21,7 +21,7 @@ import click
 import numpy as np
 from tqdm import tqdm
 
-from runtime import cli_options, cli_serve, clock, processes, step_cache
+from runtime import cli_options, cli_serve, clock, images, processes, step_cache
 from runtime.artifact import ArtifactError, Manifest
 from runtime.batching import PromptLine, Settings, generate_batch, read_prompts_file
 from runtime.cli_args import TRUSTED_KEY, CliError, OneLineErrors, parse_resolution
@@ -36,10 +36,11 @@ from runtime.outputs import (
     write_npy,
     write_videos,
 )
-from runtime.request import MAX_SEED, latent_shape, read_init_noise
+from runtime.request import MAX_SEED, check_image, latent_shape, read_init_noise
 from runtime.signing import TrustedKey
 from runtime.step_cache import CacheRequest, write_mag_ratios
 from runtime.video import video_paths
+from wan import interface
 from wan.configs import SAMPLERS, ModelConfig, VideoShape
 from wan.presets import model_spec
 
@@ -108,6 +109,13 @@ def cli() -> None:
     help="Two-expert models: a LoRA for the low-noise expert (transformer_2).",
 )
 @click.option(
+    "--image",
+    "image_path",
+    type=click.Path(path_type=Path),
+    help="Image to video: the first frame (PNG, JPEG or WebP; EXIF rotation applied, cropped "
+    "to the build's aspect ratio and resized to its size, as runtime.images says).",
+)
+@click.option(
     "--init-noise",
     type=click.Path(path_type=Path, exists=True, dir_okay=False),
     help="Latents (B, C, T, H/8, W/8) float32 .npy.",
@@ -156,7 +164,8 @@ def cli() -> None:
 def run_cmd(
     artifacts, weights, prompt, prompts_file, out_dir, negative_prompt, resolution, frames, batch,
     steps, guidance,
-    guidance_2, seed, sampler, shift, lora_args, lora_2_args, init_noise, save_frames, report_path,
+    guidance_2, seed, sampler, shift, lora_args, lora_2_args, image_path, init_noise, save_frames,
+    report_path,
     out, build_name, cache, cache_threshold, cache_max_skip, cache_retention, mag_ratios,
     calibrate_path, coordinator, num_processes, process_id, join_timeout, trusted_keys,
 ) -> None:  # fmt: skip
@@ -186,10 +195,13 @@ def run_cmd(
         cli_options.loras(lora_2_args, "--lora-2"),
     )
     inputs = [(weights, "--weights"), (artifacts, "--artifacts"), (prompts_file, "--prompts"),
-              (init_noise, "--init-noise"), (mag_ratios, "--mag-ratios"),
+              (init_noise, "--init-noise"), (mag_ratios, "--mag-ratios"), (image_path, "--image"),
               *((path, "--lora") for path, _ in loras),
               *((path, "--lora-2") for path, _ in loras_2)]  # fmt: skip
     check_not_inputs(outputs, [(path, option) for path, option in inputs if path is not None])
+    if image_path is not None and lines is not None:
+        raise CliError('--image is for --prompt; a --prompts line gives its own ("image")')
+    image = None if image_path is None else images.read_image(image_path, what="--image")
     try:
         config = ModelConfig.from_folder(weights)
         request = Request(VideoShape(width, height, frames, batch, guidance > 1.0), config.hash())
@@ -208,6 +220,10 @@ def run_cmd(
     cache_request = step_cache.resolve(
         manifest.key, cache_request, config.num_experts, model_spec(config, weights), artifacts
     )
+    if lines is None:
+        check_image(manifest.key.programs, folder.name, image is not None)
+    if image is not None:  # an aspect ratio the build cannot take is refused before the load
+        images.check_fit(image, width, height, what="--image")
     from runtime.pipeline import Pipeline
     from wan.tokenizer import TokenizerError
     from wan.weights import WeightError
@@ -223,7 +239,7 @@ def run_cmd(
             videos, report = pipe.generate(
                 prompt, negative_prompt, steps=steps, guidance=guidance, guidance_2=guidance_2,
                 seed=seed, init_noise=noise, on_step=on_step, sampler=sampler, shift=shift,
-                cache=cache_request,
+                cache=cache_request, images=image,
             )  # fmt: skip
     except (ArtifactError, lora.LoraError, WeightError, TokenizerError, ValueError, OSError) as e:
         raise CliError(str(e)) from None
@@ -254,8 +270,9 @@ def _matcher(
             )
             verify_signed(*found, trusted)
             for specs in lora_specs:
+                transformer = interface.first_program_taking("transformer", found[1].key.programs)
                 lora.check(
-                    specs, found[1].parameter_shapes("kv_cache"), kind=config.transformer.kind
+                    specs, found[1].parameter_shapes(transformer), kind=config.transformer.kind
                 )
             return found
         except (ArtifactError, lora.LoraError, OSError) as e:

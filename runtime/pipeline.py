@@ -18,12 +18,19 @@ from typing import Any
 
 import jax
 import numpy as np
+from PIL.Image import Image as PILImage
 
-from runtime import clock
+from runtime import clock, images
 from runtime.artifact import ArtifactError, BuildKey, Manifest
 from runtime.denoise import Denoiser, place
 from runtime.loader import Present, Request, load_build, match_build
-from runtime.request import RequestError, check_settings, check_text, initial_latents
+from runtime.request import (
+    RequestError,
+    check_image,
+    check_settings,
+    check_text,
+    initial_latents,
+)
 from runtime.signing import TrustedKey
 from runtime.step_cache import CacheOutcome, CacheRequest, StepCache, resolve
 from wan import checkpoint, interface, lora, schedulers, tokenizer
@@ -142,6 +149,9 @@ class Pipeline:
         self.key, self.name = key, name
         self.loras = list(loras)  # merged into `params`
         self.load_phases: dict[str, float] = {}  # set by from_build
+        self.clip: images.ClipProcessor | None = None  # an i2v-clip build's, set by assemble
+        # The program that makes what every step reads (image to video: with the image's).
+        self.kv_program = "image_kv_cache" if "image_kv_cache" in key.programs else "kv_cache"
 
     @classmethod
     def load(
@@ -209,7 +219,7 @@ class Pipeline:
         # Placed as the first program taking them wants them: the build gives every program of
         # a component the same parameter shardings.
         abstracts = {}
-        for component in interface.components(config.num_experts):
+        for component in interface.components(config.num_experts, key.programs):
             program = interface.first_program_taking(component, key.programs)
             info, shardings = (
                 interface.named(program, inputs)["params"]
@@ -240,7 +250,10 @@ class Pipeline:
             placed.update({keys[c]: load.result() for c, load in loads.items()})
             tok = tok.result()
         params = {c: placed[keys[c]] for c in abstracts}
-        return cls(executables, params, config, tok, key, name, applied)
+        pipe = cls(executables, params, config, tok, key, name, applied)
+        if "image_encode" in key.programs:
+            pipe.clip = _clip_processor(weights, config.image_encoder.image_size)
+        return pipe
 
     def input_sharding(self, program: str, name: str) -> Any:
         return interface.named(program, self.exe[program].input_shardings[0])[name]
@@ -263,10 +276,13 @@ class Pipeline:
         sampler: str | None = None,
         shift: float | None = None,
         cache: CacheRequest | None = None,
+        images: PILImage | Sequence[PILImage] | None = None,
     ) -> tuple[np.ndarray, GenerationReport]:
         """uint8 frames (B, F, H, W, 3). `init_noise` in the diffusers layout (B, C, T, h, w);
         else the noise of the whole batch from `seed`, or with one seed per video (a list), each
         video's from its own (video i then equals a batch-1 generation with seed[i]).
+        `images`: an image-to-video build's first frames (RGB images, `runtime.images`), one
+        for the whole batch or one per video.
 
         `sampler` (wan.configs.SAMPLERS) and the flow `shift` default to the model's scheduler;
         both only change the host-side step tables, so any build serves any choice (the
@@ -279,6 +295,7 @@ class Pipeline:
                 "`runtime serve` runs: for `runtime run`, build without --continuous"
             )
         check_settings(guidance, guidance_2, shift)
+        pictures = self._images(images)
         cache = resolve(
             self.key, cache, self.config.num_experts, model_spec(self.config, self.key.model)
         )
@@ -297,7 +314,11 @@ class Pipeline:
         with no_compilation() as counter:
             emb = self.encode(texts)
             marks["text_encode"] = time.perf_counter() - start
-            kv = self.kv_caches(emb, experts)
+            conditioning = {}
+            if pictures is not None:
+                conditioning = self.image_conditioning(pictures)
+                marks["image_encode"] = time.perf_counter() - start
+            kv = self.kv_caches(emb, experts, conditioning)
             marks["kv_cache"] = time.perf_counter() - start
             x = self._denoise(latents, state, tables, kv, expert_at, on_step, denoiser)
             marks["denoise"] = time.perf_counter() - start
@@ -389,12 +410,50 @@ class Pipeline:
             ids=place(ids, self.input_sharding("text_encode", "ids")),
             mask=place(mask, self.input_sharding("text_encode", "mask")),
         )["embeddings"]
-        return handoff(jax.block_until_ready(emb), self.input_sharding("kv_cache", "embeddings"))
+        return handoff(
+            jax.block_until_ready(emb), self.input_sharding(self.kv_program, "embeddings")
+        )
 
-    def kv_caches(self, emb: jax.Array, experts: list[str]) -> dict[str, Any]:
-        """Every layer's cross-attention keys and values, per expert."""
+    def _images(self, given: PILImage | Sequence[PILImage] | None) -> list[PILImage] | None:
+        """One image per video of the batch, checked against the build's pipeline."""
+        check_image(self.key.programs, self.name, given is not None)
+        if given is None:
+            return None
+        batch = self.key.batch
+        pictures = [given] * batch if isinstance(given, PILImage) else list(given)
+        if len(pictures) != batch:
+            raise RequestError(f"this build generates batches of {batch} videos, one image each")
+        return pictures
+
+    def image_conditioning(self, pictures: list[PILImage]) -> dict[str, Any]:
+        """image_kv_cache's image inputs: the images' VAE condition and (a model with an image
+        encoder) their CLIP features, each on the devices as that program takes it."""
+        width, height = self.key.width, self.key.height
+        pixels = np.stack([images.condition_pixels(p, width, height) for p in pictures])
+        condition = self.run(
+            "vae_encode",
+            params=self.params["vae_encoder"],
+            image=place(pixels, self.input_sharding("vae_encode", "image")),
+        )["condition"]
+        features = None
+        if self.clip is not None:
+            clip = np.stack([images.clip_pixels(p, self.clip) for p in pictures])
+            features = self.run(
+                "image_encode",
+                params=self.params["image_encoder"],
+                pixels=place(clip, self.input_sharding("image_encode", "pixels")),
+            )["image_embeddings"]
+            features = handoff(features, self.input_sharding(self.kv_program, "image_embeddings"))
+        return jax.block_until_ready({"image_embeddings": features, "condition": condition})
+
+    def kv_caches(
+        self, emb: jax.Array, experts: list[str], conditioning: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """What every step reads, per expert: every layer's cross-attention keys and values
+        (and an image-to-video build's condition, from `conditioning`)."""
+        inputs = {"embeddings": emb, **(conditioning or {})}
         return jax.block_until_ready(
-            {e: self.run("kv_cache", params=self.params[e], embeddings=emb)["kv"] for e in experts}
+            {e: self.run(self.kv_program, params=self.params[e], **inputs)["kv"] for e in experts}
         )
 
     def _denoise(
@@ -425,7 +484,7 @@ class Pipeline:
                 dict(
                     params=self.params[expert],
                     latents=out["latents"],
-                    kv=tuple(handoff(a, s) for a, s in zip(kv[expert], step_in["kv"], strict=True)),
+                    kv=jax.tree.map(handoff, kv[expert], step_in["kv"]),
                     row={k: place(v, step_in["row"][k]) for k, v in tables.row(i).items()},
                     state=out["state"],
                     guidance=place(np.float32(scale), step_in["guidance"]),
@@ -450,6 +509,22 @@ class Pipeline:
             self.input_sharding("vae_decode", "latents"),
         )
         return np.asarray(self.run("vae_decode", params=self.params["vae"], latents=x)["frames"])
+
+
+def _clip_processor(weights: str | Path, size: int) -> images.ClipProcessor:
+    """The image processor of a weights folder (a diffusers folder's `image_processor`), else
+    OpenAI CLIP's at the image encoder's size; its crop must be the encoder's input."""
+    if (Path(weights) / "image_processor").is_dir():
+        processor = images.ClipProcessor.read(weights)
+    else:
+        processor = images.ClipProcessor(shortest_edge=size, crop_height=size, crop_width=size)
+    if (processor.crop_height, processor.crop_width) != (size, size):
+        raise InputError(
+            f"{weights}: the image processor crops {processor.crop_width}x"
+            f"{processor.crop_height}, the image encoder takes {size}x{size}: restore the "
+            "model's original image_processor/preprocessor_config.json"
+        )
+    return processor
 
 
 def _placement(component: str, abstract: Any) -> tuple[Any, ...]:

@@ -137,3 +137,16 @@ def initial_latents(shape: tuple[int, ...], seed: int, init_noise: np.ndarray | 
     else:
         noise = checked_noise(init_noise, shape)
     return np.ascontiguousarray(noise.transpose(0, 2, 3, 4, 1))
+
+
+def check_image(programs: tuple[str, ...], build: str, given: bool) -> None:
+    """An image exactly when the build (holding `programs`) makes videos from one."""
+    if "vae_encode" not in programs and given:
+        raise RequestError(
+            f"build {build} is text to video and takes no image: build an image-to-video "
+            "model (its own pipeline: `aot build --pipeline auto`) for the image"
+        )
+    if "vae_encode" in programs and not given:
+        raise RequestError(
+            f"build {build} is image to video: give an image (--image FILE, `images=`)"
+        )

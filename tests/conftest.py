@@ -91,11 +91,13 @@ def tiny_weights(shared_dir) -> Path:
     return folder
 
 
-def _transformer(channels: int = 16):
+def _transformer(channels: int = 16, in_channels: int | None = None, image_dim: int | None = None):
     model = WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=channels,
-        out_channels=channels, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2,
-        cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=1024,
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16,
+        in_channels=in_channels or channels, out_channels=channels, text_dim=32, freq_dim=32,
+        ffn_dim=64, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=1024, image_dim=image_dim,
+        added_kv_proj_dim=None if image_dim is None else 32,
     )  # fmt: skip
     with torch.no_grad():  # make the zero/one-initialised norms and tables matter
         for name, p in model.named_parameters():
@@ -107,6 +109,53 @@ def _transformer(channels: int = 16):
             if "text_embedder" in name or "attn2.to_out" in name:
                 p.mul_(TEXT_GAIN)
     return model
+
+
+I2V_CHANNELS = 16 + 4 + 16  # the latents, the mask, the image's latents
+CLIP_SIZE = 28  # a tiny CLIP: 2x2 patches of 14 pixels and the class token
+
+
+def save_tiny_i2v_pipeline(folder, clip: bool) -> None:
+    """A tiny diffusers WanImageToVideoPipeline with random weights, saved: Wan 2.1's kind
+    (`clip`: a CLIP vision model, image features in every cross-attention) or Wan 2.2
+    I2V-A14B's (two experts, the image through its latents only)."""
+    from diffusers import WanImageToVideoPipeline
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    torch.manual_seed(0)
+    image_parts = {"image_encoder": None, "image_processor": None}
+    if clip:
+        encoder = CLIPVisionModel(
+            CLIPVisionConfig(
+                hidden_size=24, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                image_size=CLIP_SIZE, patch_size=14, hidden_act="gelu", projection_dim=16,
+            )
+        ).eval()  # fmt: skip
+        processor = CLIPImageProcessor(
+            size={"shortest_edge": CLIP_SIZE}, crop_size={"height": CLIP_SIZE, "width": CLIP_SIZE}
+        )
+        image_parts = {"image_encoder": encoder, "image_processor": processor}
+    experts = 1 if clip else 2
+    transformers = [
+        _transformer(in_channels=I2V_CHANNELS, image_dim=24 if clip else None)
+        for _ in range(experts)
+    ]
+    with torch.no_grad():  # at its init the image moves the frames by little: the condition's
+        for model in transformers:  # channels x10 make another image move them well past it
+            model.patch_embedding.weight[:, 16:].mul_(10.0)
+    pipe = WanImageToVideoPipeline(
+        tokenizer=build_word_tokenizer(folder / "_tokenizer", vocab_size=256),
+        text_encoder=_text_encoder(),
+        vae=AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1),
+        scheduler=UniPCMultistepScheduler(
+            prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
+        ),
+        transformer=transformers[0],
+        transformer_2=transformers[1] if experts == 2 else None,
+        boundary_ratio=None if clip else 0.9,
+        **image_parts,
+    )
+    pipe.save_pretrained(folder)
 
 
 def _text_encoder():

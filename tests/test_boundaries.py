@@ -53,9 +53,10 @@ def test_wan_imports_neither_aot_nor_the_runtime():
 
 
 def test_the_request_checks_load_no_jax():
-    """What the CLI checks before jax starts (a request, its step caching, its outputs) imports
-    no jax: a bad request is refused in the time Python takes to start."""
+    """What the CLI checks before jax starts (a request, its step caching, its outputs, its
+    image) imports no jax: a bad request is refused in the time Python takes to start."""
     loaded = _loaded_after_importing(
-        ["runtime.step_cache", "runtime.request", "runtime.outputs", "runtime.build_options"]
-    )
+        ["runtime.step_cache", "runtime.request", "runtime.outputs", "runtime.build_options",
+         "runtime.images"]
+    )  # fmt: skip
     assert "numpy" in loaded and _top(loaded, ("jax", "jaxlib", "flax")) == set()

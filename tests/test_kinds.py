@@ -321,7 +321,7 @@ def test_a_vae_of_another_model_is_refused(tiny_folder, tmp_path):
     folder = _edited(tiny_folder, tmp_path, "vae/config.json", lambda r: r.update(TI2V_5B_VAE))
     with pytest.raises(WeightError) as error:
         ModelConfig.from_folder(folder)
-    assert "transformer: in_channels is 16, but the wan2.2 VAE's latents have 48" in str(
+    assert "transformer: in_channels 16 and out_channels 16, but the wan2.2 VAE's latents " in str(
         error.value
     )
     assert "\n" not in str(error.value)
@@ -343,7 +343,10 @@ def test_a_vae_of_another_model_is_refused(tiny_folder, tmp_path):
          'expand_timesteps is "yes", this project implements only false or true'),
         ("model_index.json", lambda r: r.update(vae=["diffusers", "AutoencoderKLQwenImage"]),
          "reads a AutoencoderKLWan only"),
-        ("transformer/config.json", lambda r: r.update(image_dim=1280), "image_dim is 1280"),
+        ("transformer/config.json", lambda r: r.update(image_dim=1280),
+         "image_dim and added_kv_proj_dim are set together"),
+        ("transformer/config.json", lambda r: r.update(pos_embed_seq_len=514),
+         "pos_embed_seq_len is 514, this project implements only null"),
         ("transformer/config.json", lambda r: r.update(qk_norm="rms_norm"),
          'qk_norm is "rms_norm"; the per_video transformer implements only'),
         ("text_encoder/config.json", lambda r: r.update(model_type="t5"), 'model_type is "t5"'),

@@ -84,7 +84,9 @@ def test_size_rules_are_one_line_errors(model, shape, phrase):
 
 
 def test_mismatched_transformer_and_vae_are_refused():
-    with pytest.raises(ValueError, match="in_channels is 16, but the wan2.2 VAE's latents"):
+    with pytest.raises(
+        ValueError, match="in_channels 16 and out_channels 16, but the wan2.2 VAE's latents"
+    ):
         dataclasses.replace(PRESETS["wan2.1-t2v-14b"], vae=VAE22Config()).validate()
     for preset in PRESETS.values():
         assert preset.validate() is preset

@@ -119,10 +119,10 @@ def read_host(
         if not (path / PARAMS).is_file():
             raise weights.WeightError(f"checkpoint {folder} has no {component}/{PARAMS}")
         return _read_params(path / PARAMS, flat_abstract, quantized)
-    source = folder / component
+    source = folder / kinds.ENCODE_HALVES.get(component, component)  # an encode half's: its VAE's
     if not source.is_dir():
         raise weights.WeightError(
-            f"{folder} has no {component}/ (expected a diffusers-format folder)"
+            f"{folder} has no {source.name}/ (expected a diffusers-format folder)"
         )
     # A diffusers folder holds full precision: the 8-bit kernels are imported as their layer's
     # precision and quantized at placement; their scales are made there.
@@ -133,7 +133,7 @@ def read_host(
         if p not in made
     }
     # The tensor names of a diffusers folder are its component kind's (config.json says which).
-    rule = kinds.of(diffusers_component(folder, component)).weight_rule
+    _, rule = kinds.of(diffusers_component(folder, component)).half(component)
     return weights.import_folder(source, expected, rule), quantized
 
 

@@ -57,6 +57,9 @@ WAN22_LATENTS_STD = (
 )  # fmt: skip
 
 
+# Fields of a component's config left out of the model's dict (and so of its hash) while None:
+# added after models were hashed without them.
+UNSET_OMITTED = frozenset({"image_dim", "added_kv_proj_dim"})
 CHECKPOINT_MARKER = "wan_checkpoint.json"  # a project checkpoint's metadata (wan.checkpoint)
 DTYPES = ("float32", "bfloat16", "float16")  # what a model's weights and activations may use
 MAX_CONFIG_BYTES = 16 << 20  # a config.json is a few KiB; a bigger one is not a config
@@ -112,6 +115,11 @@ class TransformerConfig(ComponentConfig):
     qk_norm: str | None = "rms_norm_across_heads"
     eps: float = 1e-6
     rope_max_seq_len: int = 1024
+    # Wan 2.1 image to video: the width of the CLIP image features and of the keys and values
+    # every cross-attention makes of them (the model's width). None: no image features. Left
+    # out of the model's dict (and hash) when None, as before they existed (`UNSET_OMITTED`).
+    image_dim: int | None = None
+    added_kv_proj_dim: int | None = None
 
     @property
     def inner_dim(self) -> int:
@@ -134,10 +142,19 @@ class TransformerConfig(ComponentConfig):
             f"qk_norm is {excerpt(self.qk_norm)}; the {self.kind} transformer implements only "
             '"rms_norm_across_heads"',
         )
+        require(
+            (self.image_dim is None) == (self.added_kv_proj_dim is None),
+            "image_dim and added_kv_proj_dim are set together (image features) or neither",
+        )
+        require(
+            self.added_kv_proj_dim in (None, self.inner_dim),
+            f"added_kv_proj_dim is {self.added_kv_proj_dim}, expected the model's width "
+            f"{self.inner_dim}: the image keys and values are made of the embedded features",
+        )
 
     def fixed_values(self) -> dict[str, tuple[Any, ...]]:
-        # The image-to-video (image_dim, added_kv_proj_dim) and first-last-frame models.
-        return {"image_dim": (None,), "added_kv_proj_dim": (None,), "pos_embed_seq_len": (None,)}
+        # The first-last-frame model's position table for its two images.
+        return {"pos_embed_seq_len": (None,)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,6 +277,58 @@ class TextEncoderConfig(ComponentConfig):
         }
 
 
+@dataclasses.dataclass(frozen=True)
+class ImageEncoderConfig(ComponentConfig):
+    """transformers `CLIPVisionConfig`: Wan 2.1 image to video's CLIP ViT-H/14, whose
+    penultimate layer's hidden states are the image features."""
+
+    component: ClassVar[str] = "image_encoder"
+    kind: ClassVar[str] = "clip_vision"
+    # The activations implemented: GELU (exact, erf) and x * sigmoid(1.702 x).
+    ACTIVATIONS: ClassVar[tuple[str, ...]] = ("gelu", "quick_gelu")
+
+    hidden_size: int = 1280
+    intermediate_size: int = 5120
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 16
+    image_size: int = 224
+    patch_size: int = 14
+    num_channels: int = 3
+    hidden_act: str = "gelu"
+    layer_norm_eps: float = 1e-5
+    projection_dim: int = 1024  # the projection head's width: the features are taken before it
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of an image: the class token and one per patch (257 for ViT-H/14 at 224)."""
+        return (self.image_size // self.patch_size) ** 2 + 1
+
+    def validate(self) -> None:
+        require(
+            self.hidden_act in self.ACTIVATIONS,
+            f"hidden_act is {excerpt(self.hidden_act)}, the {self.kind} image encoder implements "
+            f"only {' or '.join(self.ACTIVATIONS)}",
+        )
+        require(
+            self.hidden_size % self.num_attention_heads == 0,
+            f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads "
+            f"{self.num_attention_heads}",
+        )
+        require(
+            self.patch_size <= self.image_size,
+            f"patch_size {self.patch_size} is larger than image_size {self.image_size}",
+        )
+        require(
+            2 <= self.num_hidden_layers <= 1024,
+            f"num_hidden_layers is {self.num_hidden_layers}, expected 2 to 1024 (the features are "
+            "the penultimate layer's)",
+        )
+        require(self.layer_norm_eps > 0, f"layer_norm_eps is {self.layer_norm_eps}, expected > 0")
+
+    def fixed_values(self) -> dict[str, tuple[Any, ...]]:
+        return {"model_type": ("clip_vision_model",)}
+
+
 # The samplers (wan.schedulers): 'unipc' is diffusers' UniPCMultistepScheduler, 'euler' its
 # FlowMatchEulerDiscreteScheduler. Here, jax-free, for the runtime's options and requests.
 SAMPLERS = ("unipc", "euler")
@@ -353,20 +422,51 @@ class ModelConfig:
     scheduler: SchedulerConfig
     boundary_ratio: float | None = None
     dtype: str = "bfloat16"  # weights and activations of the transformer and text encoder
+    image_encoder: ImageEncoderConfig | None = None  # Wan 2.1 image to video's CLIP
 
     def validate(self) -> Self:
         """This config, when its parts fit together: the transformer denoises the VAE's latents
         (two mismatched parts, as a config read from outside may hold, would fail deep in a
-        compile)."""
-        channels = self.vae.geometry.channels
-        for name in ("in_channels", "out_channels"):
-            value = getattr(self.transformer, name)
-            require(
-                value == channels,
-                f"transformer: {name} is {value}, but the {self.vae.kind} VAE's latents have "
-                f"{channels} channels: a transformer and a VAE of two different models",
-            )
+        compile), and takes image features exactly when the model has an image encoder."""
+        geometry = self.vae.geometry
+        channels = geometry.channels
+        # Image to video's input: the latents, the mask (one channel per frame a latent frame
+        # stands for) and the image's latents.
+        image_channels = 2 * channels + geometry.temporal
+        tc = self.transformer
+        require(
+            tc.out_channels == channels and tc.in_channels in (channels, image_channels),
+            f"transformer: in_channels {tc.in_channels} and out_channels {tc.out_channels}, but "
+            f"the {self.vae.kind} VAE's latents have {channels} channels (in_channels "
+            f"{image_channels} for image to video): a transformer and a VAE of two different "
+            "models",
+        )
+        encoder = self.image_encoder
+        require(
+            (tc.image_dim is None) == (encoder is None),
+            "the transformer takes image features but the model has no image_encoder"
+            if encoder is None
+            else "the model has an image_encoder but the transformer takes no image features",
+        )
+        require(
+            encoder is None or tc.image_dim == encoder.hidden_size,
+            f"transformer: image_dim is {tc.image_dim}, the image encoder's features are "
+            f"{encoder and encoder.hidden_size} wide",
+        )
+        require(
+            encoder is None or tc.in_channels == image_channels,
+            f"transformer: image features with in_channels {tc.in_channels}: image to video "
+            f"takes {image_channels}",
+        )
         return self
+
+    @property
+    def pipeline(self) -> str:
+        """The pipeline variant the model runs (`wan.interface.PIPELINES`): t2v, i2v (the image
+        conditions through its VAE latents) or i2v-clip (and its CLIP features)."""
+        if self.transformer.in_channels == self.vae.geometry.channels:
+            return "t2v"
+        return "i2v" if self.image_encoder is None else "i2v-clip"
 
     @property
     def num_experts(self) -> int:
@@ -382,6 +482,12 @@ class ModelConfig:
         written before kinds existed reads the same, and hashes the same."""
         raw = dataclasses.asdict(self)
         for component in kinds.COMPONENTS:
+            if raw[component] is None:  # a component the model lacks (OPTIONAL_COMPONENTS)
+                del raw[component]
+                continue
+            raw[component] = {
+                k: v for k, v in raw[component].items() if not (k in UNSET_OMITTED and v is None)
+            }
             kind = getattr(self, component).kind
             if kind != kinds.default(component):
                 raw[component] = {"kind": kind, **raw[component]}
@@ -398,7 +504,8 @@ class ModelConfig:
         not understand, is a WeightError naming its key."""
         if not isinstance(raw, dict):
             raise WeightError(f"the model is {excerpt(raw)}, expected a JSON object")
-        for key in ("name", *kinds.COMPONENTS, "scheduler"):
+        required = [c for c in kinds.COMPONENTS if c not in kinds.OPTIONAL_COMPONENTS]
+        for key in ("name", *required, "scheduler"):
             require(key in raw, f"{key} is missing")
         fields = {f.name for f in dataclasses.fields(cls)}
         for key in raw:
@@ -407,8 +514,9 @@ class ModelConfig:
         require(isinstance(raw["name"], str), f"name is {excerpt(raw['name'])}, expected a string")
         parts = {}
         for key in kinds.COMPONENTS:
-            with _key_prefix(key):
-                parts[key] = _component(key, raw[key])
+            if key in raw:
+                with _key_prefix(key):
+                    parts[key] = _component(key, raw[key])
         with _key_prefix("scheduler"):
             scheduler = SchedulerConfig.from_dict(raw["scheduler"])
         return cls(
@@ -445,7 +553,11 @@ class ModelConfig:
             scheduler = SchedulerConfig.from_diffusers(
                 read_json(sched_path) if sched_path.is_file() else {}
             )
-        parts = {component: diffusers_component(root, component) for component in kinds.COMPONENTS}
+        parts = {
+            component: diffusers_component(root, component)
+            for component in kinds.COMPONENTS
+            if component not in kinds.OPTIONAL_COMPONENTS or (root / component).is_dir()
+        }
         if boundary_ratio is not None:  # two experts of one architecture
             second = root / "transformer_2" / "config.json"
             with _in_file(second):
@@ -465,7 +577,7 @@ class ModelConfig:
 def diffusers_component(root: str | Path, folder: str) -> ComponentConfig:
     """The config of weight folder `folder` ("transformer_2": the second expert) of a
     diffusers-format model folder, read strictly."""
-    path = Path(root) / folder / "config.json"
+    path = Path(root) / kinds.ENCODE_HALVES.get(folder, folder) / "config.json"
     if not path.is_file():
         raise WeightError(f"{path} is missing: not a diffusers-format WAN folder")
     with _in_file(path), _key_prefix(folder):
@@ -495,6 +607,8 @@ PIPELINE_CLASSES: dict[str, tuple[str | None, ...]] = {
     "transformer_2": ("WanTransformer3DModel", None),
     "vae": ("AutoencoderKLWan",),
     "text_encoder": ("UMT5EncoderModel",),
+    "image_encoder": ("CLIPVisionModel", "CLIPVisionModelWithProjection", None),
+    "image_processor": ("CLIPImageProcessor", "CLIPImageProcessorPil", None),
     "scheduler": tuple(SchedulerConfig.DIFFUSERS),
 }
 

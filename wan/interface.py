@@ -24,6 +24,15 @@ class Signature:
 SIGNATURES: dict[str, Signature] = {
     "text_encode": Signature(("params", "ids", "mask"), ("embeddings",), "text_encoder"),
     "kv_cache": Signature(("params", "embeddings"), ("kv",), "transformer"),
+    # Image to video. The image's CLIP features (Wan 2.1: the transformer attends to them beside
+    # the prompt), the step's condition (a mask and the VAE latents of the image followed by
+    # zero frames), and what every step reads, computed once per request: the prompt's and the
+    # image's cross-attention keys and values, and the condition.
+    "image_encode": Signature(("params", "pixels"), ("image_embeddings",), "image_encoder"),
+    "vae_encode": Signature(("params", "image"), ("condition",), "vae_encoder"),
+    "image_kv_cache": Signature(
+        ("params", "embeddings", "image_embeddings", "condition"), ("kv",), "transformer"
+    ),
     "denoise_step": Signature(
         ("params", "latents", "kv", "row", "state", "guidance"), ("latents", "state"), "transformer"
     ),
@@ -70,9 +79,16 @@ SIGNATURES: dict[str, Signature] = {
 }
 # Pipeline variants: the programs a build of each holds, in the order a generation runs them.
 # A build key names its variant; the loader checks that its build holds exactly these.
+# `i2v`: an image conditions the step through its VAE latents (Wan 2.2 I2V-A14B); `i2v-clip`:
+# through its CLIP features too (Wan 2.1 I2V). A model's own variant: `wan.configs.ModelConfig`.
+_DENOISE_AND_DECODE = ("denoise_step", "latents_handoff", "vae_decode")
 PIPELINES: dict[str, tuple[str, ...]] = {
-    "t2v": ("text_encode", "kv_cache", "denoise_step", "latents_handoff", "vae_decode"),
-}
+    "t2v": ("text_encode", "kv_cache", *_DENOISE_AND_DECODE),
+    "i2v": ("text_encode", "vae_encode", "image_kv_cache", *_DENOISE_AND_DECODE),
+    "i2v-clip": (
+        "text_encode", "image_encode", "vae_encode", "image_kv_cache", *_DENOISE_AND_DECODE
+    ),
+}  # fmt: skip
 DEFAULT_PIPELINE = "t2v"
 # What a build with step caching holds in place of a program.
 STEP_CACHE_PROGRAMS: dict[str, tuple[str, ...]] = {"denoise_step": ("cache_step", "cached_step")}
@@ -112,9 +128,19 @@ def full_step(programs: Sequence[str]) -> str:
     return producer("denoise_step.latents", programs)[0]
 
 
-def components(num_experts: int) -> tuple[str, ...]:
-    """The weight components of a model, named as in a diffusers WanPipeline folder."""
-    return ("text_encoder", *("transformer", "transformer_2")[:num_experts], "vae")
+def components(
+    num_experts: int, programs: Sequence[str] = PIPELINES[DEFAULT_PIPELINE]
+) -> tuple[str, ...]:
+    """The weight components the programs of a build take, named as in a diffusers pipeline
+    folder (`vae_encoder`: the encode half of the VAE, which a text-to-video build never
+    reads)."""
+    taken = {SIGNATURES[p].weights for p in programs}
+    experts = ("transformer", "transformer_2")[:num_experts]
+    return tuple(
+        c
+        for c in ("text_encoder", "image_encoder", *experts, "vae_encoder", "vae")
+        if (c if c not in experts else "transformer") in taken
+    )
 
 
 def positional(program: str, inputs: Mapping[str, Any]) -> tuple[Any, ...]:

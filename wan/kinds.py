@@ -22,15 +22,22 @@ from typing import Any
 
 from wan.errors import InputError
 
-COMPONENTS = ("transformer", "vae", "text_encoder")
+COMPONENTS = ("transformer", "vae", "text_encoder", "image_encoder")
+# Components a model may lack (Wan 2.1 image-to-video has a CLIP image encoder; the others none).
+OPTIONAL_COMPONENTS = ("image_encoder",)
 # Weight folders, named as in a diffusers WanPipeline folder, and the component each holds
-# (the second expert of a two-expert model is a transformer).
+# (the second expert of a two-expert model is a transformer; `vae_encoder` is the encode half
+# of the VAE, its own folder in a checkpoint of this project).
 FOLDERS = {
     "transformer": "transformer",
     "transformer_2": "transformer",
     "vae": "vae",
+    "vae_encoder": "vae",
     "text_encoder": "text_encoder",
+    "image_encoder": "image_encoder",
 }
+# The encode halves: weight folder -> the diffusers folder whose tensors it takes.
+ENCODE_HALVES = {"vae_encoder": "vae"}
 
 
 class KindError(InputError):
@@ -84,6 +91,9 @@ class ComponentKind:
     # A diffusers config of this kind, told by its keys (a diffusers config names no `kind`);
     # None: only the component's default kind reads a config that no kind claims.
     claims: Callable[[dict[str, Any]], bool] | None = None
+    # VAE kinds: the encode half's module and weight rule (image to video's condition latents).
+    encoder: Ref | None = None
+    encoder_rule: Ref | None = None
 
     @property
     def config_class(self) -> type:
@@ -96,6 +106,15 @@ class ComponentKind:
     @property
     def weight_rule(self) -> Callable[[str], Any]:
         return resolve(self.rule)
+
+    def half(self, folder: str) -> tuple[Callable[..., Any], Callable[[str], Any]]:
+        """(module factory, weight rule) of weight folder `folder` of a component of this kind:
+        an encode half's (`ENCODE_HALVES`) or the component's own."""
+        if folder not in ENCODE_HALVES:
+            return self.module_factory, self.weight_rule
+        if self.encoder is None:
+            raise KindError(f"the {self.component} kind {self.name!r} has no encoder")
+        return resolve(self.encoder), resolve(self.encoder_rule)
 
 
 REGISTRY: dict[tuple[str, str], ComponentKind] = {}
@@ -186,6 +205,8 @@ register(
         rule="wan.weights.vae:rule",
         param_dtype="float32",  # the decoder's weights stay float32 (its activations do not)
         latent=_wan21_latent,
+        encoder="wan.models.vae_encoder:WanVAEEncoder",
+        encoder_rule="wan.weights.vae:encoder_rule",
     )
 )
 
@@ -215,5 +236,14 @@ register(
         config="wan.configs:TextEncoderConfig",
         module="wan.models.text_encoder:UMT5Encoder",
         rule="wan.weights.text_encoder:rule",
+    )
+)
+register(
+    ComponentKind(
+        component="image_encoder",
+        name="clip_vision",  # Wan 2.1 image-to-video's CLIP ViT-H/14
+        config="wan.configs:ImageEncoderConfig",
+        module="wan.models.image_encoder:CLIPVisionEncoder",
+        rule="wan.weights.image_encoder:rule",
     )
 )

@@ -57,7 +57,7 @@ _PARTS = (
 )
 # Module names only the original Wan model uses: a file naming them is in its format.
 _ORIGINAL_HINT = re.compile(
-    r"(^|\.)(self_attn|cross_attn|head\.head|time_projection|text_embedding|time_embedding)\."
+    r"(^|\.)(self_attn|cross_attn|head\.head|time_projection|text_embedding|time_embedding|img_emb)\."
 )
 _PREFIXES = {
     "diffusers": ("transformer.", "base_model.model."),

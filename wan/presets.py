@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from wan.configs import (
+    ImageEncoderConfig,
     ModelConfig,
     SchedulerConfig,
     TextEncoderConfig,
@@ -16,6 +17,15 @@ from wan.errors import InputError
 
 _UMT5_XXL = TextEncoderConfig()
 _WAN21_VAE = VAEConfig()
+# Wan 2.1 I2V-14B: the T2V-14B's blocks on 36 input channels, with CLIP image features.
+_I2V_14B_CLIP = TransformerConfig(
+    num_attention_heads=40,
+    in_channels=36,
+    ffn_dim=13824,
+    num_layers=40,
+    image_dim=1280,
+    added_kv_proj_dim=5120,
+)
 
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(
@@ -85,6 +95,35 @@ PRESETS: dict[str, ModelConfig] = {
         text_encoder=_UMT5_XXL,
         scheduler=SchedulerConfig(flow_shift=12.0),
         boundary_ratio=0.875,
+    ),
+    # Image to video (diffusers' Wan-AI/*-Diffusers configs). Wan 2.1: one architecture for the
+    # 480P and 720P releases (their weights and flow shift differ), a CLIP ViT-H/14 image
+    # encoder; Wan 2.2 I2V-A14B: the image through its latents only, two experts.
+    "wan2.1-i2v-14b-480p": ModelConfig(
+        name="wan2.1-i2v-14b-480p",
+        transformer=_I2V_14B_CLIP,
+        vae=_WAN21_VAE,
+        text_encoder=_UMT5_XXL,
+        scheduler=SchedulerConfig(flow_shift=3.0),
+        image_encoder=ImageEncoderConfig(),
+    ),
+    "wan2.1-i2v-14b-720p": ModelConfig(
+        name="wan2.1-i2v-14b-720p",
+        transformer=_I2V_14B_CLIP,
+        vae=_WAN21_VAE,
+        text_encoder=_UMT5_XXL,
+        scheduler=SchedulerConfig(flow_shift=5.0),
+        image_encoder=ImageEncoderConfig(),
+    ),
+    "wan2.2-i2v-a14b": ModelConfig(
+        name="wan2.2-i2v-a14b",
+        transformer=TransformerConfig(
+            num_attention_heads=40, in_channels=36, ffn_dim=13824, num_layers=40
+        ),
+        vae=_WAN21_VAE,
+        text_encoder=_UMT5_XXL,
+        scheduler=SchedulerConfig(flow_shift=5.0),
+        boundary_ratio=0.9,
     ),
     # One transformer on the Wan 2.2 VAE's 48 channels; 1280x704 (or 704x1280), 121 frames at
     # 24 fps, 50 UniPC steps, guidance 5.0 (the runtime's defaults).

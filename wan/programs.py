@@ -23,11 +23,12 @@ from wan import axes, interface, kinds, schedulers, sharding
 from wan.configs import ModelConfig, VideoShape
 from wan.models.text_encoder import prompt_embeddings
 from wan.models.transformer import HIDDEN, Embedded, WanTransformer
-from wan.models.vae import WanVAE, denormalize_latents
+from wan.models.vae import WanVAE, denormalize_latents, normalize_latents
 from wan.sharding import LATENTS, VIDEO
 
 Tree = Any
 Axes = tuple[str | None, ...]
+KV_AXES: Axes = (axes.LAYERS, axes.BATCH, axes.KV_LENGTH, axes.HEADS)  # a KV cache's arrays
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +65,8 @@ def make_module(
     component's kind (`wan.kinds`), given the build options it takes (`module_options`)."""
     part = kinds.part(config, component)
     kind = kinds.of(part)
-    return kind.module_factory(
+    module_factory, _ = kind.half(component)
+    return module_factory(
         part,
         dtype=jnp.dtype(config.dtype),
         param_dtype=jnp.dtype(kind.param_dtype or config.dtype),
@@ -81,8 +83,8 @@ def abstract_module(
 
 
 def components(config: ModelConfig) -> tuple[str, ...]:
-    """The weight components of a model, named as in a diffusers WanPipeline folder."""
-    return interface.components(config.num_experts)
+    """The weight components of a model's pipeline, named as in a diffusers pipeline folder."""
+    return interface.components(config.num_experts, interface.PIPELINES[config.pipeline])
 
 
 def split_abstract(module: nnx.Module) -> tuple[nnx.GraphDef, Tree, Tree]:
@@ -188,23 +190,124 @@ def kv_cache_program(config: ModelConfig, shape: VideoShape, options: ProgramOpt
     graphdef, params, param_axes = split_abstract(abstract_module(config, "transformer", options))
     tc = config.transformer
     emb = _sds((shape.step_batch, config.text_encoder.max_length, tc.text_dim), config.dtype)
-    kv_axes = (axes.LAYERS, axes.BATCH, axes.KV_LENGTH, axes.HEADS)
 
     def kv_cache(params: Tree, embeddings: jax.Array) -> dict[str, tuple[jax.Array, jax.Array]]:
         # Batch pinned on input and output: each device computes and keeps its own slice.
         embeddings = sharding.constrain(embeddings, (axes.BATCH, None, None))
         model = nnx.merge(graphdef, params)
         k, v = model.compute_kv_cache(embeddings)
-        return {"kv": (sharding.constrain(k, kv_axes), sharding.constrain(v, kv_axes))}
+        return {"kv": (sharding.constrain(k, KV_AXES), sharding.constrain(v, KV_AXES))}
 
     return Program(
         "kv_cache",
         kv_cache,
         {"params": params, "embeddings": emb},
         {"params": param_axes, "embeddings": (axes.BATCH, None, None)},
-        {"kv": (kv_axes, kv_axes)},
+        {"kv": (KV_AXES, KV_AXES)},
         "transformer",
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# Image to video: the image's CLIP features and latents, and the conditioning of every step.
+
+IMAGE_TOKENS: Axes = (axes.BATCH, None, None)  # CLIP features (B, 257, width), per video
+
+
+def image_encode_program(
+    config: ModelConfig, shape: VideoShape, options: ProgramOptions
+) -> Program:
+    """Each video's image (CLIP-preprocessed, channels-last) -> its CLIP features: the
+    penultimate layer's tokens, which the transformer's image embedder takes."""
+    graphdef, params, param_axes = split_abstract(abstract_module(config, "image_encoder", options))
+    size = config.image_encoder.image_size
+    pixels = _sds((shape.batch, size, size, 3), jnp.float32)
+
+    def image_encode(params: Tree, pixels: jax.Array) -> dict[str, jax.Array]:
+        encoder = nnx.merge(graphdef, params)
+        features = encoder(sharding.constrain(pixels, (axes.BATCH, None, None, None)))
+        return {"image_embeddings": sharding.constrain(features.astype(config.dtype), IMAGE_TOKENS)}
+
+    return Program(
+        "image_encode",
+        image_encode,
+        {"params": params, "pixels": pixels},
+        {"params": param_axes, "pixels": (axes.BATCH, None, None, None)},
+        {"image_embeddings": IMAGE_TOKENS},
+        "transformer",
+    )
+
+
+def vae_encode_program(config: ModelConfig, shape: VideoShape, options: ProgramOptions) -> Program:
+    """Each video's image (in [-1, 1], the build's size) -> the step's condition: the VAE
+    latents of the image followed by frames - 1 zero frames (normalized as the latents are),
+    after a mask whose channels mark the frames each latent frame stands for that are given
+    (the first frame's). On the VAE mesh, laid out as the decode is; the small condition is
+    then replicated, for the transformer mesh to take its slices without an all-to-all."""
+    graphdef, params, param_axes = split_abstract(abstract_module(config, "vae_encoder", options))
+    image = _sds((shape.batch, shape.height, shape.width, 3), jnp.float32)
+
+    def vae_encode(params: Tree, image: jax.Array) -> dict[str, jax.Array]:
+        encoder = nnx.merge(graphdef, params)
+        zeros = jnp.zeros((shape.batch, shape.frames - 1, *image.shape[1:]), image.dtype)
+        video = jnp.concatenate([image[:, None], zeros], axis=1)
+        mean, _ = encoder.encode(sharding.constrain(video, VIDEO))  # the posterior's argmax
+        latents = normalize_latents(mean.astype(jnp.float32), config.vae)
+        mask = jnp.zeros((*latents.shape[:-1], config.vae.temporal_factor), jnp.float32)
+        condition = jnp.concatenate([mask.at[:, 0].set(1.0), latents], axis=-1)
+        return {"condition": sharding.constrain(condition, (None,) * condition.ndim)}
+
+    return Program(
+        "vae_encode",
+        vae_encode,
+        {"params": params, "image": image},
+        {"params": param_axes, "image": (axes.VAE_BATCH, axes.VAE_HEIGHT, axes.VAE_WIDTH, None)},
+        {"condition": (None,) * 5},
+        "vae",
+        scoped_vmem=True,
+        vmem_hint="a smaller --vae-vmem",
+    )
+
+
+def image_kv_cache_program(
+    config: ModelConfig, shape: VideoShape, options: ProgramOptions
+) -> Program:
+    """kv_cache's keys and values of the prompts, with the image tokens' after them (CLIP
+    features: both rows of a video's CFG pair see its image), and the condition laid out as the
+    latents are: what every image-to-video step reads."""
+    graphdef, params, param_axes = split_abstract(abstract_module(config, "transformer", options))
+    tc = config.transformer
+    emb = _sds((shape.step_batch, config.text_encoder.max_length, tc.text_dim), config.dtype)
+    image = None
+    if config.image_encoder is not None:
+        image = _sds((shape.batch, config.image_encoder.tokens, tc.image_dim), config.dtype)
+    condition = _sds(condition_shape(config, shape), jnp.float32)
+    _, kv_axes = step_conditioning(config, shape)
+
+    def image_kv_cache(params, embeddings, image_embeddings, condition):
+        embeddings = sharding.constrain(embeddings, (axes.BATCH, None, None))
+        if image_embeddings is not None and shape.cfg:
+            image_embeddings = jnp.repeat(image_embeddings, 2, axis=0)
+        model = nnx.merge(graphdef, params)
+        cross = model.compute_kv_cache(embeddings, image_embeddings)
+        return {
+            "kv": {
+                "cross": tuple(sharding.constrain(t, KV_AXES) for t in cross),
+                "condition": sharding.constrain(condition, LATENTS),
+            }
+        }
+
+    return Program(
+        "image_kv_cache",
+        image_kv_cache,
+        {"params": params, "embeddings": emb, "image_embeddings": image, "condition": condition},
+        {"params": param_axes, "embeddings": (axes.BATCH, None, None),
+         "image_embeddings": None if image is None else IMAGE_TOKENS,
+         "condition": (None,) * 5},
+        {"kv": kv_axes},
+        "transformer",
+        receives={"condition": "vae_encode.condition"},
+    )  # fmt: skip
 
 
 def kv_shape(config: ModelConfig, shape: VideoShape) -> jax.ShapeDtypeStruct:
@@ -213,6 +316,31 @@ def kv_shape(config: ModelConfig, shape: VideoShape) -> jax.ShapeDtypeStruct:
         (tc.num_layers, shape.step_batch, config.text_encoder.max_length, tc.inner_dim),
         config.dtype,
     )
+
+
+def step_conditioning(config: ModelConfig, shape: VideoShape) -> tuple[Tree, Tree]:
+    """(shapes, logical axes) of what every step reads, the `kv` that kv_cache (or
+    image_kv_cache) leaves: the prompt's cross-attention keys and values; for image to video,
+    {"cross": those and the image tokens' (with CLIP features), "condition": the mask and the
+    image's latents}."""
+    kv = kv_shape(config, shape)
+    if config.pipeline == "t2v":
+        return (kv, kv), (KV_AXES, KV_AXES)
+    cross, cross_axes = [kv, kv], [KV_AXES, KV_AXES]
+    if config.image_encoder is not None:
+        image = _sds((*kv.shape[:2], config.image_encoder.tokens, kv.shape[3]), config.dtype)
+        cross, cross_axes = cross + [image, image], cross_axes + [KV_AXES, KV_AXES]
+    return (
+        {"cross": tuple(cross), "condition": _sds(condition_shape(config, shape), jnp.float32)},
+        {"cross": tuple(cross_axes), "condition": LATENTS},
+    )
+
+
+def condition_shape(config: ModelConfig, shape: VideoShape) -> tuple[int, ...]:
+    """The condition's (B, T, h, w, C): a mask channel per frame a latent frame stands for,
+    then the image's latents."""
+    *video, channels = shape.latent_shape(config)
+    return (*video, config.vae.temporal_factor + channels)
 
 
 def sampler_row_shapes(config: ModelConfig) -> dict[str, jax.ShapeDtypeStruct]:
@@ -249,8 +377,7 @@ def _step_program(
     batch, and only the videos marked in its `active` input change."""
     graphdef, params, param_axes = split_abstract(abstract_module(config, "transformer", options))
     latents = _sds(shape.latent_shape(config), jnp.float32)
-    kv = kv_shape(config, shape)
-    kv_axes = (axes.LAYERS, axes.BATCH, axes.KV_LENGTH, axes.HEADS)
+    kv, kv_axes = step_conditioning(config, shape)
     slots = (shape.batch,) if per_slot else ()
     row = {k: _sds((*slots, *s.shape), s.dtype) for k, s in sampler_row_shapes(config).items()}
     state = state_shapes(config, shape)
@@ -264,7 +391,11 @@ def _step_program(
     def step(params, latents, kv, row, state, guidance, *extra):
         model = nnx.merge(graphdef, params)
         extra = dict(zip(extra_args, extra, strict=True))
-        x = latents.astype(config.dtype)
+        x = latents
+        if isinstance(kv, dict):  # image to video: the condition beside the latents
+            x = jnp.concatenate([x, kv["condition"]], axis=-1)
+            kv = kv["cross"]
+        x = x.astype(config.dtype)
         t = row["timestep"]
         if shape.cfg:
             # Pairs (cond_i, uncond_i) side by side, as the prompts are encoded: a device holding
@@ -296,9 +427,9 @@ def _step_program(
     return Program(
         name,
         step,
-        {"params": params, "latents": latents, "kv": (kv, kv), "row": row, "state": state,
+        {"params": params, "latents": latents, "kv": kv, "row": row, "state": state,
          "guidance": _sds(slots, jnp.float32), **extra_args},
-        {"params": param_axes, "latents": LATENTS, "kv": (kv_axes, kv_axes),
+        {"params": param_axes, "latents": LATENTS, "kv": kv_axes,
          "row": {k: (None,) * len(s.shape) for k, s in row.items()}, "state": state_axes,
          "guidance": (None,) * len(slots), **extra_axes},
         {"latents": LATENTS, "state": state_axes, **extra_out_axes},
@@ -360,12 +491,11 @@ def join_kv_program(config: ModelConfig, shape: VideoShape, options: ProgramOpti
     """The batch's cross-attention keys and values with the joining videos' rows (prompt and
     negative prompt) replaced by a fresh KV cache's, computed for them by kv_cache."""
     kv = kv_shape(config, shape)
-    kv_axes = (axes.LAYERS, axes.BATCH, axes.KV_LENGTH, axes.HEADS)
 
     def join_kv(kv, new_kv, joining):
         return {
             "kv": tuple(
-                sharding.constrain(_select_rows(joining, n, o, axis=1), kv_axes)
+                sharding.constrain(_select_rows(joining, n, o, axis=1), KV_AXES)
                 for n, o in zip(new_kv, kv, strict=True)
             )
         }
@@ -374,8 +504,8 @@ def join_kv_program(config: ModelConfig, shape: VideoShape, options: ProgramOpti
         "join_kv",
         join_kv,
         {"kv": (kv, kv), "new_kv": (kv, kv), "joining": _sds((shape.batch,), jnp.bool_)},
-        {"kv": (kv_axes, kv_axes), "new_kv": (kv_axes, kv_axes), "joining": (None,)},
-        {"kv": (kv_axes, kv_axes)},
+        {"kv": (KV_AXES, KV_AXES), "new_kv": (KV_AXES, KV_AXES), "joining": (None,)},
+        {"kv": (KV_AXES, KV_AXES)},
         "transformer",
         donate=("kv",),
     )
@@ -607,6 +737,9 @@ def slot_decode_program(config: ModelConfig, shape: VideoShape, options: Program
 MAKERS: dict[str, Callable[[ModelConfig, VideoShape, ProgramOptions], Program]] = {
     "text_encode": text_encode_program,
     "kv_cache": kv_cache_program,
+    "image_encode": image_encode_program,
+    "vae_encode": vae_encode_program,
+    "image_kv_cache": image_kv_cache_program,
     "denoise_step": denoise_step_program,
     "cache_step": cache_step_program,
     "cached_step": cached_step_program,

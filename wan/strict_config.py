@@ -44,7 +44,7 @@ NO_OP_KEYS = frozenset(
         "scalable_attention",  # a leftover of the T5X export that transformers never reads
         # training only
         "dropout", "dropout_rate", "classifier_dropout", "initializer_factor",
-        "gradient_checkpointing",
+        "gradient_checkpointing", "attention_dropout", "initializer_range",
         # a scheduler's options that only act with the flow sigmas off, thresholding on or
         # dynamic shifting on (each refused: see SchedulerConfig.DIFFUSERS)
         "beta_start", "beta_end", "beta_schedule", "trained_betas", "rescale_betas_zero_snr",

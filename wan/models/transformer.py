@@ -37,7 +37,9 @@ from wan.quant import Scheme, scheme
 from wan.sharding import constrain
 
 Axes = tuple[str | None, ...]
-KVCache = tuple[jax.Array, jax.Array]  # (keys, values), each (num_layers, B, L, inner_dim)
+# (keys, values), each (num_layers, B, L, inner_dim); then the image tokens' (keys, values) in a
+# model that takes image features.
+KVCache = tuple[jax.Array, ...]
 
 
 class Embedded(NamedTuple):
@@ -105,6 +107,10 @@ def _modulation_table(rows: int, dim: int, rngs: nnx.Rngs) -> nnx.Param:
 
 def gelu_tanh(x: jax.Array) -> jax.Array:
     return jax.nn.gelu(x, approximate=True)
+
+
+def gelu_exact(x: jax.Array) -> jax.Array:
+    return jax.nn.gelu(x, approximate=False)
 
 
 class MLP(nnx.Module):
@@ -181,8 +187,9 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 class Attention(nnx.Module):
-    """diffusers' WanAttention without image conditioning: q/k RMS-normalised over all heads
-    together (the full inner dim) before the head split."""
+    """diffusers' WanAttention: q/k RMS-normalised over all heads together (the full inner dim)
+    before the head split. With `image` (Wan 2.1 image to video's cross-attention), the queries
+    also attend to the image tokens' own keys and values, and the two results are summed."""
 
     def __init__(
         self,
@@ -196,6 +203,7 @@ class Attention(nnx.Module):
         param_dtype: DTypeLike,
         rngs: nnx.Rngs,
         quant: Scheme | None = None,
+        image: bool = False,
     ):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs, quant=quant)
         self.to_q = _linear(dim, dim, (axes.EMBED, axes.HEADS), **kw)
@@ -206,6 +214,11 @@ class Attention(nnx.Module):
         rms_init = logical_init(nnx.initializers.ones_init(), (axes.HEADS,))
         self.norm_q = nnx.RMSNorm(dim, scale_init=rms_init, **rms)
         self.norm_k = nnx.RMSNorm(dim, scale_init=rms_init, **rms)
+        if image:
+            self.add_k_proj = _linear(dim, dim, (axes.EMBED, axes.HEADS), **kw)
+            self.add_v_proj = _linear(dim, dim, (axes.EMBED, axes.HEADS), **kw)
+            self.norm_added_k = nnx.RMSNorm(dim, scale_init=rms_init, **rms)
+        self.image = image
         self.heads = heads
         self.impl = impl
         self.context_parallel = context_parallel
@@ -214,19 +227,30 @@ class Attention(nnx.Module):
         """Normalised keys and values of `source` (B, L, dim), heads not yet split."""
         return self.norm_k(self.to_k(source)), self.to_v(source)
 
+    def image_key_value(self, image: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The image tokens' keys and values (their own projections and norm), as key_value."""
+        return self.norm_added_k(self.add_k_proj(image)), self.add_v_proj(image)
+
     def __call__(
         self,
         x: jax.Array,
         k: jax.Array,
         v: jax.Array,
         rope: tuple[jax.Array, jax.Array] | None = None,
+        image_kv: tuple[jax.Array, jax.Array] | None = None,
     ) -> jax.Array:
-        q = self.norm_q(self.to_q(x))
-        q, k, v = (t.reshape(*t.shape[:-1], self.heads, -1) for t in (q, k, v))
+        q = self._heads(self.norm_q(self.to_q(x)))
+        k, v = self._heads(k), self._heads(v)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         out = multi_head_attention(q, k, v, self.impl, self.context_parallel)
+        if image_kv is not None:
+            k_img, v_img = map(self._heads, image_kv)
+            out = out + multi_head_attention(q, k_img, v_img, self.impl, self.context_parallel)
         return self.to_out(out.reshape(*x.shape[:-1], -1))
+
+    def _heads(self, t: jax.Array) -> jax.Array:
+        return t.reshape(*t.shape[:-1], self.heads, -1)
 
 
 class WanBlock(nnx.Module):
@@ -248,8 +272,10 @@ class WanBlock(nnx.Module):
         self.norm1 = _layer_norm(dim, eps, affine=False, rngs=rngs)
         heads = cfg.num_attention_heads
         self.attn1 = Attention(dim, heads, eps, impl, context_parallel, **kw)
-        # The prompt's 512 tokens are not sharded: every device's queries see all of them.
-        self.attn2 = Attention(dim, heads, eps, impl, "gather", **kw)
+        # The prompt's 512 tokens (and an image's 257) are not sharded: every device's queries
+        # see all of them.
+        image = cfg.added_kv_proj_dim is not None
+        self.attn2 = Attention(dim, heads, eps, impl, "gather", image=image, **kw)
         self.norm2 = _layer_norm(dim, eps, affine=True, rngs=rngs) if cfg.cross_attn_norm else None
         self.ffn = MLP(dim, cfg.ffn_dim, dim, gelu_tanh, axes.EMBED, **kw)
         self.norm3 = _layer_norm(dim, eps, affine=False, rngs=rngs)
@@ -259,12 +285,13 @@ class WanBlock(nnx.Module):
     def __call__(
         self,
         x: jax.Array,
-        cross_kv: tuple[jax.Array, jax.Array],
+        cross_kv: tuple[jax.Array, ...],
         time6: jax.Array,
         rope: tuple[jax.Array, jax.Array],
     ) -> jax.Array:
-        """x (B, S, dim); cross_kv this layer's text keys/values (B, L, dim); time6 the
-        timestep projection (B, 6, dim)."""
+        """x (B, S, dim); cross_kv this layer's text keys and values (B, L, dim), then the
+        image's when the model takes image features; time6 the timestep projection
+        (B, 6, dim)."""
         mod = self.scale_shift_table[...] + time6.astype(jnp.float32)
         shift, scale, gate, c_shift, c_scale, c_gate = (mod[:, i : i + 1] for i in range(6))
         x32 = x.astype(jnp.float32)
@@ -281,7 +308,8 @@ class WanBlock(nnx.Module):
                 if self.norm2 is not None
                 else x
             )
-            x = x + self.attn2(h, *cross_kv)
+            image_kv = cross_kv[2:] or None
+            x = x + self.attn2(h, *cross_kv[:2], image_kv=image_kv)
 
         with jax.named_scope("ffn"):
             x32 = x.astype(jnp.float32)
@@ -289,8 +317,27 @@ class WanBlock(nnx.Module):
             return (x32 + self.ffn(h).astype(jnp.float32) * c_gate).astype(self.dtype)
 
 
+class ImageEmbedder(nnx.Module):
+    """CLIP image features -> model width (diffusers' WanImageEmbedding): fp32 layer norm,
+    Linear, exact GELU, Linear, fp32 layer norm."""
+
+    def __init__(
+        self, din: int, dout: int, *, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs
+    ):
+        self.norm1 = _layer_norm(din, 1e-6, affine=True, rngs=rngs)
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.ff = MLP(din, din, dout, gelu_exact, None, **kw)
+        self.norm2 = _layer_norm(dout, 1e-6, affine=True, rngs=rngs)
+        self.dtype = dtype
+
+    def __call__(self, features: jax.Array) -> jax.Array:
+        h = self.norm1(features.astype(jnp.float32)).astype(self.dtype)
+        return self.norm2(self.ff(h).astype(jnp.float32)).astype(self.dtype)
+
+
 class ConditionEmbedder(nnx.Module):
-    """Timestep -> (temb, 6 modulation vectors); text embeddings -> model width."""
+    """Timestep -> (temb, 6 modulation vectors); text embeddings (and image features) -> model
+    width."""
 
     def __init__(
         self, cfg: TransformerConfig, *, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs
@@ -308,6 +355,10 @@ class ConditionEmbedder(nnx.Module):
             cfg.text_dim, dim, dim, gelu_tanh, None,
             dtype=dtype, param_dtype=param_dtype, rngs=rngs,
         )  # fmt: skip
+        if cfg.image_dim is not None:
+            self.image_embedder = ImageEmbedder(
+                cfg.image_dim, dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+            )
         self.dtype = dtype
 
     def time(self, timestep: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -366,15 +417,24 @@ class WanTransformer(nnx.Module):
         )
         self.scale_shift_table = _modulation_table(2, dim, rngs)
 
-    def compute_kv_cache(self, encoder_hidden_states: jax.Array) -> KVCache:
+    def compute_kv_cache(
+        self, encoder_hidden_states: jax.Array, image_features: jax.Array | None = None
+    ) -> KVCache:
         """Text embeddings (B, L, text_dim) -> every layer's cross-attention keys and values,
-        each (num_layers, B, L, inner_dim)."""
+        each (num_layers, B, L, inner_dim); with CLIP `image_features` (B, 257, image_dim), the
+        image tokens' keys and values follow (Wan 2.1 image to video)."""
         context = self.condition_embedder.text_embedder(encoder_hidden_states.astype(self.dtype))
+        image = None
+        if image_features is not None:
+            image = self.condition_embedder.image_embedder(image_features.astype(self.dtype))
         graphdef, params = nnx.split(self.blocks.attn2)
 
         def layer(_, p):
-            k, v = nnx.merge(graphdef, p).key_value(context)
-            return None, (constrain(k, KV), constrain(v, KV))
+            attn = nnx.merge(graphdef, p)
+            kv = attn.key_value(context)
+            if image is not None:
+                kv += attn.image_key_value(image)
+            return None, tuple(constrain(t, KV) for t in kv)
 
         _, kv = jax.lax.scan(layer, None, params)
         return kv
@@ -385,13 +445,15 @@ class WanTransformer(nnx.Module):
         timestep: jax.Array,
         encoder_hidden_states: jax.Array | None = None,
         kv_cache: KVCache | None = None,
+        image_features: jax.Array | None = None,
     ) -> jax.Array:
         """latents (B, T, H, W, C_in), timestep (B,) (or a scalar), and either the text
-        embeddings (B, L, text_dim) or their `compute_kv_cache` -> flow (B, T, H, W, C_out)."""
+        embeddings (B, L, text_dim) (with the image features, for a model that takes them) or
+        their `compute_kv_cache` -> flow (B, T, H, W, C_out)."""
         if (encoder_hidden_states is None) == (kv_cache is None):
             raise ValueError("pass exactly one of encoder_hidden_states and kv_cache")
         if kv_cache is None:
-            kv_cache = self.compute_kv_cache(encoder_hidden_states)
+            kv_cache = self.compute_kv_cache(encoder_hidden_states, image_features)
         embedded = self.embed(latents, timestep)
         return self.head(self.run_blocks(embedded, kv_cache), embedded)
 
@@ -418,11 +480,11 @@ class WanTransformer(nnx.Module):
 
         @jax.named_scope("blocks")
         def layer(x, inputs):
-            p, k, v = inputs
-            x = nnx.merge(graphdef, p)(constrain(x, HIDDEN), (k, v), embedded.time6, embedded.rope)
+            p, kv = inputs
+            x = nnx.merge(graphdef, p)(constrain(x, HIDDEN), kv, embedded.time6, embedded.rope)
             return constrain(x, HIDDEN), None
 
-        x, _ = jax.lax.scan(layer, embedded.tokens, (params, *kv_cache))
+        x, _ = jax.lax.scan(layer, embedded.tokens, (params, tuple(kv_cache)))
         return x
 
     def run_block_range(
@@ -434,11 +496,11 @@ class WanTransformer(nnx.Module):
 
         @jax.named_scope("blocks")
         def layer(i, x):
-            p, k, v = jax.tree.map(
+            p, kv = jax.tree.map(
                 lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False),
-                (params, *kv_cache),
+                (params, tuple(kv_cache)),
             )
-            x = nnx.merge(graphdef, p)(constrain(x, HIDDEN), (k, v), embedded.time6, embedded.rope)
+            x = nnx.merge(graphdef, p)(constrain(x, HIDDEN), kv, embedded.time6, embedded.rope)
             return constrain(x, HIDDEN)
 
         return jax.lax.fori_loop(start, stop, layer, x)

@@ -371,6 +371,12 @@ def _stats(cfg: VAEConfig) -> tuple[jax.Array, jax.Array]:
     return mean, 1.0 / jnp.asarray(cfg.latents_std, jnp.float32)
 
 
+def normalize_latents(latents: jax.Array, cfg: VAEConfig) -> jax.Array:
+    """Raw VAE latents -> diffusion latents (channels-last): (latents - mean) * (1/std)."""
+    mean, inv_std = _stats(cfg)
+    return ((latents.astype(jnp.float32) - mean) * inv_std).astype(latents.dtype)
+
+
 def denormalize_latents(latents: jax.Array, cfg: VAEConfig) -> jax.Array:
     """Diffusion latents -> raw VAE latents (channels-last): latents / (1/std) + mean."""
     mean, inv_std = _stats(cfg)

@@ -20,8 +20,11 @@ _RENAMES = {
     "attn2.to_out.0": "attn2.to_out",
     "ffn.net.0.proj": "ffn.linear_1",
     "ffn.net.2": "ffn.linear_2",
+    "condition_embedder.image_embedder.ff.net.0.proj": "condition_embedder.image_embedder.ff.linear_1",
+    "condition_embedder.image_embedder.ff.net.2": "condition_embedder.image_embedder.ff.linear_2",
 }
-_NORMS = {"norm_q", "norm_k", "norm2"}  # weight -> scale, no layout change
+# weight -> scale, no layout change (norm1: the image embedder's; the blocks' has no weight)
+_NORMS = {"norm_q", "norm_k", "norm_added_k", "norm1", "norm2"}
 _BLOCK = re.compile(r"blocks\.(\d+)\.(.+)")
 _IGNORED = ("norm_added_q",)  # diffusers ignores these unexpected keys on load too
 _TABLES = ("scale_shift_table",)  # raw parameters: the tensor is named after the module
@@ -37,6 +40,9 @@ ORIGINAL_BLOCK_MODULES = {
     "self_attn.norm_k": "attn1.norm_k",
     "cross_attn.norm_q": "attn2.norm_q",
     "cross_attn.norm_k": "attn2.norm_k",
+    "cross_attn.k_img": "attn2.add_k_proj",
+    "cross_attn.v_img": "attn2.add_v_proj",
+    "cross_attn.norm_k_img": "attn2.norm_added_k",
     "ffn.0": "ffn.net.0.proj",
     "ffn.2": "ffn.net.2",
     "norm3": "norm2",
@@ -51,6 +57,10 @@ ORIGINAL_MODULES = {
     "time_projection.1": "condition_embedder.time_proj",
     "head.head": "proj_out",
     "head.modulation": "scale_shift_table",
+    "img_emb.proj.0": "condition_embedder.image_embedder.norm1",
+    "img_emb.proj.1": "condition_embedder.image_embedder.ff.net.0.proj",
+    "img_emb.proj.3": "condition_embedder.image_embedder.ff.net.2",
+    "img_emb.proj.4": "condition_embedder.image_embedder.norm2",
 }
 
 

@@ -1,0 +1,188 @@
+"""Image to video vs diffusers' WanImageToVideoPipeline: tokenize, encode the prompts, the image
+(its VAE condition, and for Wan 2.1 its CLIP features), 4 UniPC steps with CFG, decode.
+
+Tiny random pipelines of both kinds are saved offline: Wan 2.1's (a CLIP vision model, image
+features in every cross-attention) and Wan 2.2 I2V-A14B's (two experts, the image through its
+latents only). Our side reads the folder, compiles the pipeline for 8 CPU devices and runs the
+runtime's generation loop on the same prompts, image and initial latents, in portrait and in
+landscape. Tolerance: frames in [0, 1] within 1e-3 (fp32). The batch's second video has
+another image and prompt, compared with diffusers' run of that image alone: a control as well
+(its frames differ from the first image's by far more than the tolerance).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import TINY_SHAPE, run_cli, save_tiny_i2v_pipeline
+from diffusers import WanImageToVideoPipeline
+from PIL import Image
+
+from aot.lower import compile_in_process
+from aot.plan import BuildError, plan_build
+from aot.targets import parse_target
+from runtime.images import read_image
+from runtime.pipeline import Pipeline
+from runtime.request import RequestError
+from wan.configs import ModelConfig, VideoShape
+
+FRAMES, STEPS = 9, 4  # 3 latent frames
+PROMPTS = ["a red cat running in the rain", "a boat on the sea at night"]
+NEGATIVE = ["blurry low quality", ""]
+ATOL = 1e-3  # frames in [0, 1], float32
+
+
+def picture(seed: int, width: int, height: int) -> Image.Image:
+    """A smooth random RGB picture (a VAE sees structure, not only noise)."""
+    rng = np.random.default_rng(seed)
+    coarse = rng.integers(0, 256, (4, 4, 3), dtype=np.uint8)
+    return Image.fromarray(coarse).resize((width, height), Image.Resampling.BILINEAR)
+
+
+@pytest.fixture(autouse=True)
+def prompt_clean_without_ftfy(monkeypatch):
+    """diffusers 0.42's image-to-video module calls ftfy whether or not it is installed (its
+    text-to-video module checks): the text-to-video module's cleaning, the same without it."""
+    from diffusers.pipelines.wan import pipeline_wan, pipeline_wan_i2v
+
+    monkeypatch.setattr(pipeline_wan_i2v, "prompt_clean", pipeline_wan.prompt_clean)
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["wan2.1-clip", "a14b"])
+def folder(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp("i2v") / "pipe"
+    save_tiny_i2v_pipeline(path, clip=request.param)
+    return path
+
+
+@pytest.mark.parametrize("width,height", [(32, 48), (48, 32)], ids=["portrait", "landscape"])
+def test_i2v_matches_diffusers(folder, width, height):
+    config = ModelConfig.from_diffusers(folder, dtype="float32")
+    clip = config.image_encoder is not None
+    assert config.pipeline == ("i2v-clip" if clip else "i2v")
+    # Another size of the same aspect ratio: both resize them (one of another aspect ratio
+    # diffusers stretches; this project crops it first, runtime.images.condition_pixels).
+    images = [picture(seed, width * 3 // 2, height * 3 // 2) for seed in (0, 1)]
+    noise = np.random.default_rng(0).standard_normal(
+        (2, 16, (FRAMES - 1) // 4 + 1, height // 8, width // 8), dtype=np.float32
+    )
+    guidance_2 = None if clip else 3.0
+
+    reference = WanImageToVideoPipeline.from_pretrained(folder, torch_dtype=torch.float32)
+
+    def diffusers_frames(video: int, image: Image.Image) -> np.ndarray:
+        return reference(
+            image=image, prompt=PROMPTS[video], negative_prompt=NEGATIVE[video], height=height,
+            width=width, num_frames=FRAMES, num_inference_steps=STEPS, guidance_scale=5.0,
+            guidance_scale_2=guidance_2, latents=torch.from_numpy(noise[video : video + 1]),
+            output_type="np",
+        ).frames[0]  # fmt: skip
+
+    expected = np.stack([diffusers_frames(i, images[i]) for i in range(2)])
+    control = diffusers_frames(1, images[0])  # the second video with the first's image
+
+    shape = VideoShape(width=width, height=height, frames=FRAMES, batch=2)
+    plan = plan_build("tiny-i2v", config, shape, parse_target("cpu-8"), 8)
+    assert plan.key.programs[:4] == (
+        ("text_encode", "image_encode", "vae_encode", "image_kv_cache")
+        if clip
+        else ("text_encode", "vae_encode", "image_kv_cache", "denoise_step")
+    )
+    executables = compile_in_process(plan, frames_dtype="float32")
+    pipe = Pipeline.assemble(executables, folder, plan.key, "in-process", config)
+    frames, report = pipe.generate(
+        PROMPTS, NEGATIVE, steps=STEPS, guidance=5.0, guidance_2=guidance_2, init_noise=noise,
+        images=images,
+    )  # fmt: skip
+
+    assert frames.shape == expected.shape == (2, FRAMES, height, width, 3)
+    assert report.compile_count == 0
+    np.testing.assert_allclose(frames, expected, atol=ATOL, rtol=0)
+    assert np.ptp(frames) > 0.05  # real videos, not flat frames
+    assert np.abs(frames[1] - control).max() > 10 * ATOL  # the image matters
+
+    with pytest.raises(RequestError, match="give an image"):
+        pipe.generate(PROMPTS, NEGATIVE, steps=STEPS, init_noise=noise)
+    with pytest.raises(RequestError, match="one image each"):
+        pipe.generate(PROMPTS, NEGATIVE, steps=STEPS, init_noise=noise, images=images * 2)
+
+
+def test_pipeline_variant_is_the_models(folder):
+    """An image-to-video model builds its own variant by default and refuses text to video."""
+    config = ModelConfig.from_diffusers(folder, dtype="float32")
+    shape = VideoShape(width=32, height=48, frames=FRAMES, batch=1)
+    target = parse_target("cpu-8")
+    assert plan_build("m", config, shape, target, 8).key.option("pipeline") == config.pipeline
+    with pytest.raises(BuildError, match=f"use --pipeline {config.pipeline}"):
+        plan_build("m", config, shape, target, 8, pipeline="t2v")
+    with pytest.raises(BuildError, match="--continuous builds text to video only"):
+        plan_build("m", config, shape, target, 8, continuous=True)
+
+
+def test_runtime_run_with_an_image(folder, tmp_path):
+    """`runtime run --image` as a user runs it: its frames equal Pipeline.generate's for the
+    same image (the file read and prepared by runtime.images), another image moves them, and a
+    bad image, a missing one or one given to a text-to-video build is one line and exit 2."""
+    width, height = 48, 32
+    shape = ["--res", f"{width}x{height}", "--frames", str(FRAMES), "--batch", "1"]
+    artifacts = tmp_path / "artifacts"
+    run_cli("aot", "build", "--model", str(folder), *shape, "--target", "cpu-8",
+            "--out", str(artifacts))  # fmt: skip
+    noise = np.random.default_rng(2).standard_normal(
+        (1, 16, (FRAMES - 1) // 4 + 1, height // 8, width // 8), dtype=np.float32
+    )
+    np.save(tmp_path / "noise.npy", noise)
+    pictures = []
+    for seed in (0, 1):
+        pictures.append(tmp_path / f"image{seed}.jpg")
+        picture(seed, 96, 64).save(pictures[-1], quality=95)
+
+    def run(*extra: str, check: bool = True):
+        return run_cli(
+            "runtime", "run", "--artifacts", str(artifacts), "--weights", str(folder), *shape,
+            "--prompt", PROMPTS[0], "--steps", str(STEPS), "--init-noise",
+            str(tmp_path / "noise.npy"), "--out", str(tmp_path / "v.mp4"), *extra, check=check,
+        )  # fmt: skip
+
+    videos = []
+    for image in pictures:
+        run("--image", str(image), "--save-frames", str(tmp_path / "frames.npy"))
+        videos.append(np.load(tmp_path / "frames.npy"))
+    # Through the tiny random VAE another image moves the frames by 5-6 levels (measured): over
+    # 3x the at most 1 level that separates the CLI from Pipeline.generate below.
+    assert np.abs(videos[0].astype(int) - videos[1].astype(int)).max() > 3
+
+    config = ModelConfig.from_diffusers(folder, dtype="float32")
+    plan = plan_build("x", config, VideoShape(width, height, FRAMES, 1), parse_target("cpu-8"), 8)
+    pipe = Pipeline.assemble(compile_in_process(plan), folder, plan.key, "in-process", config)
+    expected, _ = pipe.generate(
+        PROMPTS[0], steps=STEPS, init_noise=noise, images=read_image(pictures[0])
+    )
+    assert np.abs(videos[0].astype(int) - expected.astype(int)).max() <= 1
+
+    not_an_image = tmp_path / "notes.png"
+    not_an_image.write_text("not a picture")
+    for extra, phrase in [
+        (["--image", str(not_an_image)], "is not a PNG, JPEG or WebP image"),
+        ([], "is image to video: give an image"),
+    ]:
+        result = run(*extra, check=False)
+        assert result.returncode == 2 and phrase in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_a_text_to_video_build_refuses_an_image(tiny_build, tiny_weights, tmp_path):
+    """An image given to a text-to-video build is one line naming what to build, before
+    anything loads."""
+    image = tmp_path / "image.png"
+    picture(0, 64, 64).save(image)
+    result = run_cli(
+        "runtime", "run", "--artifacts", str(tiny_build), "--weights", str(tiny_weights),
+        *TINY_SHAPE, "--prompt", "a cat", "--image", str(image), "--out", str(tmp_path / "v.mp4"),
+        check=False,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "is text to video and takes no image" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not (tmp_path / "v.mp4").exists()
