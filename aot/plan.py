@@ -128,14 +128,16 @@ def plan_build(
 
 
 def choose_pipeline(requested: str | None, config: ModelConfig, model_name: str) -> str:
-    """The pipeline variant of a build: `auto` (None) is the model's own; another is refused
-    (a text-to-video model has no image path, an image-to-video model needs its image)."""
+    """The pipeline variant of a build: `auto` (None) is the model's default; one the model does
+    not run is refused (a text-to-video model has no image path, an image-to-video model needs
+    its image)."""
+    runs = config.pipelines
     if requested in (None, "auto"):
-        return config.pipeline
-    if requested != config.pipeline:
+        return runs[0]
+    if requested not in runs:
         raise BuildError(
-            f"--pipeline {requested}: {model_name} runs the {config.pipeline} pipeline: use "
-            f"--pipeline {config.pipeline} (or leave it out)"
+            f"--pipeline {requested}: {model_name} runs {' or '.join(runs)}: use --pipeline "
+            f"{runs[0]} (or leave it out)"
         )
     return requested
 

@@ -15,7 +15,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_SHAPE, run_cli, save_tiny_i2v_pipeline
+from conftest import (
+    TI2V_Z,
+    TINY_SHAPE,
+    run_cli,
+    save_tiny_i2v_pipeline,
+    save_tiny_ti2v_pipeline,
+)
 from diffusers import WanImageToVideoPipeline
 from PIL import Image
 
@@ -60,7 +66,7 @@ def folder(request, tmp_path_factory):
 def test_i2v_matches_diffusers(folder, width, height):
     config = ModelConfig.from_diffusers(folder, dtype="float32")
     clip = config.image_encoder is not None
-    assert config.pipeline == ("i2v-clip" if clip else "i2v")
+    assert config.pipelines == (("i2v-clip",) if clip else ("i2v",))
     # Another size of the same aspect ratio: both resize them (one of another aspect ratio
     # diffusers stretches; this project crops it first, runtime.images.condition_pixels).
     images = [picture(seed, width * 3 // 2, height * 3 // 2) for seed in (0, 1)]
@@ -113,8 +119,9 @@ def test_pipeline_variant_is_the_models(folder):
     config = ModelConfig.from_diffusers(folder, dtype="float32")
     shape = VideoShape(width=32, height=48, frames=FRAMES, batch=1)
     target = parse_target("cpu-8")
-    assert plan_build("m", config, shape, target, 8).key.option("pipeline") == config.pipeline
-    with pytest.raises(BuildError, match=f"use --pipeline {config.pipeline}"):
+    (variant,) = config.pipelines
+    assert plan_build("m", config, shape, target, 8).key.option("pipeline") == variant
+    with pytest.raises(BuildError, match=f"runs {variant}: use --pipeline {variant}"):
         plan_build("m", config, shape, target, 8, pipeline="t2v")
     with pytest.raises(BuildError, match="--continuous builds text to video only"):
         plan_build("m", config, shape, target, 8, continuous=True)
@@ -186,3 +193,49 @@ def test_a_text_to_video_build_refuses_an_image(tiny_build, tiny_weights, tmp_pa
     assert "is text to video and takes no image" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not (tmp_path / "v.mp4").exists()
+
+
+@pytest.mark.parametrize("width,height", [(64, 96), (96, 64)], ids=["portrait", "landscape"])
+def test_ti2v_image_mode_matches_diffusers(tmp_path, width, height):
+    """TI2V-5B's image mode (diffusers' expand_timesteps): the image's one latent frame is the
+    first frame, its tokens at timestep 0; the same model folder builds text to video by
+    default and image to video on request."""
+    from diffusers import WanPipeline
+
+    folder = tmp_path / "ti2v"
+    save_tiny_ti2v_pipeline(folder)
+    config = ModelConfig.from_diffusers(folder, dtype="float32")
+    assert config.pipelines == ("t2v", "i2v")
+    components = WanPipeline.from_pretrained(folder, torch_dtype=torch.float32).components
+    reference = WanImageToVideoPipeline(
+        **{k: v for k, v in components.items() if k != "transformer_2"}, expand_timesteps=True
+    )
+    images = [picture(seed, width * 3 // 2, height * 3 // 2) for seed in (0, 1)]
+    noise = np.random.default_rng(0).standard_normal(
+        (2, TI2V_Z, (FRAMES - 1) // 4 + 1, height // 16, width // 16), dtype=np.float32
+    )
+
+    def diffusers_frames(video: int, image: Image.Image) -> np.ndarray:
+        return reference(
+            image=image, prompt=PROMPTS[video], negative_prompt=NEGATIVE[video], height=height,
+            width=width, num_frames=FRAMES, num_inference_steps=STEPS, guidance_scale=5.0,
+            latents=torch.from_numpy(noise[video : video + 1]), output_type="np",
+        ).frames[0]  # fmt: skip
+
+    expected = np.stack([diffusers_frames(i, images[i]) for i in range(2)])
+    control = diffusers_frames(1, images[0])
+
+    shape = VideoShape(width=width, height=height, frames=FRAMES, batch=2)
+    target = parse_target("cpu-8")
+    assert plan_build("ti2v", config, shape, target, 8).key.option("pipeline") == "t2v"
+    plan = plan_build("ti2v", config, shape, target, 8, pipeline="i2v")
+    pipe = Pipeline.assemble(
+        compile_in_process(plan, frames_dtype="float32"), folder, plan.key, "in-process", config
+    )
+    frames, report = pipe.generate(
+        PROMPTS, NEGATIVE, steps=STEPS, guidance=5.0, init_noise=noise, images=images
+    )
+    assert report.compile_count == 0
+    np.testing.assert_allclose(frames, expected, atol=ATOL, rtol=0)
+    assert np.ptp(frames) > 0.05
+    assert np.abs(frames[1] - control).max() > 10 * ATOL

@@ -108,7 +108,7 @@ def split_key(key: str, fmt: str, *, kind: str | None = None) -> tuple[str, str]
     [
         ("transformer.blocks.3.attn1.to_q.lora_A.weight", "diffusers", ("blocks.3.attn1.to_q", "down")),
         ("blocks.3.attn1.to_out.0.lora_B.weight", "diffusers", ("blocks.3.attn1.to_out.0", "up")),
-        ("transformer.proj_out.lora_B.bias", "diffusers", ("proj_out", "diff_b")),
+        ("transformer.proj_out.lora_B.bias", "diffusers", ("proj_out", "up_b")),
         ("diffusion_model.blocks.1.self_attn.o.lora_up.weight", "comfyui", ("blocks.1.attn1.to_out.0", "up")),
         ("diffusion_model.blocks.0.cross_attn.k.lora_A.weight", "comfyui", ("blocks.0.attn2.to_k", "down")),
         ("diffusion_model.blocks.0.ffn.0.alpha", "comfyui", ("blocks.0.ffn.net.0.proj", "alpha")),
@@ -308,6 +308,26 @@ def test_errors_name_the_key_the_parameter_and_both_shapes(tmp_path):
     _lora_error(tmp_path, {"blocks.0.attn1.to_q.lora_A.weight": a}, "has no lora_up partner")
     _lora_error(tmp_path, {"diffusion_model.blocks.0.norm3.diff": np.zeros(31, np.float32)},
                 r"blocks\.norm2\.scale is \(32,\)")  # fmt: skip
+
+
+def test_a_peft_bias_scales_as_its_pair(tmp_path):
+    """lora_B.bias is part of lora_B's output: PEFT scales it by lora_alpha / rank as the
+    product (tests/test_lora_i2v.py compares with PEFT's merge); alone, with a lora_alpha in
+    the metadata, its scale is unknown: refused."""
+    rng = np.random.default_rng(0)
+    down, up = rng.standard_normal((2, 32), np.float32), rng.standard_normal((32, 2), np.float32)
+    bias = rng.standard_normal(32, np.float32)
+    meta = {"lora_adapter_metadata": json.dumps({"transformer.lora_alpha": 8})}
+    file = tmp_path / "l.safetensors"
+    save_file({"blocks.0.attn1.to_q.lora_A.weight": down, "blocks.0.attn1.to_q.lora_B.weight": up,
+               "blocks.0.attn1.to_q.lora_B.bias": bias}, file, metadata=meta)  # fmt: skip
+    deltas, _ = lora.prepare([(file, 0.5)], TINY_SHAPES)
+    got = _merged(weights.unflatten({p: np.zeros(s, np.float32) for p, s in TINY_SHAPES.items()}), deltas)  # fmt: skip
+    np.testing.assert_allclose(got["blocks", "attn1", "to_q", "bias"][0], 0.5 * 4 * bias, rtol=1e-6)
+    np.testing.assert_allclose(got["blocks", "attn1", "to_q", "kernel"][0], 0.5 * 4 * (up @ down).T, rtol=1e-5, atol=1e-5)  # fmt: skip
+    save_file({"blocks.0.attn1.to_q.lora_B.bias": bias}, file, metadata=meta)
+    with pytest.raises(lora.LoraError, match=r"lora_B\.bias has no lora_A/lora_B weights"):
+        lora.prepare([(file, 1.0)], TINY_SHAPES)
 
 
 def test_unreadable_files(tmp_path):

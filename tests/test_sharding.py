@@ -555,6 +555,28 @@ def test_both_orientations_have_the_same_collectives():
     assert "all-to-all" not in summaries["width"]
 
 
+def test_the_image_encode_has_the_decodes_collectives_in_both_orientations():
+    """Image to video's VAE encode (81 frames' worth of its image and zero frames, here 9) on
+    the decode's mesh and spatial axis: portrait and landscape have the same collectives by
+    kind and count, and neither an all-to-all."""
+    i2v = dataclasses.replace(
+        TINY, transformer=dataclasses.replace(TINY.transformer, in_channels=36)
+    )
+    options = programs.ProgramOptions(build={"pipeline": "i2v"})
+    summaries = {}
+    for width, height, axis in [(128, 80, "width"), (80, 128, "height")]:
+        shape = VideoShape(width, height, frames=9, batch=1)
+        _, _, lat_h, lat_w, _ = shape.latent_shape(i2v)
+        layout = sharding.choose_vae_layout(lat_h, lat_w, 8)
+        assert layout.axis == axis
+        program = programs.vae_encode_program(i2v, shape, options)
+        compiled = compile_program(program, vae_mesh(CPU8, (1, 8)), layout.rules(), layout.uneven)
+        collectives = hlo.collective_summary(hlo.parse(compiled.as_text()))
+        summaries[axis] = {kind: c["count"] for kind, c in collectives.items() if c["count"]}
+    assert summaries["width"] == summaries["height"]
+    assert "all-to-all" not in summaries["width"]
+
+
 def test_720p_denoise_step_runs_splash_on_tpu(tpu_devices):
     """`--attention auto` for tpu-v6e-8 at a 720p-length sequence (75,600 tokens): the
     self-attention is the Mosaic kernel, and no blockwise loop is left (the layer scan is the

@@ -461,12 +461,23 @@ class ModelConfig:
         return self
 
     @property
-    def pipeline(self) -> str:
-        """The pipeline variant the model runs (`wan.interface.PIPELINES`): t2v, i2v (the image
-        conditions through its VAE latents) or i2v-clip (and its CLIP features)."""
-        if self.transformer.in_channels == self.vae.geometry.channels:
-            return "t2v"
-        return "i2v" if self.image_encoder is None else "i2v-clip"
+    def pipelines(self) -> tuple[str, ...]:
+        """The pipeline variants the model runs (`wan.interface.PIPELINES`), its default first:
+        t2v; i2v, the image conditioning the step through its VAE latents; i2v-clip, and its
+        CLIP features. TI2V-5B (the model of the Wan 2.2 VAE) runs both t2v and i2v."""
+        if self.image_condition == "channels":
+            return ("i2v" if self.image_encoder is None else "i2v-clip",)
+        return ("t2v", "i2v") if self.image_condition == "first_frame" else ("t2v",)
+
+    @property
+    def image_condition(self) -> str | None:
+        """How an image conditions the model: `channels`, its latents and a mask beside the
+        noise's as the transformer's input (Wan 2.1 I2V, Wan 2.2 I2V-A14B); `first_frame`, its
+        latents as the first latent frame, whose tokens are at timestep 0 (TI2V-5B, diffusers'
+        expand_timesteps; its VAE is the Wan 2.2 one); None: no image."""
+        if self.transformer.in_channels != self.vae.geometry.channels:
+            return "channels"
+        return "first_frame" if self.vae.kind == "wan2.2" else None
 
     @property
     def num_experts(self) -> int:

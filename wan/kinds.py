@@ -227,6 +227,8 @@ register(
         param_dtype="float32",
         latent=_wan22_latent,
         claims=lambda raw: raw.get("is_residual") is True,
+        encoder="wan.models.vae22_encoder:WanVAE22Encoder",
+        encoder_rule="wan.weights.vae:encoder_rule",
     )
 )
 register(

@@ -8,7 +8,8 @@ to a parameter of the project's tree. What is merged is
 
     W' = W + sum over files of  scale * (alpha / rank) * up @ down   (and scale * diff)
 
-in float32, rounded once to the weight's dtype. The low-rank factors stay as they are in the
+in float32, rounded once to the weight's dtype (a PEFT lora_B.bias, part of lora_B's output, is
+scaled by alpha / rank as the product is). The low-rank factors stay as they are in the
 file; a parameter's update is computed for one block of it at a time (a layer of a stacked
 parameter, or one device's shard), so no full-size float32 copy of a stacked tensor is made.
 
@@ -42,7 +43,8 @@ from wan.weights import (
 FORMATS = (
     "diffusers/PEFT (transformer.blocks.N.attn1.to_q.lora_A.weight, .lora_B.weight), "
     "ComfyUI (diffusion_model.blocks.N.self_attn.q.lora_down.weight, .lora_up.weight, .alpha), "
-    "kohya (lora_unet_blocks_N_self_attn_q.lora_down.weight), full deltas (.diff, .diff_b)"
+    "kohya (lora_unet_blocks_N_self_attn_q.lora_down.weight), full deltas (.diff, .diff_b, "
+    "and lightx2v's blocks.N.diff_m for a block's modulation)"
 )
 # Key suffix -> the part of a module's update it holds; longest first.
 _PARTS = (
@@ -50,8 +52,9 @@ _PARTS = (
     (".lora_A.weight", "down"),
     (".lora_up.weight", "up"),
     (".lora_B.weight", "up"),
-    (".lora_B.bias", "diff_b"),  # diffusers' name for a bias delta
+    (".lora_B.bias", "up_b"),  # PEFT's lora_bias: a bias delta scaled as its pair (alpha / rank)
     (".diff_b", "diff_b"),
+    (".diff_m", "diff_m"),  # lightx2v: `blocks.N.diff_m` is `blocks.N.modulation.diff`
     (".alpha", "alpha"),
     (".diff", "diff"),
 )
@@ -170,7 +173,8 @@ class Module:
     and full deltas of the weight and of the bias. `keys` are the file's keys, for messages."""
 
     keys: dict[str, str]  # part -> key in the file
-    tensors: dict[str, np.ndarray]  # part -> tensor ('down', 'up', 'alpha', 'diff', 'diff_b')
+    # part -> tensor: 'down', 'up', 'alpha', 'diff', 'diff_b', 'up_b' (lora_B's bias)
+    tensors: dict[str, np.ndarray]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,7 +234,9 @@ def _split(key: str, fmt: str, rule: Any) -> tuple[str, str] | None:
     name, part = found
     name = next((name[len(p) :] for p in _PREFIXES[fmt] if name.startswith(p)), name)
     if fmt == "diffusers":
-        return name, part
+        return None if part == "diff_m" else (name, part)
+    if part == "diff_m":  # the full delta of the module's raw `modulation` table
+        name, part = f"{name}{'_' if fmt == 'kohya' else '.'}modulation", "diff"
     if fmt == "kohya":
         name = _dotted(name, rule)
     module = rule.from_original(name)
@@ -393,6 +399,9 @@ def _updates(
     """(parameter, layer, update) for each update one module of a file makes."""
     parts, keys = entry.tensors, entry.keys
     out = []
+    # PEFT's lora_B.bias is added as lora_B's output is: times alpha / rank, as a low-rank
+    # pair's product; with no pair, alpha = rank is the only reading (with no alpha known).
+    bias_scale = scale
     if pair := [keys[p] for p in ("down", "up", "alpha") if p in parts]:
         param, layer, want, transform = _target(lora, module, "weight", pair[0], shapes)
         if transform is not linear:
@@ -400,8 +409,15 @@ def _updates(
                 f"LoRA {lora.path}: {pair[0]}: a low-rank pair applies to Linear weights only; "
                 f"{'.'.join(param)} is not one (a full delta, .diff, is)"
             )
-        out.append((param, layer, _low_rank(lora, entry, want, param, scale)))
-    for part, leaf in (("diff", "weight"), ("diff_b", "bias")):
+        low_rank = _low_rank(lora, entry, want, param, scale)
+        out.append((param, layer, low_rank))
+        bias_scale = low_rank.scale
+    elif "up_b" in parts and lora.default_alpha is not None:
+        raise LoraError(
+            f"LoRA {lora.path}: {keys['up_b']} has no lora_A/lora_B weights, whose rank and "
+            "the file's lora_alpha scale it"
+        )
+    for part, leaf in (("diff", "weight"), ("diff_b", "bias"), ("up_b", "bias")):
         if part in parts:
             param, layer, want, transform = _target(lora, module, leaf, keys[part], shapes)
             try:
@@ -413,7 +429,7 @@ def _updates(
                     f"LoRA {lora.path}: {keys[part]} has shape {tuple(delta.shape)} in the parameter's "
                     f"layout, {'.'.join(param)} is {want}"
                 )
-            out.append((param, layer, Dense(delta, scale)))
+            out.append((param, layer, Dense(delta, bias_scale if part == "up_b" else scale)))
     return out
 
 

@@ -84,7 +84,8 @@ def abstract_module(
 
 def components(config: ModelConfig) -> tuple[str, ...]:
     """The weight components of a model's pipeline, named as in a diffusers pipeline folder."""
-    return interface.components(config.num_experts, interface.PIPELINES[config.pipeline])
+    programs = [p for pipeline in config.pipelines for p in interface.PIPELINES[pipeline]]
+    return interface.components(config.num_experts, programs)
 
 
 def split_abstract(module: nnx.Module) -> tuple[nnx.GraphDef, Tree, Tree]:
@@ -246,15 +247,19 @@ def vae_encode_program(config: ModelConfig, shape: VideoShape, options: ProgramO
     then replicated, for the transformer mesh to take its slices without an all-to-all."""
     graphdef, params, param_axes = split_abstract(abstract_module(config, "vae_encoder", options))
     image = _sds((shape.batch, shape.height, shape.width, 3), jnp.float32)
+    mode = image_condition(config, options)
+    # `first_frame` encodes the image alone (one latent frame).
+    frames = shape.frames if mode == "channels" else 1
 
     def vae_encode(params: Tree, image: jax.Array) -> dict[str, jax.Array]:
         encoder = nnx.merge(graphdef, params)
-        zeros = jnp.zeros((shape.batch, shape.frames - 1, *image.shape[1:]), image.dtype)
+        zeros = jnp.zeros((shape.batch, frames - 1, *image.shape[1:]), image.dtype)
         video = jnp.concatenate([image[:, None], zeros], axis=1)
         mean, _ = encoder.encode(sharding.constrain(video, VIDEO))  # the posterior's argmax
-        latents = normalize_latents(mean.astype(jnp.float32), config.vae)
-        mask = jnp.zeros((*latents.shape[:-1], config.vae.temporal_factor), jnp.float32)
-        condition = jnp.concatenate([mask.at[:, 0].set(1.0), latents], axis=-1)
+        condition = normalize_latents(mean.astype(jnp.float32), config.vae)
+        if mode == "channels":
+            mask = jnp.zeros((*condition.shape[:-1], config.vae.temporal_factor), jnp.float32)
+            condition = jnp.concatenate([mask.at[:, 0].set(1.0), condition], axis=-1)
         return {"condition": sharding.constrain(condition, (None,) * condition.ndim)}
 
     return Program(
@@ -281,8 +286,8 @@ def image_kv_cache_program(
     image = None
     if config.image_encoder is not None:
         image = _sds((shape.batch, config.image_encoder.tokens, tc.image_dim), config.dtype)
-    condition = _sds(condition_shape(config, shape), jnp.float32)
-    _, kv_axes = step_conditioning(config, shape)
+    condition = _sds(condition_shape(config, shape, image_condition(config, options)), jnp.float32)
+    _, kv_axes = step_conditioning(config, shape, options)
 
     def image_kv_cache(params, embeddings, image_embeddings, condition):
         embeddings = sharding.constrain(embeddings, (axes.BATCH, None, None))
@@ -318,29 +323,41 @@ def kv_shape(config: ModelConfig, shape: VideoShape) -> jax.ShapeDtypeStruct:
     )
 
 
-def step_conditioning(config: ModelConfig, shape: VideoShape) -> tuple[Tree, Tree]:
+def image_condition(config: ModelConfig, options: ProgramOptions) -> str | None:
+    """How an image conditions this build's steps (`ModelConfig.image_condition`), None for a
+    text-to-video build."""
+    return None if options.build.get("pipeline", "t2v") == "t2v" else config.image_condition
+
+
+def step_conditioning(
+    config: ModelConfig, shape: VideoShape, options: ProgramOptions
+) -> tuple[Tree, Tree]:
     """(shapes, logical axes) of what every step reads, the `kv` that kv_cache (or
     image_kv_cache) leaves: the prompt's cross-attention keys and values; for image to video,
-    {"cross": those and the image tokens' (with CLIP features), "condition": the mask and the
-    image's latents}."""
+    {"cross": those and the image tokens' (with CLIP features), "condition": the image's}."""
     kv = kv_shape(config, shape)
-    if config.pipeline == "t2v":
+    mode = image_condition(config, options)
+    if mode is None:
         return (kv, kv), (KV_AXES, KV_AXES)
     cross, cross_axes = [kv, kv], [KV_AXES, KV_AXES]
     if config.image_encoder is not None:
         image = _sds((*kv.shape[:2], config.image_encoder.tokens, kv.shape[3]), config.dtype)
         cross, cross_axes = cross + [image, image], cross_axes + [KV_AXES, KV_AXES]
+    condition = _sds(condition_shape(config, shape, mode), jnp.float32)
     return (
-        {"cross": tuple(cross), "condition": _sds(condition_shape(config, shape), jnp.float32)},
+        {"cross": tuple(cross), "condition": condition},
         {"cross": tuple(cross_axes), "condition": LATENTS},
     )
 
 
-def condition_shape(config: ModelConfig, shape: VideoShape) -> tuple[int, ...]:
-    """The condition's (B, T, h, w, C): a mask channel per frame a latent frame stands for,
-    then the image's latents."""
-    *video, channels = shape.latent_shape(config)
-    return (*video, config.vae.temporal_factor + channels)
+def condition_shape(config: ModelConfig, shape: VideoShape, mode: str) -> tuple[int, ...]:
+    """The condition's (B, T, h, w, C): `channels`, a mask channel per frame a latent frame
+    stands for, then the latents of the image and the zero frames after it; `first_frame`, the
+    image's one latent frame."""
+    batch, frames, *grid, channels = shape.latent_shape(config)
+    if mode == "first_frame":
+        return (batch, 1, *grid, channels)
+    return (batch, frames, *grid, config.vae.temporal_factor + channels)
 
 
 def sampler_row_shapes(config: ModelConfig) -> dict[str, jax.ShapeDtypeStruct]:
@@ -377,7 +394,8 @@ def _step_program(
     batch, and only the videos marked in its `active` input change."""
     graphdef, params, param_axes = split_abstract(abstract_module(config, "transformer", options))
     latents = _sds(shape.latent_shape(config), jnp.float32)
-    kv, kv_axes = step_conditioning(config, shape)
+    kv, kv_axes = step_conditioning(config, shape, options)
+    mode = image_condition(config, options)
     slots = (shape.batch,) if per_slot else ()
     row = {k: _sds((*slots, *s.shape), s.dtype) for k, s in sampler_row_shapes(config).items()}
     state = state_shapes(config, shape)
@@ -392,8 +410,10 @@ def _step_program(
         model = nnx.merge(graphdef, params)
         extra = dict(zip(extra_args, extra, strict=True))
         x = latents
-        if isinstance(kv, dict):  # image to video: the condition beside the latents
-            x = jnp.concatenate([x, kv["condition"]], axis=-1)
+        kv_condition = None
+        if mode is not None:
+            kv_condition = kv["condition"]
+            x = _conditioned(x, kv_condition, mode)
             kv = kv["cross"]
         x = x.astype(config.dtype)
         t = row["timestep"]
@@ -402,7 +422,8 @@ def _step_program(
             # a video's latents holds both of its passes, so guidance needs no collective.
             x = jnp.repeat(x, 2, axis=0)
             t = jnp.repeat(t, 2) if per_slot else t
-        embedded = model.embed(x, jnp.broadcast_to(t, (x.shape[0],)))
+        t = jnp.broadcast_to(t, (x.shape[0],))
+        embedded = model.embed(x, t, first_at_zero=mode == "first_frame")
         tokens, extra_out = transformer_pass(model, embedded, kv, extra)
         flow = model.head(tokens, embedded).astype(jnp.float32)
         if per_slot:
@@ -415,6 +436,8 @@ def _step_program(
             row, schedulers.SamplerState(**state), flow, latents.astype(jnp.float32)
         )
         new_state = {"last_sample": new_state.last_sample, "x0_history": new_state.x0_history}
+        if mode == "first_frame":  # the first frame stays the image's (diffusers blends it in
+            new = _conditioned(new, kv_condition, mode)  # for each step and before the decode)
         if per_slot:  # the slots not in this step keep what they hold
             active = _per_video(extra["active"], latents.ndim)
             new = jnp.where(active, new, latents)
@@ -438,6 +461,14 @@ def _step_program(
         analyses=analyses,
         vmem_hint="smaller --attention splash blocks (e.g. splash:1024:1024:512)",
     )  # fmt: skip
+
+
+def _conditioned(latents: jax.Array, condition: jax.Array, mode: str) -> jax.Array:
+    """The transformer's input of image to video: the condition beside the latents' channels,
+    or in place of their first frame."""
+    if mode == "channels":
+        return jnp.concatenate([latents, condition], axis=-1)
+    return jnp.concatenate([condition.astype(latents.dtype), latents[:, 1:]], axis=1)
 
 
 def denoise_step_program(

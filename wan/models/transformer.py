@@ -50,6 +50,23 @@ class Embedded(NamedTuple):
     time6: jax.Array  # (B, 6, dim) the blocks' modulation
     rope: tuple[jax.Array, jax.Array]
     grid: tuple[int, int, int]  # (frames, rows, cols) of tokens
+    # TI2V-5B's image mode: the first frame's tokens (the given image) are at timestep 0, and
+    # this is their (temb, time6); None: every token at the step's timestep.
+    first: tuple[jax.Array, jax.Array] | None = None
+
+    @property
+    def first_tokens(self) -> int:
+        """Tokens of the first latent frame (the ones `first` is for)."""
+        return self.grid[1] * self.grid[2]
+
+
+def per_token(values: jax.Array, first: jax.Array | None, first_tokens: int, length: int):
+    """`values` (B, 1, dim) for each of `length` tokens; with `first` (B, 1, dim), that for the
+    first `first_tokens` (B, length, dim: a select XLA fuses into its consumer)."""
+    if first is None:
+        return values
+    is_first = (jnp.arange(length) < first_tokens)[None, :, None]
+    return jnp.where(is_first, first, values)
 
 
 HIDDEN: Axes = (axes.BATCH, axes.LENGTH, axes.ACT_EMBED)  # "embed" names weight dims only
@@ -288,12 +305,23 @@ class WanBlock(nnx.Module):
         cross_kv: tuple[jax.Array, ...],
         time6: jax.Array,
         rope: tuple[jax.Array, jax.Array],
+        first: tuple[jax.Array, int] | None = None,
     ) -> jax.Array:
         """x (B, S, dim); cross_kv this layer's text keys and values (B, L, dim), then the
         image's when the model takes image features; time6 the timestep projection
-        (B, 6, dim)."""
-        mod = self.scale_shift_table[...] + time6.astype(jnp.float32)
-        shift, scale, gate, c_shift, c_scale, c_gate = (mod[:, i : i + 1] for i in range(6))
+        (B, 6, dim); `first`: another projection for the first tokens, and their count."""
+        table = self.scale_shift_table[...]
+        mod = table + time6.astype(jnp.float32)
+        mod_first, first_tokens = (None, 0) if first is None else (table + first[0], first[1])
+        shift, scale, gate, c_shift, c_scale, c_gate = (
+            per_token(
+                mod[:, i : i + 1],
+                None if mod_first is None else mod_first[:, i : i + 1],
+                first_tokens,
+                x.shape[1],
+            )
+            for i in range(6)
+        )
         x32 = x.astype(jnp.float32)
 
         # Named scopes: the HLO's op names (and `aot check`'s rows) say which part an
@@ -457,9 +485,12 @@ class WanTransformer(nnx.Module):
         embedded = self.embed(latents, timestep)
         return self.head(self.run_blocks(embedded, kv_cache), embedded)
 
-    def embed(self, latents: jax.Array, timestep: jax.Array) -> Embedded:
+    def embed(
+        self, latents: jax.Array, timestep: jax.Array, first_at_zero: bool = False
+    ) -> Embedded:
         """What every block takes besides its text keys/values: the patch tokens, the timestep's
-        embedding and modulation, the rotary tables."""
+        embedding and modulation, the rotary tables. `first_at_zero` (TI2V-5B's image mode,
+        diffusers' expand_timesteps): the first latent frame's tokens are at timestep 0."""
         batch = latents.shape[0]
         grid = self.config.patch_grid(latents.shape[1:4])
         rope = rope_tables(grid, self.config.attention_head_dim)
@@ -472,16 +503,22 @@ class WanTransformer(nnx.Module):
         conv = self.patch_embedding
         x = patches @ conv.kernel[...].reshape(-1, self.config.inner_dim) + conv.bias[...]
         temb, time6 = self.condition_embedder.time(jnp.broadcast_to(timestep, (batch,)))
-        return Embedded(x, temb, time6, rope, grid)
+        first = self.condition_embedder.time(jnp.zeros((batch,))) if first_at_zero else None
+        return Embedded(x, temb, time6, rope, grid, first)
+
+    def _block_first(self, embedded: Embedded) -> tuple[jax.Array, int] | None:
+        return None if embedded.first is None else (embedded.first[1], embedded.first_tokens)
 
     def run_blocks(self, embedded: Embedded, kv_cache: KVCache) -> jax.Array:
         """The tokens after every block: one scanned block body."""
         graphdef, params = nnx.split(self.blocks)
+        first = self._block_first(embedded)
 
         @jax.named_scope("blocks")
         def layer(x, inputs):
             p, kv = inputs
-            x = nnx.merge(graphdef, p)(constrain(x, HIDDEN), kv, embedded.time6, embedded.rope)
+            block = nnx.merge(graphdef, p)
+            x = block(constrain(x, HIDDEN), kv, embedded.time6, embedded.rope, first)
             return constrain(x, HIDDEN), None
 
         x, _ = jax.lax.scan(layer, embedded.tokens, (params, tuple(kv_cache)))
@@ -493,6 +530,7 @@ class WanTransformer(nnx.Module):
         """`x` after blocks start..stop-1: a loop that reads each layer's slice of the stacked
         weights in place (slicing the stack for a scan would copy the weights)."""
         graphdef, params = nnx.split(self.blocks)
+        first = self._block_first(embedded)
 
         @jax.named_scope("blocks")
         def layer(i, x):
@@ -500,7 +538,8 @@ class WanTransformer(nnx.Module):
                 lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False),
                 (params, tuple(kv_cache)),
             )
-            x = nnx.merge(graphdef, p)(constrain(x, HIDDEN), kv, embedded.time6, embedded.rope)
+            block = nnx.merge(graphdef, p)
+            x = block(constrain(x, HIDDEN), kv, embedded.time6, embedded.rope, first)
             return constrain(x, HIDDEN)
 
         return jax.lax.fori_loop(start, stop, layer, x)
@@ -511,6 +550,12 @@ class WanTransformer(nnx.Module):
         # embedding's channels reaches here and is undone by an all-to-all.
         temb = constrain(embedded.temb, (axes.BATCH, axes.ACT_EMBED))
         shift, scale = jnp.split(self.scale_shift_table[...] + temb[:, None], 2, axis=1)
+        if embedded.first is not None:
+            shift_0, scale_0 = jnp.split(
+                self.scale_shift_table[...] + embedded.first[0][:, None], 2, axis=1
+            )
+            shift = per_token(shift, shift_0, embedded.first_tokens, x.shape[1])
+            scale = per_token(scale, scale_0, embedded.first_tokens, x.shape[1])
         x = (self.norm_out(x.astype(jnp.float32)) * (1 + scale) + shift).astype(self.dtype)
         return self._unpatchify(self.proj_out(x), embedded.grid)
 
