@@ -11,7 +11,7 @@ import click
 from runtime import cli_options, processes, signing, step_cache
 from runtime.artifact import ArtifactError, BuildKey, Manifest
 from runtime.cli_args import TRUSTED_KEY, CliError
-from runtime.http_guards import API_KEYS_ENV, HttpLimits, load_api_keys
+from runtime.http_guards import API_KEYS_ENV, MAX_BODY_BYTES, HttpLimits, load_api_keys
 from runtime.job_store import LOCK_TIMEOUT_S, JobStore
 from runtime.loader import (
     Present,
@@ -37,8 +37,9 @@ from wan.presets import model_spec
     "--build",
     "build_names",
     multiple=True,
-    help="Serve only these build folders (repeatable, one per size, frames and CFG; default: of "
-    "the builds that serve the weights' model on these devices, the largest batch of each).",
+    help="Serve only these build folders (repeatable, one per size, frames, CFG and pipeline, text "
+    "or image to video; default: of the builds that serve the weights' model on these devices, "
+    "the largest batch of each).",
 )
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
@@ -73,10 +74,11 @@ from wan.presets import model_spec
 )
 @click.option(
     "--max-body-bytes",
-    default=1 << 20,
+    default=MAX_BODY_BYTES,
     show_default=True,
     type=click.IntRange(1024, 1 << 30),
-    help="Largest request body (413 past it, refused by its Content-Length before it is read).",
+    help="Largest request body, an input_reference image included (413 past it, refused by its "
+    "Content-Length before it is read).",
 )
 @click.option(
     "--max-prompt-chars",
@@ -231,13 +233,14 @@ def _serving_builds(
 
 def _one_per_route(named: dict[str, BuildKey]) -> None:
     """Builds named with --build serve different routes: a request picks its build by size,
-    frames and CFG only, so a second build of a route would be loaded and never used."""
+    frames, CFG and whether it gives an image only, so a second build of a route would be loaded
+    and never used."""
     chosen = serving_routes(named)
     for name, key in named.items():
         kept = chosen[route(key)]
         if name != kept:
             raise ArtifactError(
                 f"--build {name} and --build {kept} both serve {describe_route(route(key))} (a "
-                "request picks its build by size, frames and CFG only): name one of them, e.g. "
-                f"{kept} (batch {named[kept].batch})"
+                "request picks its build by size, frames, CFG and whether it gives an image only):"
+                f" name one of them, e.g. {kept} (batch {named[kept].batch})"
             )

@@ -27,6 +27,9 @@ MAX_KEY_FILE_BYTES = 64 << 10
 # A key: what a Bearer header carries (RFC 6750's token68), long enough not to be guessed.
 KEY = re.compile(r"[A-Za-z0-9._~+/=-]{16,512}")
 GUARDED = "/v1/"  # the paths a key is required on; /healthz and /metrics stay open
+# The default --max-body-bytes: a request with an input_reference image (a photo is a few MiB;
+# runtime.images.MAX_IMAGE_BYTES is the most any image file may be).
+MAX_BODY_BYTES = 16 << 20
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """The server's jobs, kept so that none is lost: one SQLite database (the standard library's
 sqlite3, WAL mode, every change committed before it is answered) in the output folder, beside
-the MP4s, which are written there atomically (runtime.outputs.staged). A restart finds the
-completed videos and queues again the ones that were queued or in progress. Every SQLite failure
-comes out as a StoreError, one line saying what to do: the start refuses, the server retries."""
+the MP4s and the image-to-video jobs' images, which are written there atomically
+(runtime.outputs.staged). A restart finds the completed videos and queues again the ones that
+were queued or in progress, with their images. Every SQLite failure comes out as a StoreError,
+one line saying what to do: the start refuses, the server retries."""
 
 from __future__ import annotations
 
@@ -18,10 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from runtime.batching import Group, Settings
+from runtime.outputs import write_files
 from wan.errors import InputError
 
 DATABASE = "jobs.sqlite3"
 VIDEOS = "videos"
+# An image-to-video job's input_reference, the file as it was uploaded (PNG, JPEG or WebP, read
+# again by its batch), at INPUTS/<job id>INPUT; its stored request says it has one.
+INPUTS, INPUT = "inputs", ".image"
 STATUSES = ("queued", "in_progress", "completed", "failed")
 # The stored request's fields the server reads back (runtime.openai_dialect.VideoRequest's, the
 # seed and frames filled in) and their JSON types; a row without them is refused at the start.
@@ -94,7 +99,9 @@ class JobStore:
         self.out_dir = out_dir
         self.path = out_dir / DATABASE
         self.videos = out_dir / VIDEOS
+        self.inputs = out_dir / INPUTS
         self.videos.mkdir(parents=True, exist_ok=True)
+        self.inputs.mkdir(exist_ok=True)
         self._lock = threading.Lock()
         try:
             self._db = sqlite3.connect(self.path, timeout=timeout, check_same_thread=False)
@@ -109,14 +116,17 @@ class JobStore:
     def recover(self) -> int:
         """At the start: the database is checked whole (its pages, every job's request), the jobs
         in progress are queued again (their videos were not written), and staged files a killed
-        writer left are removed. Returns the jobs queued."""
-        for partial in self.videos.glob(".*.partial"):
+        writer left are removed, with the images of no job (`add` or `delete` killed between
+        the file and the row). Returns the jobs queued."""
+        for partial in (*self.videos.glob(".*.partial"), *self.inputs.glob(".*.partial")):
             partial.unlink(missing_ok=True)
+        ids = set()
         with self._transaction() as db:
             [problem] = db.execute("PRAGMA quick_check(1)").fetchone()
             if problem != "ok":
                 raise StoreError(self._explain(problem, sqlite3.SQLITE_CORRUPT))
             for job_id, text in db.execute("SELECT id, request FROM jobs"):
+                ids.add(job_id)
                 if _read_request(text) is None:
                     raise StoreError(
                         f"job store {self.path}: job {job_id}'s request does not read (a JSON "
@@ -126,6 +136,9 @@ class JobStore:
                     )
             db.execute("UPDATE jobs SET status='queued', progress=0 WHERE status='in_progress'")
             (queued,) = db.execute("SELECT COUNT(*) FROM jobs WHERE status='queued'").fetchone()
+        for image in self.inputs.glob(f"*{INPUT}"):
+            if image.name.removesuffix(INPUT) not in ids:
+                image.unlink(missing_ok=True)
         return queued
 
     def check(self) -> None:
@@ -133,20 +146,36 @@ class JobStore:
         with self._transaction() as db:
             db.execute("BEGIN IMMEDIATE")
 
-    def add(self, group: Group, request: dict[str, Any], max_queue: int) -> Job:
-        """A new queued job, unless `max_queue` jobs wait or run already (QueueFull)."""
+    def add(
+        self, group: Group, request: dict[str, Any], max_queue: int, image: bytes | None = None
+    ) -> Job:
+        """A new queued job, unless `max_queue` jobs wait or run already (QueueFull); with
+        `image`, its input_reference file, kept until the job is deleted (`image_of`)."""
         job_id = f"video_{secrets.token_hex(12)}"
-        with self._transaction() as db:
-            (waiting,) = db.execute(
-                "SELECT COUNT(*) FROM jobs WHERE status IN ('queued', 'in_progress')"
-            ).fetchone()
-            if waiting >= max_queue:
-                raise QueueFull(f"the queue is full ({max_queue} videos): retry later")
-            db.execute(
-                "INSERT INTO jobs (id, grp, request, status, created_at) VALUES (?, ?, ?, ?, ?)",
-                (job_id, _group_text(group), json.dumps(request), "queued", time.time()),
-            )
-            return _job(db.execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone())
+        if image is not None:  # written before the row: a job never lacks its image
+            try:
+                write_files({self.input_path(job_id): lambda path: path.write_bytes(image)})
+            except OSError as e:  # a WriteError naming the file
+                raise StoreError(
+                    f"job store {self.inputs}: {e}: free some space or make it writable"
+                ) from None
+            request = request | {"input_reference": True}
+        try:
+            with self._transaction() as db:
+                (waiting,) = db.execute(
+                    "SELECT COUNT(*) FROM jobs WHERE status IN ('queued', 'in_progress')"
+                ).fetchone()
+                if waiting >= max_queue:
+                    raise QueueFull(f"the queue is full ({max_queue} videos): retry later")
+                db.execute(
+                    "INSERT INTO jobs (id, grp, request, status, created_at) "
+                    "VALUES (?, ?, ?, ?, ?)",
+                    (job_id, _group_text(group), json.dumps(request), "queued", time.time()),
+                )
+                return _job(db.execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone())
+        except BaseException:
+            self.input_path(job_id).unlink(missing_ok=True)
+            raise
 
     def get(self, job_id: str) -> Job | None:
         with self._transaction() as db:
@@ -201,6 +230,7 @@ class JobStore:
             return False
         for variant in CONTENT:  # after the row: a kill between them leaves files, not a row
             self.content_path(job_id, variant).unlink(missing_ok=True)
+        self.input_path(job_id).unlink(missing_ok=True)
         return True
 
     def start(self, job_ids: list[str]) -> list[Job]:
@@ -246,6 +276,15 @@ class JobStore:
 
     def video_path(self, job_id: str) -> Path:
         return self.content_path(job_id, "video")
+
+    def input_path(self, job_id: str) -> Path:
+        """Where an image-to-video job's input_reference file is kept."""
+        return self.inputs / f"{job_id}{INPUT}"
+
+    def image_of(self, job: Job) -> Path | None:
+        """The job's input_reference file (image to video; its batch reads it), else None."""
+        given = job.request is not None and job.request.get("input_reference") is True
+        return self.input_path(job.id) if given else None
 
     def close(self) -> None:
         with self._lock:

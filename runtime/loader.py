@@ -161,15 +161,18 @@ def match_build(
     raise ArtifactError("\n".join([head, *(f"  {name}: {lines[name]}" for name in sorted(lines))]))
 
 
-Route = tuple[int, int, int, bool]  # (width, height, frames, CFG): what a request picks a build by
+# What a request picks a build by: (width, height, frames, CFG, image), the last whether it gives
+# an image (an image-to-video build: one of a model that runs both serves beside a text one).
+Route = tuple[int, int, int, bool, bool]
 
 
 def route(key: BuildKey) -> Route:
-    return key.width, key.height, key.frames, key.cfg
+    return key.width, key.height, key.frames, key.cfg, "vae_encode" in key.programs
 
 
 def describe_route(r: Route) -> str:
-    width, height, frames, cfg = r
+    """Its size, frames and CFG (its kind, text or image to video, is the caller's to say)."""
+    width, height, frames, cfg, _ = r
     return f"{width}x{height} frames={frames} {'guidance>1' if cfg else 'guidance<=1'}"
 
 

@@ -2,7 +2,9 @@
 unchanged: the request of `POST /v1/videos` read from JSON or from a form (the SDK always sends
 multipart/form-data), `seconds` counted into frames as Wan counts them, the served `model`, the
 video object, the list page, the model list and the error object the SDK turns into its typed
-exceptions. No HTTP routes here (runtime.server) and no worker (runtime.service)."""
+exceptions, and `input_reference`, image to video's first frame (a file part of the form, read
+and checked by runtime.images). No HTTP routes here (runtime.server) and no worker
+(runtime.service)."""
 
 from __future__ import annotations
 
@@ -21,18 +23,23 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from runtime import images
 from runtime.batching import Settings
 from runtime.job_store import Job
 from runtime.loader import Route, describe_route
 from runtime.request import MAX_SCALE, MAX_SEED, check_text
 from wan.bounded_read import parse_json
 from wan.configs import SAMPLERS
+from wan.errors import InputError
 
 MAX_STEPS = 1000
 CFG_ABOVE = 1.0  # a guidance above it runs a CFG build (the route's `cfg`)
-# A form may hold each field of VideoRequest once; files are not taken (no field is one).
+# A form may hold each field of VideoRequest once, and one file: IMAGE_FIELD.
 MAX_FORM_FIELDS = 32
-MAX_FORM_FILES = 1  # one, so that a file is refused by its field's name, not by a count
+MAX_FORM_FILES = 1
+# OpenAI's field for a reference image, which the SDK uploads as a file part of its form: the
+# first frame of an image-to-video video (not taken as a `file_id` or an `image_url`).
+IMAGE_FIELD = "input_reference"
 # `seconds` as a string: a plain decimal ("5", "0.25"), what the SDK sends.
 DECIMAL = r"^[0-9]{1,6}(\.[0-9]{1,6})?$"
 # `seconds` may miss a whole number of frames by this much (a printed 1/3 s is 0.333333 s).
@@ -147,6 +154,11 @@ class ServedBuild:
     route: Route  # what picks it (runtime.loader.serving_routes)
     batch: int
 
+    @property
+    def image(self) -> bool:
+        """Image to video: a request gives IMAGE_FIELD."""
+        return self.route[4]
+
 
 def seconds_text(frames: int, fps: int) -> str:
     """A length in frames as the API's `seconds` (a string): Wan's count, frames = s x fps + 1."""
@@ -162,6 +174,16 @@ def describe_builds(builds: Iterable[ServedBuild]) -> str:
 
 def _by_route(build: ServedBuild) -> Route:
     return build.route
+
+
+def describe_kinds(builds: Iterable[ServedBuild]) -> str:
+    """What `builds` serve, by pipeline: 'text-to-video 64x96 frames=5 guidance>1 (batch 2)'."""
+    builds = list(builds)
+    return "; ".join(
+        f"{kind} {describe_builds(of)}"
+        for image, kind in ((False, "text-to-video"), (True, "image-to-video"))
+        if (of := [b for b in builds if b.image == image])
+    )
 
 
 def lengths(builds: list[ServedBuild]) -> str:
@@ -180,10 +202,14 @@ class Resolved:
 
 
 def resolve(
-    body: VideoRequest, builds: Mapping[str, ServedBuild], routes: Mapping[Route, str]
+    body: VideoRequest,
+    builds: Mapping[str, ServedBuild],
+    routes: Mapping[Route, str],
+    image: bool = False,
 ) -> Resolved:
     """The model, length and build of a request among the served `builds` (`routes`: the one
-    rule of which build serves a route); a request none serves is a 400 naming what is served."""
+    rule of which build serves a route), an image-to-video one exactly when it gives an image
+    (`image`: IMAGE_FIELD given); a request none serves is a 400 naming what is served."""
     models = sorted({b.model for b in builds.values()})
     if body.model is None and len(models) != 1:
         raise ApiError(400, "invalid_request", f"give model: one of {', '.join(models)}", "model")
@@ -197,16 +223,42 @@ def resolve(
     frames = _frames(body, own, model)
     width, height = map(int, body.size.split("x"))
     cfg = body.guidance > CFG_ABOVE
-    name = routes.get((width, height, frames, cfg))
-    if name is None or builds[name].model != model:
+
+    def serving(kind: bool) -> str | None:
+        name = routes.get((width, height, frames, cfg, kind))
+        return name if name is not None and builds[name].model == model else None
+
+    name = serving(image)
+    if name is None and serving(not image) is not None:
+        made = f"this server makes {model} {body.size} videos of {frames} frames"
+        why = (
+            f"{made} from text only: leave {IMAGE_FIELD} out (an image needs an image-to-video "
+            "build)"
+            if image
+            else f"{made} from an image: give {IMAGE_FIELD}, the first frame (a PNG, JPEG or WebP "
+            "file)"
+        )
+        raise ApiError(400, "invalid_request", f"{why}; served: {describe_kinds(own)}", IMAGE_FIELD)
+    if name is None:
         raise ApiError(
             400,
             "unsupported_shape",
             f"no loaded build of {model} makes size {body.size} with {frames} frames "
-            f"{'with' if cfg else 'without'} CFG; served: {describe_builds(own)}",
+            f"{'with' if cfg else 'without'} CFG; served: {describe_kinds(own)}",
             "size",
         )
     return Resolved(name, model, frames)
+
+
+def check_image(data: bytes, size: str) -> None:
+    """IMAGE_FIELD's file read and fitted to the video as its batch will read it (runtime.images):
+    a bad one is the request's one-line 400, not its batch's failure."""
+    width, height = map(int, size.split("x"))
+    try:
+        picture = images.read_image(data, what=IMAGE_FIELD)
+        images.check_fit(picture, width, height, what=IMAGE_FIELD)
+    except InputError as e:
+        raise ApiError(400, "invalid_request", str(e), IMAGE_FIELD) from None
 
 
 def _frames(body: VideoRequest, own: list[ServedBuild], model: str) -> int:
@@ -244,13 +296,15 @@ def _frames(body: VideoRequest, own: list[ServedBuild], model: str) -> int:
 
 async def read_video_request(
     request: Request, max_prompt_chars: int, max_body_bytes: int
-) -> VideoRequest:
+) -> tuple[VideoRequest, bytes | None]:
     """POST /v1/videos' body, JSON or a form (multipart/form-data, the SDK's; or urlencoded),
-    checked whole; the prompts at most `max_prompt_chars` each; a form's parts at most
-    `max_body_bytes` (the body's own bound, runtime.http_guards.BoundedBody)."""
+    checked whole, and a form's IMAGE_FIELD file (not read as an image yet: `check_image`); the
+    prompts at most `max_prompt_chars` each; a form's parts at most `max_body_bytes` (the body's
+    own bound, runtime.http_guards.BoundedBody)."""
     media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    image = None
     if media in ("multipart/form-data", "application/x-www-form-urlencoded"):
-        fields = await _form_fields(request, max_body_bytes)
+        fields, image = await _form_fields(request, max_body_bytes)
     elif media in ("", "application/json") or media.endswith("+json"):
         fields = parse_json(await request.body(), _not_json)
     else:
@@ -259,6 +313,15 @@ async def read_video_request(
         )
     if not isinstance(fields, dict):
         raise ApiError(400, "invalid_request", "the body is not a JSON object")
+    if IMAGE_FIELD in fields:  # not a file: JSON's {"image_url": ...}, a form's text field
+        raise ApiError(
+            400,
+            "invalid_request",
+            f"{IMAGE_FIELD}: send the image file as a multipart/form-data file part, with a "
+            f"filename (the SDK: {IMAGE_FIELD}=open(path, 'rb'); curl: -F {IMAGE_FIELD}=@cat.png); "
+            "a file_id, an image_url or text is not taken",
+            IMAGE_FIELD,
+        )
     try:
         body = VideoRequest.model_validate(fields)
     except ValidationError as e:
@@ -273,17 +336,19 @@ async def read_video_request(
                 f"{max_prompt_chars} (--max-prompt-chars): shorten it",
                 name,
             )
-    return body
+    return body, image
 
 
 def _not_json(reason: str) -> ApiError:
     return ApiError(400, "invalid_request", f"the body {reason}")
 
 
-async def _form_fields(request: Request, max_part_bytes: int) -> dict[str, Any]:
-    """A form's fields as VideoRequest takes them: each field once, no files, numbers read
-    strictly as JSON numbers, an empty field of a number that may be null as null (the SDK
-    sends a None so). The body is whole already (runtime.http_guards.BoundedBody)."""
+async def _form_fields(
+    request: Request, max_part_bytes: int
+) -> tuple[dict[str, Any], bytes | None]:
+    """A form's fields as VideoRequest takes them (each field once, numbers read strictly as
+    JSON numbers, an empty field of a number that may be null as null: the SDK sends a None so)
+    and its one file, IMAGE_FIELD's. The body is whole already (runtime.http_guards.BoundedBody)."""
     try:
         form = await request.form(
             max_files=MAX_FORM_FILES, max_fields=MAX_FORM_FIELDS, max_part_size=max_part_bytes
@@ -291,13 +356,19 @@ async def _form_fields(request: Request, max_part_bytes: int) -> dict[str, Any]:
     except HTTPException as e:  # starlette's answer to a form that does not parse or is too big
         raise ApiError(400, "invalid_request", f"the form does not read: {e.detail}") from None
     fields: dict[str, Any] = {}
+    image = None
     for name, value in form.multi_items():
         if isinstance(value, UploadFile):
-            raise ApiError(400, "invalid_request", f"{name}: files are not taken", name)
+            if name != IMAGE_FIELD:
+                raise ApiError(
+                    400, "invalid_request", f"{name}: a file is taken only as {IMAGE_FIELD}", name
+                )
+            image = await value.read()
+            continue
         if name in fields:
             raise ApiError(400, "invalid_request", f"{name}: given more than once", name)
         fields[name] = _form_value(name, value)
-    return fields
+    return fields, image
 
 
 def _form_value(name: str, text: str) -> Any:
@@ -368,9 +439,10 @@ def model_object(name: str, created: int) -> dict[str, Any]:
     return {"id": name, "object": "model", "created": created, "owned_by": "wan-aot"}
 
 
-def form_schema(schema: dict[str, Any]) -> dict[str, Any]:
+def form_schema(schema: dict[str, Any], image: bool = False) -> dict[str, Any]:
     """VideoRequest's JSON schema as a form takes it: a field that may be null is left out (or
-    sent empty) instead, so the form's fields are never null."""
+    sent empty) instead, so the form's fields are never null; with `image` (an image-to-video
+    build served), the IMAGE_FIELD file too."""
     properties = {}
     for name, prop in schema["properties"].items():
         options = [p for p in prop.get("anyOf", ()) if p.get("type") != "null"]
@@ -378,4 +450,10 @@ def form_schema(schema: dict[str, Any]) -> dict[str, Any]:
         properties[name] = (options[0] | rest) if len(options) == 1 else rest | (
             {"anyOf": options} if options else {}
         )  # fmt: skip
+    if image:
+        properties[IMAGE_FIELD] = {
+            "type": "string",
+            "format": "binary",
+            "description": "Image to video: the first frame, a PNG, JPEG or WebP file.",
+        }
     return schema | {"properties": properties, "title": "VideoRequestForm"}

@@ -38,6 +38,7 @@ from runtime.job_store import Job, StoreError
 from runtime.openai_dialect import (
     CFG_ABOVE,
     ERRORS,
+    IMAGE_FIELD,
     MEDIA_TYPES,
     ApiError,
     ErrorBody,
@@ -110,10 +111,13 @@ def make_app(service: Service, limits: HttpLimits, keys: tuple[str, ...] = ()) -
 
     @app.post("/v1/videos", status_code=202, responses=_responses(400, 429, 503))
     async def create(request: Request) -> dict[str, Any]:
-        """A video to make, as JSON or multipart/form-data (the SDK's): queued, answered at
-        once; its `status` and `progress` say the rest."""
-        body = await read_video_request(request, limits.max_prompt_chars, limits.max_body_bytes)
-        return service.video_object(await run_in_threadpool(service.submit, body))
+        """A video to make, as JSON or multipart/form-data (the SDK's; image to video: its
+        `input_reference` file): queued, answered at once; its `status` and `progress` say the
+        rest."""
+        body, image = await read_video_request(
+            request, limits.max_prompt_chars, limits.max_body_bytes
+        )
+        return service.video_object(await run_in_threadpool(service.submit, body, image))
 
     @get("/v1/videos", responses=_responses(400, 404, 503))
     def list_videos(
@@ -226,18 +230,21 @@ def _document(schema: dict[str, Any], service: Service, limits: HttpLimits, keye
     not validate is 400, documented per operation), POST /v1/videos' body as JSON and as a form
     (read by hand: runtime.openai_dialect.read_video_request), the prompts' limit, the models,
     sizes, lengths and guidance the loaded builds serve, and with `keyed` the key every /v1/
-    operation takes (401 without it)."""
+    operation takes (401 without it). An image-to-video build's sizes require the form's
+    `input_reference` file (a JSON body carries none)."""
     components = schema["components"]["schemas"]
     for name in ("HTTPValidationError", "ValidationError"):
         components.pop(name, None)
     request = VideoRequest.model_json_schema(ref_template="#/components/schemas/{model}")
     for name in ("prompt", "negative_prompt"):
         request["properties"][name]["maxLength"] = limits.max_prompt_chars
-    components["VideoRequest"], components["VideoRequestForm"] = request, form_schema(request)
+    images = any(b.image for b in service.builds.values())
+    components["VideoRequest"] = request
+    components["VideoRequestForm"] = form_schema(request, images)
     several = len(service.models()) > 1
     routes = []
     for build in sorted(service.builds.values(), key=lambda b: b.route):
-        width, height, frames, cfg = build.route
+        width, height, frames, cfg, image = build.route
         guidance = {"exclusiveMinimum": CFG_ABOVE} if cfg else {"maximum": CFG_ABOVE}
         seconds = seconds_text(frames, build.fps)
         lengths = {"frames": [frames], "seconds": [seconds, float(seconds)]}
@@ -245,22 +252,23 @@ def _document(schema: dict[str, Any], service: Service, limits: HttpLimits, keye
                       "model": {"const": build.model}}  # fmt: skip
         properties |= {name: {"enum": [*values, None]} for name, values in lengths.items()}
         required = ([] if cfg else ["guidance"]) + (["model"] if several else [])
+        required += [IMAGE_FIELD] if image else []
         # Either length given (not null); both given, they agree.
         length = [{"required": [name], "properties": {name: {"enum": values}}}
                   for name, values in lengths.items()]  # fmt: skip
         routes.append({"properties": properties, "required": required, "anyOf": length})
-    schema["paths"]["/v1/videos"]["post"]["requestBody"] = {
-        "required": True,
-        "content": {
-            media: {
-                "schema": {"allOf": [{"$ref": f"#/components/schemas/{name}"}, {"anyOf": routes}]}
-            }  # fmt: skip
-            for media, name in (
-                ("application/json", "VideoRequest"),
-                ("multipart/form-data", "VideoRequestForm"),
-            )  # fmt: skip
-        },
+    bodies = {"application/json": "VideoRequest", "multipart/form-data": "VideoRequestForm"}
+    if all(b.image for b in service.builds.values()):  # every build takes a file: forms only
+        del bodies["application/json"]
+    content: dict[str, Any] = {
+        media: {"schema": {"allOf": [{"$ref": f"#/components/schemas/{name}"}, {"anyOf": routes}]}}
+        for media, name in bodies.items()
     }
+    if images:  # the file part's types (it needs a filename, else it is a text field, refused)
+        content["multipart/form-data"]["encoding"] = {
+            IMAGE_FIELD: {"contentType": "image/png, image/jpeg, image/webp"}
+        }
+    schema["paths"]["/v1/videos"]["post"]["requestBody"] = {"required": True, "content": content}
     unauthorized = {"description": ERRORS[401], "content": {"application/json": {
         "schema": {"$ref": "#/components/schemas/ErrorBody"}}}}  # fmt: skip
     if keyed:

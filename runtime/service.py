@@ -21,7 +21,8 @@ from runtime.openai_dialect import (
     ApiError,
     ServedBuild,
     VideoRequest,
-    describe_builds,
+    check_image,
+    describe_kinds,
     resolve,
     video_object,
 )
@@ -103,26 +104,31 @@ class Service:
         }
 
     def served(self) -> str:
-        return describe_builds(self.builds.values())
+        return describe_kinds(self.builds.values())
 
     def models(self) -> list[str]:
         """The served models (the builds' BuildKey.model), the API's `model`."""
         return sorted({b.model for b in self.builds.values()})
 
-    def submit(self, body: VideoRequest) -> Job:
-        """A new queued job for `body`, placed on the build that serves it."""
+    def submit(self, body: VideoRequest, image: bytes | None = None) -> Job:
+        """A new queued job for `body` (and `image`, its input_reference file: image to video),
+        placed on the build that serves it."""
         if self.draining:
             raise ApiError(503, "shutting_down", "the server is shutting down: retry later")
         if self.store_problem:  # answered now, not after a lock wait: the worker retries it
             raise ApiError(503, "store_unavailable", f"{self.store_problem}; retry later")
-        placed = resolve(body, self.builds, self.shapes)
+        placed = resolve(body, self.builds, self.shapes, image is not None)
+        if image is not None:
+            check_image(image, body.size)
         request = body.model_dump(exclude={"seconds"})
         request |= {"model": placed.model, "frames": placed.frames}
         if request["seed"] is None:
             request["seed"] = secrets.randbelow(2**31)
+        # A build makes videos with an image or without (its route says which): jobs with and
+        # without one never share a batch, whose group names the build.
         group = Group(placed.build, body.settings())
         try:
-            job = self.store.add(group, request, self.max_queue)
+            job = self.store.add(group, request, self.max_queue, image)
         except QueueFull as e:
             raise ApiError(429, "queue_full", str(e)) from None
         self.wake.set()
@@ -237,8 +243,8 @@ class Service:
         if not jobs:
             return
         ids = [j.id for j in jobs]
-        videos = [Video(j.request["prompt"], j.request["negative_prompt"], j.request["seed"])
-                  for j in jobs]  # fmt: skip
+        videos = [Video(j.request["prompt"], j.request["negative_prompt"], j.request["seed"],
+                        self.store.image_of(j)) for j in jobs]  # fmt: skip
 
         def on_step(done: int, total: int) -> None:
             self._progress(ids, 100 * done // total)

@@ -188,6 +188,23 @@ def test_keys_and_errors(server):
     assert client.videos.poll(running.id, poll_interval_ms=100).status == "completed"
 
 
+def test_an_image_to_a_text_to_video_server(server):
+    """input_reference (a real PNG, as the SDK uploads it) to a server of text-to-video builds
+    is BadRequestError naming what the server makes; nothing is queued."""
+    png = io.BytesIO()
+    Image.new("RGB", (64, 96), (200, 30, 30)).save(png, format="PNG")
+    client = sdk(server)
+    before = [v.id for v in client.videos.list()]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.videos.create(prompt="a cat", size=SIZE, seconds=SECONDS,
+                             input_reference=("cat.png", png.getvalue(), "image/png"))  # fmt: skip
+    assert refused.value.param == "input_reference", refused.value
+    message = refused.value.body["message"]
+    assert "from text only: leave input_reference out" in message, message
+    assert "served: text-to-video 64x96 frames=5 guidance>1 (batch 2)" in message, message
+    assert [v.id for v in client.videos.list()] == before
+
+
 @pytest.mark.skipif(shutil.which("curl") is None, reason="no curl binary on this host")
 def test_a_json_request_with_curl(server):
     """curl with a JSON body and a key, as the README shows it."""

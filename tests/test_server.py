@@ -20,6 +20,7 @@ import imageio_ffmpeg
 import numpy as np
 import pytest
 from conftest import BIN, SMALL, run_cli
+from PIL import Image
 
 from runtime.artifact import ArtifactError, BuildKey
 from runtime.batching import Group, Settings, Video, Waiting, generate_batch, next_batch
@@ -316,15 +317,19 @@ def _key(width: int, frames: int, batch: int, cfg: bool = True) -> BuildKey:
 
 
 def test_one_build_serves_each_route():
-    """Per (width, height, frames, CFG) the largest batch; one batch: the first name."""
+    """Per (width, height, frames, CFG, image) the largest batch; one batch: the first name. An
+    image-to-video build of a shape serves beside a text-to-video one (a model that runs both:
+    the request's image picks)."""
     keys = {"a_b1": _key(64, 5, 1), "a_b4": _key(64, 5, 4), "a_b2": _key(64, 5, 2),
             "nocfg_b1": _key(64, 5, 1, cfg=False), "f9_b1": _key(64, 9, 1),
-            "w32_b2": _key(32, 5, 2), "w32_b2_other": _key(32, 5, 2)}  # fmt: skip
+            "w32_b2": _key(32, 5, 2), "w32_b2_other": _key(32, 5, 2),
+            "i2v_b1": _key(64, 5, 1).with_options(pipeline="i2v")}  # fmt: skip
     assert serving_routes(keys) == {
-        (64, 96, 5, True): "a_b4",
-        (64, 96, 5, False): "nocfg_b1",
-        (64, 96, 9, True): "f9_b1",
-        (32, 96, 5, True): "w32_b2",
+        (64, 96, 5, True, False): "a_b4",
+        (64, 96, 5, False, False): "nocfg_b1",
+        (64, 96, 9, True, False): "f9_b1",
+        (32, 96, 5, True, False): "w32_b2",
+        (64, 96, 5, True, True): "i2v_b1",
     }
     assert serving_routes({}) == {}
 
@@ -342,8 +347,8 @@ def test_serve_loads_only_the_builds_it_routes_to(small_builds, tiny_weights):
         _serving_builds(small_builds, model_hash, "tiny", Present.host_cpu(), names)
     assert str(refused.value) == (
         f"--build {names[0]} and --build {names[1]} both serve 64x96 frames=5 guidance>1 (a "
-        "request picks its build by size, frames and CFG only): name one of them, e.g. "
-        f"{names[1]} (batch 2)"
+        "request picks its build by size, frames, CFG and whether it gives an image only): name "
+        f"one of them, e.g. {names[1]} (batch 2)"
     )
 
 
@@ -366,7 +371,9 @@ class FakePipeline:
     def __init__(self, batch: int, fail: bool = False):
         # A key of the default build options (not continuous, no step caching).
         option = lambda _, name: OPTIONS[name].default_value  # noqa: E731
-        self.key = type("Key", (), {"batch": batch, "model": "tiny", "option": option})()
+        self.key = type(
+            "Key", (), {"batch": batch, "model": "tiny", "option": option, "programs": ()}
+        )()
         self.config = type("Config", (), {"fps": 16})()
         self.fail, self.calls = fail, []
 
@@ -425,6 +432,31 @@ def test_job_store_recovers_and_bounds_the_queue(tmp_path):
     assert [j.id for j in store.page()[0]] == [jobs[1].id]
 
 
+def test_an_image_is_kept_with_its_job(tmp_path):
+    """An image-to-video job's input_reference file is written before its row, kept across a
+    restart, and removed with its job; a refused add, a killed add (a file without a row) or
+    a killed write (a staged file) leaves none."""
+    store = JobStore(tmp_path)
+    group = Group("g", Settings(steps=3))
+    job = store.add(group, stored_request(0), max_queue=2, image=b"picture")
+    assert (
+        store.image_of(job) == store.input_path(job.id) == tmp_path / "inputs" / f"{job.id}.image"
+    )
+    assert store.image_of(job).read_bytes() == b"picture" and job.request["input_reference"] is True
+    assert store.image_of(store.add(group, stored_request(1), max_queue=2)) is None
+    with pytest.raises(QueueFull):
+        store.add(group, stored_request(2), max_queue=2, image=b"refused")
+    assert [p.name for p in store.inputs.iterdir()] == [f"{job.id}.image"]
+    (store.inputs / "video_orphan.image").write_bytes(b"no row")
+    (store.inputs / ".video_x.image.abc.partial").write_bytes(b"half")
+    store.close()
+    store = JobStore(tmp_path)  # a restart
+    assert store.recover() == 2
+    assert [p.name for p in store.inputs.iterdir()] == [f"{job.id}.image"]
+    assert store.image_of(store.get(job.id)).read_bytes() == b"picture"
+    assert store.delete(job.id) and not list(store.inputs.iterdir())
+
+
 def test_failed_batch_fails_its_videos_and_serving_goes_on(tmp_path):
     from runtime.service import Service
 
@@ -441,6 +473,33 @@ def test_failed_batch_fails_its_videos_and_serving_goes_on(tmp_path):
     ] * 2
     assert service.metrics.failed == 2 and service.metrics.completed == 1
     assert "wan_videos_failed_total 2" in service.metrics_text()
+
+
+def test_the_image_picks_the_build_and_never_shares_a_batch(tmp_path):
+    """A text-to-video and an image-to-video build of one shape (a model that runs both): a
+    request with input_reference runs on the image one, one without on the text one, never in
+    one batch; the image its batch reads is the one uploaded."""
+    from runtime.openai_dialect import VideoRequest
+    from runtime.service import Service
+
+    store = JobStore(tmp_path)
+    pipelines = {"t2v": FakePipeline(2), "i2v": FakePipeline(2)}
+    for pipe in pipelines.values():
+        pipe.key.width, pipe.key.height, pipe.key.frames, pipe.key.cfg = 64, 96, 5, True
+    pipelines["i2v"].key.programs = ("text_encode", "vae_encode")
+    service = Service(pipelines, store, max_queue=8, batch_window=0.0, compile_count=lambda: 0)
+    png = io.BytesIO()
+    Image.new("RGB", (64, 96), (200, 30, 30)).save(png, format="PNG")
+    body = VideoRequest.model_validate({"prompt": "a cat", "size": "64x96", "frames": 5,
+                                        "steps": 3, "seed": 1})  # fmt: skip
+    with_image, without = service.submit(body, png.getvalue()), service.submit(body)
+    assert (with_image.group.build, without.group.build) == ("i2v", "t2v")
+    _run_until_completed(service, store, without.id)  # the image's batch ran first: the oldest
+    assert store.get(with_image.id).status == "completed"
+    [(prompts, _, image_call)] = pipelines["i2v"].calls
+    [(_, _, text_call)] = pipelines["t2v"].calls
+    assert prompts == ["a cat", "a cat"] and "images" not in text_call  # one video each
+    assert [p.getpixel((0, 0)) for p in image_call["images"]] == [(200, 30, 30)] * 2
 
 
 @pytest.mark.parametrize(
