@@ -315,13 +315,14 @@ def choose_vae_vmem(requested: int | None, target: Target) -> int | None:
 
 def compiler_options(plan: BuildPlan, program: wan_programs.Program) -> dict[str, Any]:
     """The XLA options one program of `plan` compiles with (part of its identity in the store):
-    the build's scoped VMEM for the programs that declare it; for a deviceless GPU target,
+    the build's scoped VMEM for the programs that declare it (at least their floor); for a deviceless GPU target,
     matmuls left to cuBLAS, which picks its algorithm at run time (without the GPU nothing is
     autotuned, and XLA's Triton GEMMs would all get its smallest default tiles)."""
     if plan.target.deviceless_gpu:
         return dict(DEVICELESS_GPU_OPTIONS)
     if program.scoped_vmem and plan.key.vae_vmem_mib:
-        return {"xla_tpu_scoped_vmem_limit_kib": plan.key.vae_vmem_mib * 1024}
+        mib = max(plan.key.vae_vmem_mib, program.vmem_floor_mib)
+        return {"xla_tpu_scoped_vmem_limit_kib": mib * 1024}
     return {}
 
 

@@ -31,6 +31,7 @@ class Video:
     negative_prompt: str = ""
     seed: int = 0
     image: Path | None = None  # image to video's first frame (checked by runtime.images)
+    last_image: Path | None = None  # and its last (first-last-frame)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +112,11 @@ def generate_batch(
         on_step=on_step,
         cache=cache,
         **({"images": [images.read_image(v.image) for v in slots]} if any(given) else {}),
+        **(
+            {"last_images": [v.last_image and images.read_image(v.last_image) for v in slots]}
+            if any(v.last_image for v in slots)
+            else {}
+        ),
         **dataclasses.asdict(settings),
     )
     return frames[: len(videos)], report
@@ -124,7 +130,10 @@ class PromptLine:
     out: Path
 
 
-PROMPT_FIELDS = {"prompt": str, "negative_prompt": str, "seed": int, "out": str, "image": str}
+PROMPT_FIELDS = {
+    "prompt": str, "negative_prompt": str, "seed": int, "out": str, "image": str,
+    "last_image": str,
+}  # fmt: skip
 MAX_PROMPT_LINES = 100_000
 MAX_PROMPTS_BYTES = 64 << 20  # 100,000 lines of 670 bytes
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")
@@ -179,14 +188,17 @@ def _prompt_line(
     if not 0 <= seed <= MAX_SEED:
         shown = seed if abs(seed) < 10**30 else "of too many digits"
         raise RequestError(f"{where}: seed {shown}: give an integer in [0, {MAX_SEED}]")
-    for key in ("prompt", "negative_prompt", "out", "image"):
+    for key in ("prompt", "negative_prompt", "out", "image", "last_image"):
         check_text(f"{where}: {key}", item.get(key, ""))
-    image = None
-    if "image" in item:
-        image = folder / item["image"]
-        images.read_image(image, what=f"{where}: image")
+    if "last_image" in item and "image" not in item:
+        raise RequestError(f"{where}: last_image goes with image (the first frame)")
+    pictures = {}
+    for key in ("image", "last_image"):
+        if key in item:
+            pictures[key] = folder / item[key]
+            images.read_image(pictures[key], what=f"{where}: {key}")
     return PromptLine(
-        Video(item["prompt"], item.get("negative_prompt", ""), seed, image),
+        Video(item["prompt"], item.get("negative_prompt", ""), seed, **pictures),
         _out_path(where, item["out"], base),
     )
 

@@ -116,6 +116,12 @@ def cli() -> None:
     "to the build's aspect ratio and resized to its size, as runtime.images says).",
 )
 @click.option(
+    "--last-image",
+    "last_image_path",
+    type=click.Path(path_type=Path),
+    help="First-last-frame (Wan 2.2 I2V-A14B): the video's last frame, prepared as --image.",
+)
+@click.option(
     "--init-noise",
     type=click.Path(path_type=Path, exists=True, dir_okay=False),
     help="Latents (B, C, T, H/8, W/8) float32 .npy.",
@@ -164,8 +170,8 @@ def cli() -> None:
 def run_cmd(
     artifacts, weights, prompt, prompts_file, out_dir, negative_prompt, resolution, frames, batch,
     steps, guidance,
-    guidance_2, seed, sampler, shift, lora_args, lora_2_args, image_path, init_noise, save_frames,
-    report_path,
+    guidance_2, seed, sampler, shift, lora_args, lora_2_args, image_path, last_image_path,
+    init_noise, save_frames, report_path,
     out, build_name, cache, cache_threshold, cache_max_skip, cache_retention, mag_ratios,
     calibrate_path, coordinator, num_processes, process_id, join_timeout, trusted_keys,
 ) -> None:  # fmt: skip
@@ -196,12 +202,21 @@ def run_cmd(
     )
     inputs = [(weights, "--weights"), (artifacts, "--artifacts"), (prompts_file, "--prompts"),
               (init_noise, "--init-noise"), (mag_ratios, "--mag-ratios"), (image_path, "--image"),
+              (last_image_path, "--last-image"),
               *((path, "--lora") for path, _ in loras),
               *((path, "--lora-2") for path, _ in loras_2)]  # fmt: skip
     check_not_inputs(outputs, [(path, option) for path, option in inputs if path is not None])
-    if image_path is not None and lines is not None:
-        raise CliError('--image is for --prompt; a --prompts line gives its own ("image")')
-    image = None if image_path is None else images.read_image(image_path, what="--image")
+    if lines is not None and (image_path or last_image_path):
+        raise CliError(
+            "--image and --last-image are for --prompt; a --prompts line gives its own "
+            '("image", "last_image")'
+        )
+    if last_image_path is not None and image_path is None:
+        raise CliError("--last-image goes with --image (the first frame)")
+    image, last_image = (
+        None if path is None else images.read_image(path, what=option)
+        for path, option in ((image_path, "--image"), (last_image_path, "--last-image"))
+    )
     try:
         config = ModelConfig.from_folder(weights)
         request = Request(VideoShape(width, height, frames, batch, guidance > 1.0), config.hash())
@@ -222,8 +237,14 @@ def run_cmd(
     )
     if lines is None:
         check_image(manifest.key.programs, folder.name, image is not None)
-    if image is not None:  # an aspect ratio the build cannot take is refused before the load
-        images.check_fit(image, width, height, what="--image")
+    for picture, option in ((image, "--image"), (last_image, "--last-image")):
+        if picture is not None:  # an aspect ratio the build cannot take, before the load
+            images.check_fit(picture, width, height, what=option)
+    if last_image is not None and not config.takes_last_image:
+        raise CliError(
+            f"--last-image: {model_spec(config, weights)} takes the first frame only "
+            "(first-last-frame: Wan 2.2 I2V-A14B)"
+        )
     from runtime.pipeline import Pipeline
     from wan.tokenizer import TokenizerError
     from wan.weights import WeightError
@@ -239,7 +260,7 @@ def run_cmd(
             videos, report = pipe.generate(
                 prompt, negative_prompt, steps=steps, guidance=guidance, guidance_2=guidance_2,
                 seed=seed, init_noise=noise, on_step=on_step, sampler=sampler, shift=shift,
-                cache=cache_request, images=image,
+                cache=cache_request, images=image, last_images=last_image,
             )  # fmt: skip
     except (ArtifactError, lora.LoraError, WeightError, TokenizerError, ValueError, OSError) as e:
         raise CliError(str(e)) from None

@@ -277,12 +277,14 @@ class Pipeline:
         shift: float | None = None,
         cache: CacheRequest | None = None,
         images: PILImage | Sequence[PILImage] | None = None,
+        last_images: PILImage | Sequence[PILImage | None] | None = None,
     ) -> tuple[np.ndarray, GenerationReport]:
         """uint8 frames (B, F, H, W, 3). `init_noise` in the diffusers layout (B, C, T, h, w);
         else the noise of the whole batch from `seed`, or with one seed per video (a list), each
         video's from its own (video i then equals a batch-1 generation with seed[i]).
         `images`: an image-to-video build's first frames (RGB images, `runtime.images`), one
-        for the whole batch or one per video.
+        for the whole batch or one per video; `last_images` their last frames, where the model
+        takes them (`ModelConfig.takes_last_image`; None for a video without one).
 
         `sampler` (wan.configs.SAMPLERS) and the flow `shift` default to the model's scheduler;
         both only change the host-side step tables, so any build serves any choice (the
@@ -296,6 +298,7 @@ class Pipeline:
             )
         check_settings(guidance, guidance_2, shift)
         pictures = self._images(images)
+        lasts = self._last_images(last_images, pictures)
         cache = resolve(
             self.key, cache, self.config.num_experts, model_spec(self.config, self.key.model)
         )
@@ -316,7 +319,7 @@ class Pipeline:
             marks["text_encode"] = time.perf_counter() - start
             conditioning = {}
             if pictures is not None:
-                conditioning = self.image_conditioning(pictures)
+                conditioning = self.image_conditioning(pictures, lasts)
                 marks["image_encode"] = time.perf_counter() - start
             kv = self.kv_caches(emb, experts, conditioning)
             marks["kv_cache"] = time.perf_counter() - start
@@ -425,15 +428,42 @@ class Pipeline:
             raise RequestError(f"this build generates batches of {batch} videos, one image each")
         return pictures
 
-    def image_conditioning(self, pictures: list[PILImage]) -> dict[str, Any]:
-        """image_kv_cache's image inputs: the images' VAE condition and (a model with an image
-        encoder) their CLIP features, each on the devices as that program takes it."""
+    def _last_images(
+        self, given: PILImage | Sequence[PILImage | None] | None, pictures: list | None
+    ) -> list[PILImage | None]:
+        """One last frame (or None) per video of the batch, where the model takes them."""
+        if given is None:
+            return [None] * self.key.batch
+        if pictures is None or not self.config.takes_last_image:
+            raise RequestError(
+                f"build {self.name} takes no last image (first-last-frame: Wan 2.2 I2V-A14B)"
+            )
+        lasts = [given] * self.key.batch if isinstance(given, PILImage) else list(given)
+        if len(lasts) != self.key.batch:
+            raise RequestError(f"this build generates batches of {self.key.batch} videos")
+        return lasts
+
+    def image_conditioning(
+        self, pictures: list[PILImage], lasts: list[PILImage | None]
+    ) -> dict[str, Any]:
+        """image_kv_cache's image inputs: the images' VAE condition (with the last frames
+        given) and (a model with an image encoder) their CLIP features, each on the devices as
+        that program takes it."""
         width, height = self.key.width, self.key.height
         pixels = np.stack([images.condition_pixels(p, width, height) for p in pictures])
+        last = np.stack([
+            np.zeros_like(pixels[0]) if p is None else images.condition_pixels(p, width, height)
+            for p in lasts
+        ])  # fmt: skip
         condition = self.run(
             "vae_encode",
             params=self.params["vae_encoder"],
             image=place(pixels, self.input_sharding("vae_encode", "image")),
+            last_image=place(last, self.input_sharding("vae_encode", "last_image")),
+            has_last=place(
+                np.array([p is not None for p in lasts]),
+                self.input_sharding("vae_encode", "has_last"),
+            ),
         )["condition"]
         features = None
         if self.clip is not None:

@@ -143,10 +143,13 @@ def save_tiny_i2v_pipeline(folder, clip: bool) -> None:
     with torch.no_grad():  # at its init the image moves the frames by little: the condition's
         for model in transformers:  # channels x10 make another image move them well past it
             model.patch_embedding.weight[:, 16:].mul_(10.0)
+    vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1)
+    with torch.no_grad():  # the random encoder's latents vary with the image by ~0.1: x20
+        vae.quant_conv.weight.mul_(20.0)
     pipe = WanImageToVideoPipeline(
         tokenizer=build_word_tokenizer(folder / "_tokenizer", vocab_size=256),
         text_encoder=_text_encoder(),
-        vae=AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1),
+        vae=vae,
         scheduler=UniPCMultistepScheduler(
             prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
         ),

@@ -12,6 +12,8 @@ another image and prompt, compared with diffusers' run of that image alone: a co
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -23,12 +25,15 @@ from conftest import (
     save_tiny_ti2v_pipeline,
 )
 from diffusers import WanImageToVideoPipeline
-from PIL import Image
+from PIL import Image, ImageOps
+from test_prompts_file import MP4_OF_ONE_LEVEL
+from test_server import decode
 
 from aot.lower import compile_in_process
 from aot.plan import BuildError, plan_build
 from aot.targets import parse_target
 from runtime.images import read_image
+from runtime.outputs import write_videos
 from runtime.pipeline import Pipeline
 from runtime.request import RequestError
 from wan.configs import ModelConfig, VideoShape
@@ -141,9 +146,10 @@ def test_runtime_run_with_an_image(folder, tmp_path):
     )
     np.save(tmp_path / "noise.npy", noise)
     pictures = []
-    for seed in (0, 1):
-        pictures.append(tmp_path / f"image{seed}.jpg")
-        picture(seed, 96, 64).save(pictures[-1], quality=95)
+    # A picture and its negative: as different as two images are.
+    for i, image in enumerate([picture(0, 96, 64), ImageOps.invert(picture(0, 96, 64))]):
+        pictures.append(tmp_path / f"image{i}.jpg")
+        image.save(pictures[-1], quality=95)
 
     def run(*extra: str, check: bool = True):
         return run_cli(
@@ -156,9 +162,9 @@ def test_runtime_run_with_an_image(folder, tmp_path):
     for image in pictures:
         run("--image", str(image), "--save-frames", str(tmp_path / "frames.npy"))
         videos.append(np.load(tmp_path / "frames.npy"))
-    # Through the tiny random VAE another image moves the frames by 5-6 levels (measured): over
-    # 3x the at most 1 level that separates the CLI from Pipeline.generate below.
-    assert np.abs(videos[0].astype(int) - videos[1].astype(int)).max() > 3
+    # Another image moves the frames by tens of levels: far past the at most 1 level that
+    # separates the CLI from Pipeline.generate below.
+    assert np.abs(videos[0].astype(int) - videos[1].astype(int)).max() > 10
 
     config = ModelConfig.from_diffusers(folder, dtype="float32")
     plan = plan_build("x", config, VideoShape(width, height, FRAMES, 1), parse_target("cpu-8"), 8)
@@ -167,6 +173,24 @@ def test_runtime_run_with_an_image(folder, tmp_path):
         PROMPTS[0], steps=STEPS, init_noise=noise, images=read_image(pictures[0])
     )
     assert np.abs(videos[0].astype(int) - expected.astype(int)).max() <= 1
+
+    # A --prompts file whose lines differ only by their image: each line's MP4 is its own
+    # image's video (Pipeline.generate's, through the same writer), not the other line's.
+    lines = [{"prompt": PROMPTS[0], "seed": 3, "image": p.name, "out": f"line{i}.mp4"}
+             for i, p in enumerate(pictures)]  # fmt: skip
+    (tmp_path / "p.jsonl").write_text("\n".join(map(json.dumps, lines)))
+    run_cli("runtime", "run", "--artifacts", str(artifacts), "--weights", str(folder), *shape,
+            "--steps", str(STEPS), "--prompts", str(tmp_path / "p.jsonl"))  # fmt: skip
+    expected = []
+    for i, image in enumerate(pictures):
+        frames, _ = pipe.generate(PROMPTS[0], steps=STEPS, seed=3, images=read_image(image))
+        write_videos(frames, [tmp_path / f"expected{i}.mp4"], fps=pipe.config.fps)
+        expected.append(decode(tmp_path / f"expected{i}.mp4").astype(int))
+    for i in range(2):
+        off = [np.abs(decode(tmp_path / f"line{i}.mp4").astype(int) - e).mean() for e in expected]
+        # Measured: 0.0 to its own request's MP4 (the same frames, the same writer), 4.5 to 5.6
+        # to the other image's (the tiny A14B; more through the CLIP model).
+        assert off[i] <= MP4_OF_ONE_LEVEL / 2 < 3.0 < off[1 - i], (i, off)
 
     not_an_image = tmp_path / "notes.png"
     not_an_image.write_text("not a picture")
@@ -239,3 +263,50 @@ def test_ti2v_image_mode_matches_diffusers(tmp_path, width, height):
     np.testing.assert_allclose(frames, expected, atol=ATOL, rtol=0)
     assert np.ptp(frames) > 0.05
     assert np.abs(frames[1] - control).max() > 10 * ATOL
+
+
+def test_first_last_frame_matches_diffusers(tmp_path):
+    """Wan 2.2 I2V-A14B with a last image (diffusers' `last_image`): the last frame is given and
+    marked too. One batch holds a video with a last image and one without, each equal to
+    diffusers' run of it; the last image moves the frames well past the tolerance."""
+    folder = tmp_path / "a14b"
+    save_tiny_i2v_pipeline(folder, clip=False)
+    config = ModelConfig.from_diffusers(folder, dtype="float32")
+    assert config.takes_last_image
+    width, height = 48, 32
+    first = picture(0, width * 2, height * 2)
+    last = picture(3, width * 2, height * 2)
+    noise = np.random.default_rng(4).standard_normal(
+        (1, 16, (FRAMES - 1) // 4 + 1, height // 8, width // 8), dtype=np.float32
+    )
+    reference = WanImageToVideoPipeline.from_pretrained(folder, torch_dtype=torch.float32)
+
+    def diffusers_frames(last_image: Image.Image | None) -> np.ndarray:
+        return reference(
+            image=first, last_image=last_image, prompt=PROMPTS[0], height=height, width=width,
+            num_frames=FRAMES, num_inference_steps=STEPS, guidance_scale=5.0,
+            guidance_scale_2=3.0, latents=torch.from_numpy(noise), output_type="np",
+        ).frames[0]  # fmt: skip
+
+    expected = np.stack([diffusers_frames(last), diffusers_frames(None)])
+    plan = plan_build(
+        "a14b", config, VideoShape(width, height, FRAMES, 2), parse_target("cpu-8"), 8
+    )
+    pipe = Pipeline.assemble(
+        compile_in_process(plan, frames_dtype="float32"), folder, plan.key, "in-process", config
+    )
+    frames, report = pipe.generate(
+        PROMPTS[0], steps=STEPS, guidance=5.0, guidance_2=3.0, init_noise=np.repeat(noise, 2, 0),
+        images=first, last_images=[last, None],
+    )  # fmt: skip
+    assert report.compile_count == 0
+    np.testing.assert_allclose(frames, expected, atol=ATOL, rtol=0)
+    # The last image reaches the step: the condition's last latent frame (its mask channel
+    # for the last frame, and its latents) differs between the two videos. Through this tiny
+    # random model it moves the frames by less than a level, so the parity above, with and
+    # without it, is what shows it used as diffusers uses it.
+    condition = np.asarray(pipe.image_conditioning([first, first], [last, None])["condition"])
+    assert condition[:, -1, ..., 3].mean(axis=(1, 2)).tolist() == [1.0, 0.0]
+    # (by 0.06 at most through the tiny random encoder: the frame is the last of its chunk)
+    assert np.abs(condition[0, -1, ..., 4:] - condition[1, -1, ..., 4:]).max() > 0.02
+    np.testing.assert_allclose(condition[0, :-1], condition[1, :-1], atol=1e-5, rtol=0)

@@ -18,7 +18,7 @@ from flax import nnx
 
 from wan import sharding
 from wan.configs import VAEConfig
-from wan.models.vae import WanVAE, denormalize_latents
+from wan.models.vae import Conv3d, WanVAE, denormalize_latents
 from wan.models.vae_encoder import WanVAEEncoder
 from wan.presets import PRESETS
 from wan.weights import flatten, import_folder, unflatten
@@ -113,6 +113,20 @@ def test_encode_matches_diffusers(pair):
     assert mean.shape == to_ours(posterior.mean).shape
     assert np.abs(to_torch_layout(mean) - posterior.mean.numpy()).max() <= 1e-4
     assert np.abs(to_torch_layout(logvar) - posterior.logvar.numpy()).max() <= 1e-4
+
+
+def test_the_encoder_compiles_once_whatever_the_frame_count():
+    """The first chunk (one frame) runs in the scan body of the others, padded in front: the
+    lowered encode holds one copy of the encoder's convolutions for 5 frames as for 81."""
+    model = nnx.eval_shape(lambda: WanVAEEncoder(TINY, rngs=nnx.Rngs(0)))
+
+    def convolutions(frames: int) -> int:
+        x = jax.ShapeDtypeStruct((1, frames, 32, 48, 3), jnp.float32)
+        text = jax.jit(lambda m, x: m.encode(x)).lower(model, x).as_text()
+        return text.count("stablehlo.convolution")
+
+    layers = sum(isinstance(node, Conv3d) for _, node in nnx.iter_graph(model))
+    assert convolutions(5) == convolutions(81) == layers  # each conv layer lowered once
 
 
 def test_latent_normalization_follows_wan_pipeline():

@@ -470,6 +470,13 @@ class ModelConfig:
         return ("t2v", "i2v") if self.image_condition == "first_frame" else ("t2v",)
 
     @property
+    def takes_last_image(self) -> bool:
+        """Whether a last frame can be given beside the first (first-last-frame): Wan 2.2
+        I2V-A14B's, as diffusers runs it. Wan 2.1's CLIP models would need the FLF2V model's
+        features of both images; TI2V-5B's image mode takes the first only."""
+        return self.image_condition == "channels" and self.image_encoder is None
+
+    @property
     def image_condition(self) -> str | None:
         """How an image conditions the model: `channels`, its latents and a mask beside the
         noise's as the transformer's input (Wan 2.1 I2V, Wan 2.2 I2V-A14B); `first_frame`, its

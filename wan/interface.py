@@ -26,10 +26,12 @@ SIGNATURES: dict[str, Signature] = {
     "kv_cache": Signature(("params", "embeddings"), ("kv",), "transformer"),
     # Image to video. The image's CLIP features (Wan 2.1: the transformer attends to them beside
     # the prompt), the step's condition (a mask and the VAE latents of the image followed by
-    # zero frames), and what every step reads, computed once per request: the prompt's and the
+    # zero frames, and the last image where `has_last`), and what every step reads, computed once per request: the prompt's and the
     # image's cross-attention keys and values, and the condition.
     "image_encode": Signature(("params", "pixels"), ("image_embeddings",), "image_encoder"),
-    "vae_encode": Signature(("params", "image"), ("condition",), "vae_encoder"),
+    "vae_encode": Signature(
+        ("params", "image", "last_image", "has_last"), ("condition",), "vae_encoder"
+    ),
     "image_kv_cache": Signature(
         ("params", "embeddings", "image_embeddings", "condition"), ("kv",), "transformer"
     ),

@@ -196,6 +196,9 @@ class AppliedLora:
     transformer: str  # 'transformer' or 'transformer_2' (the low-noise expert)
     format: str
     parameters: int  # weight tensors changed, each layer of a stacked parameter counted
+    # Tensors of image-feature modules (Wan 2.1 image to video's) on a model that has none,
+    # left out: lightx2v's Wan 2.2 I2V-A14B files carry them, as ComfyUI skips them.
+    skipped_image_tensors: int = 0
 
 
 def parse_spec(text: str) -> tuple[Path, float]:
@@ -361,8 +364,10 @@ def prepare(
     before any weight is read. `kind`: the transformer's (None: the default kind)."""
     terms, files = _collect(specs, shapes, kind)
     applied = [
-        AppliedLora(str(f.path), file_sha256(f.path), float(scale), transformer, f.format, touched)
-        for f, scale, touched in files
+        AppliedLora(
+            str(f.path), file_sha256(f.path), float(scale), transformer, f.format, touched, skipped
+        )
+        for f, scale, touched, skipped in files
     ]
     deltas = {p: ParamDelta(tuple(shapes[p]), tuple(t)) for p, t in terms.items()}
     return deltas, applied
@@ -373,20 +378,40 @@ def _collect(
     shapes: Mapping[Path_, tuple[int, ...]],
     kind: str | None,
 ) -> tuple[
-    dict[Path_, list[tuple[int | None, LowRank | Dense]]], list[tuple[LoraFile, float, int]]
+    dict[Path_, list[tuple[int | None, LowRank | Dense]]], list[tuple[LoraFile, float, int, int]]
 ]:
-    """(updates by parameter, (file, scale, tensors it changes) per spec)."""
+    """(updates by parameter, (file, scale, tensors it changes, image-feature tensors left
+    out) per spec)."""
     terms: dict[Path_, list[tuple[int | None, LowRank | Dense]]] = {}
     files = []
     for path, scale in specs:
         lora = read_lora(path, kind=kind)
         touched: set[tuple[Path_, int | None]] = set()
+        skipped = 0
         for module, entry in lora.modules.items():
+            if _absent_image_module(lora, module, shapes):
+                skipped += len(entry.tensors)
+                continue
             for param, layer, update in _updates(lora, module, entry, shapes, float(scale)):
                 terms.setdefault(param, []).append((layer, update))
                 touched.add((param, layer))
-        files.append((lora, float(scale), len(touched)))
+        files.append((lora, float(scale), len(touched), skipped))
     return terms, files
+
+
+# The modules of Wan 2.1 image to video's image features (diffusers' names).
+IMAGE_FEATURE_MODULES = frozenset({"add_k_proj", "add_v_proj", "norm_added_k", "image_embedder"})
+
+
+def _absent_image_module(lora: LoraFile, module: str, shapes: Mapping[Path_, Any]) -> bool:
+    """A module of the image features that this model (with parameters `shapes`) lacks."""
+    if IMAGE_FEATURE_MODULES.isdisjoint(module.split(".")):
+        return False
+    try:
+        target = lora.rule(lora.rule.tensor_name(module, "weight"))
+    except WeightError:
+        return False
+    return target is not None and target.path not in shapes
 
 
 def _updates(

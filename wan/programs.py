@@ -127,8 +127,10 @@ class Program:
     # process needs them on its own host.
     host_outputs: bool = False
     # Compiled for the build's scoped VMEM on TPU (--vae-vmem): convolution-heavy programs,
-    # whose compile time follows the tiles libtpu emits for it.
+    # whose compile time follows the tiles libtpu emits for it; at least `vmem_floor_mib` (MiB),
+    # what its largest tile needs.
     scoped_vmem: bool = False
+    vmem_floor_mib: int = 0
     # What `aot build` records of it besides memory, FLOPs and collectives, by name
     # (aot.analyses.ANALYSES).
     analyses: tuple[str, ...] = ()
@@ -247,30 +249,46 @@ def vae_encode_program(config: ModelConfig, shape: VideoShape, options: ProgramO
     then replicated, for the transformer mesh to take its slices without an all-to-all."""
     graphdef, params, param_axes = split_abstract(abstract_module(config, "vae_encoder", options))
     image = _sds((shape.batch, shape.height, shape.width, 3), jnp.float32)
+    image_axes = (axes.VAE_BATCH, axes.VAE_HEIGHT, axes.VAE_WIDTH, None)
     mode = image_condition(config, options)
-    # `first_frame` encodes the image alone (one latent frame).
+    # `first_frame` encodes the image alone (one latent frame), and takes no last image.
     frames = shape.frames if mode == "channels" else 1
 
-    def vae_encode(params: Tree, image: jax.Array) -> dict[str, jax.Array]:
+    def vae_encode(params, image, last_image, has_last) -> dict[str, jax.Array]:
         encoder = nnx.merge(graphdef, params)
-        zeros = jnp.zeros((shape.batch, frames - 1, *image.shape[1:]), image.dtype)
-        video = jnp.concatenate([image[:, None], zeros], axis=1)
+        video = jnp.zeros((shape.batch, frames, *image.shape[1:]), image.dtype).at[:, 0].set(image)
+        if frames > 1:  # the last frame: the last image where given (first-last-frame)
+            last = jnp.where(_per_video(has_last, image.ndim), last_image, 0.0)
+            video = video.at[:, -1].set(last)
         mean, _ = encoder.encode(sharding.constrain(video, VIDEO))  # the posterior's argmax
         condition = normalize_latents(mean.astype(jnp.float32), config.vae)
         if mode == "channels":
+            # A channel per frame a latent frame stands for, 1 where the frame is given: the
+            # first frame (all of latent frame 0's) and the last (latent frame T-1's last).
             mask = jnp.zeros((*condition.shape[:-1], config.vae.temporal_factor), jnp.float32)
-            condition = jnp.concatenate([mask.at[:, 0].set(1.0), condition], axis=-1)
+            mask = mask.at[:, 0].set(1.0)
+            if frames > 1:
+                mask = mask.at[:, -1, ..., -1].set(_per_video(has_last, 3).astype(jnp.float32))
+            condition = jnp.concatenate([mask, condition], axis=-1)
         return {"condition": sharding.constrain(condition, (None,) * condition.ndim)}
 
     return Program(
         "vae_encode",
         vae_encode,
-        {"params": params, "image": image},
-        {"params": param_axes, "image": (axes.VAE_BATCH, axes.VAE_HEIGHT, axes.VAE_WIDTH, None)},
+        {
+            "params": params,
+            "image": image,
+            "last_image": image,
+            "has_last": _sds((shape.batch,), jnp.bool_),
+        },
+        {"params": param_axes, "image": image_axes, "last_image": image_axes, "has_last": (None,)},
         {"condition": (None,) * 5},
         "vae",
+        # The first conv's tile (3 input channels, full resolution) takes 4.1 MiB at 720p:
+        # 5 compiles fastest of those that fit (bench/vae_encode_vmem.py).
         scoped_vmem=True,
-        vmem_hint="a smaller --vae-vmem",
+        vmem_floor_mib=5,
+        vmem_hint="a larger --vae-vmem",
     )
 
 

@@ -24,7 +24,7 @@ from flax import nnx
 
 from wan.configs import VAE22Config
 from wan.models.vae import Cache, Make, MidBlock, ResidualBlock, chain, pin
-from wan.models.vae_encoder import ENCODE_CHUNK, Downsample, Encoder, WanVAEEncoder
+from wan.models.vae_encoder import ENCODE_CHUNK, Downsample, Encoder, WanVAEEncoder, stream
 from wan.sharding import VIDEO, constrain
 
 
@@ -125,10 +125,13 @@ class WanVAE22Encoder(WanVAEEncoder):
         """Video (B, F, H, W, 3) -> posterior (mean, logvar); trailing frames that do not fill a
         chunk of 4 are dropped, as in diffusers."""
         x = patchify(pin(x.astype(self.dtype)), self.patch_size)
-        if x.shape[1] > ENCODE_CHUNK:
-            return super().encode(x)
-        # The first chunk alone (an image): no empty scan, whose body would still be compiled.
-        y, _ = self.encoder(x[:, :1], None)
+        if x.shape[1] > ENCODE_CHUNK:  # a video: the first chunk alone, then a scan of the rest
+            b, f, *frame = x.shape
+            n = (f - 1) // ENCODE_CHUNK
+            chunks = x[:, 1 : 1 + n * ENCODE_CHUNK].reshape(b, n, ENCODE_CHUNK, *frame)
+            y = stream(self.encoder, x[:, :1], chunks)
+        else:  # an image (TI2V's image mode): no empty scan, whose body would still compile
+            y, _ = self.encoder(x[:, :1], None)
         mean, logvar = jnp.split(self.quant_conv(y), 2, axis=-1)
         return mean, jnp.clip(logvar, -30.0, 20.0)
 

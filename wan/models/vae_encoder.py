@@ -31,6 +31,7 @@ from wan.models.vae import (
     joined,
     pin,
     pin_cache,
+    stream_padded_first,
 )
 
 ENCODE_CHUNK = 4  # video frames per encoder chunk after the first (diffusers' value)
@@ -44,14 +45,23 @@ class Downsample(nnx.Module):
         self.resample = make.conv(dim, dim, (1, 3, 3), stride=(1, 2, 2), pad=(0, 1))
         self.time_conv = make.conv(dim, dim, (3, 1, 1), stride=(2, 1, 1)) if temporal else None
 
-    def __call__(self, x: jax.Array, cache: Cache, first: None = None):
+    def __call__(self, x: jax.Array, cache: Cache, first: jax.Array | None = None):
+        """`first` None: `cache` None is the first chunk alone; a boolean scalar: this is the
+        first chunk, at the others' shapes with its real frame last (`stream_padded_first`)."""
         x = self.resample(x)
         if self.time_conv is None:
             return x, None
         last = pin(x[:, -1:])
-        if cache is None:  # diffusers: the first chunk is not downsampled in time
+        if cache is None and first is None:  # diffusers: the first chunk is not downsampled
             return x, last
-        return self.time_conv(jnp.concatenate([cache, x], axis=1)), last
+        if cache is None:  # the cache's shape (the padded stream's first call)
+            cache = jnp.zeros_like(last)
+        y = self.time_conv(jnp.concatenate([cache, x], axis=1))
+        if first is None:
+            return y, last
+        # The first chunk's frames, not downsampled, at the downsampled shape: its real frame
+        # stays last (the frames before it are zeroed by the next causal conv).
+        return jnp.where(first, x[:, x.shape[1] - y.shape[1] :], y), last
 
 
 class Encoder(nnx.Module):
@@ -77,12 +87,14 @@ class Encoder(nnx.Module):
         self.norm_out = make.norm(dims[-1])
         self.conv_out = make.conv(dims[-1], 2 * cfg.z_dim, 3)
 
-    def __call__(self, x: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
+    def __call__(
+        self, x: jax.Array, cache: Cache, first: jax.Array | None = None
+    ) -> tuple[jax.Array, Cache]:
         c_in, c_down, c_mid, c_out = cache_parts(cache, 4)
-        x, c_in = causal(self.conv_in, x, c_in)
-        x, c_down = chain(self.down_blocks, x, c_down, None)
-        x, c_mid = self.mid_block(x, c_mid)
-        x, c_out = causal(self.conv_out, nnx.silu(self.norm_out(x)), c_out)
+        x, c_in = causal(self.conv_in, x, c_in, first)
+        x, c_down = chain(self.down_blocks, x, c_down, first)
+        x, c_mid = self.mid_block(x, c_mid, first)
+        x, c_out = causal(self.conv_out, nnx.silu(self.norm_out(x)), c_out, first)
         return x, (c_in, c_down, c_mid, c_out)
 
 
@@ -121,11 +133,15 @@ class WanVAEEncoder(nnx.Module):
     def encode(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Video (B, F, H, W, C_in) -> posterior (mean, logvar), each (B, 1 + (F-1)//4 * 4/r,
         H/s, W/s, z_dim) for temporal factor r and spatial factor s. Trailing frames that do not
-        fill a chunk of 4 are dropped, as in diffusers."""
+        fill a chunk of 4 are dropped, as in diffusers. Every chunk runs in one scan body, the
+        first (one frame) padded in front to the others' 4 (`stream_padded_first`): one copy of
+        the encoder to compile whatever the frame count."""
         b, f, *frame = x.shape
         n = (f - 1) // ENCODE_CHUNK
         x = x.astype(self.dtype)
-        chunks = x[:, 1 : 1 + n * ENCODE_CHUNK].reshape(b, n, ENCODE_CHUNK, *frame)
-        moments = self.quant_conv(stream(self.encoder, x[:, :1], chunks))
+        padding = jnp.zeros((b, ENCODE_CHUNK - 1, *frame), x.dtype)
+        video = jnp.concatenate([padding, x[:, : 1 + n * ENCODE_CHUNK]], axis=1)
+        chunks = video.reshape(b, n + 1, ENCODE_CHUNK, *frame)
+        moments = self.quant_conv(stream_padded_first(self.encoder, chunks))
         mean, logvar = jnp.split(moments, 2, axis=-1)
         return mean, jnp.clip(logvar, -30.0, 20.0)
