@@ -99,22 +99,17 @@ PRESETS: dict[str, ModelConfig] = {
     # Image to video (diffusers' Wan-AI/*-Diffusers configs). Wan 2.1: one architecture for the
     # 480P and 720P releases (their weights and flow shift differ), a CLIP ViT-H/14 image
     # encoder; Wan 2.2 I2V-A14B: the image through its latents only, two experts.
-    "wan2.1-i2v-14b-480p": ModelConfig(
-        name="wan2.1-i2v-14b-480p",
-        transformer=_I2V_14B_CLIP,
-        vae=_WAN21_VAE,
-        text_encoder=_UMT5_XXL,
-        scheduler=SchedulerConfig(flow_shift=3.0),
-        image_encoder=ImageEncoderConfig(),
-    ),
-    "wan2.1-i2v-14b-720p": ModelConfig(
-        name="wan2.1-i2v-14b-720p",
-        transformer=_I2V_14B_CLIP,
-        vae=_WAN21_VAE,
-        text_encoder=_UMT5_XXL,
-        scheduler=SchedulerConfig(flow_shift=5.0),
-        image_encoder=ImageEncoderConfig(),
-    ),
+    **{
+        name: ModelConfig(
+            name=name,
+            transformer=_I2V_14B_CLIP,
+            vae=_WAN21_VAE,
+            text_encoder=_UMT5_XXL,
+            scheduler=SchedulerConfig(flow_shift=shift),
+            image_encoder=ImageEncoderConfig(),
+        )
+        for name, shift in (("wan2.1-i2v-14b-480p", 3.0), ("wan2.1-i2v-14b-720p", 5.0))
+    },
     "wan2.2-i2v-a14b": ModelConfig(
         name="wan2.2-i2v-a14b",
         transformer=TransformerConfig(

@@ -454,7 +454,10 @@ class WanTransformer(nnx.Module):
         context = self.condition_embedder.text_embedder(encoder_hidden_states.astype(self.dtype))
         image = None
         if image_features is not None:
-            image = self.condition_embedder.image_embedder(image_features.astype(self.dtype))
+            # Batch-sharded in and out, like the tokens: left to XLA, the norms' fsdp-sharded
+            # gains reach the features and are undone by an all-to-all.
+            features = constrain(image_features.astype(self.dtype), HIDDEN)
+            image = constrain(self.condition_embedder.image_embedder(features), HIDDEN)
         graphdef, params = nnx.split(self.blocks.attn2)
 
         def layer(_, p):
