@@ -20,6 +20,7 @@ from wan import programs as wan_programs
 from wan import quant, sharding
 from wan.configs import ModelConfig, VideoShape
 from wan.errors import InputError
+from wan.interface import IMAGE_PROGRAMS, PIPELINES
 from wan.models import attention as attention_lib
 
 DEVICELESS_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
@@ -134,12 +135,18 @@ def choose_pipeline(requested: str | None, config: ModelConfig, model_name: str)
     runs = config.pipelines
     if requested in (None, "auto"):
         return runs[0]
-    if requested not in runs:
+    if not any(_image_programs(requested) == _image_programs(own) for own in runs):
         raise BuildError(
             f"--pipeline {requested}: {model_name} runs {' or '.join(runs)}: use --pipeline "
             f"{runs[0]} (or leave it out)"
         )
     return requested
+
+
+def _image_programs(pipeline: str) -> set[str]:
+    """The programs of a pipeline variant that take the image: a variant runs on a model when
+    these are the ones of a variant the model runs (other programs, e.g. a toy one, aside)."""
+    return set(PIPELINES[pipeline]) & set(IMAGE_PROGRAMS)
 
 
 def check_model_name(name: str) -> None:
@@ -336,15 +343,17 @@ def ulysses_all_to_alls(plan: BuildPlan) -> int:
 
 def kernel_flops(plan: BuildPlan) -> float:
     """FLOPs per device per denoise step of the attention kernels that the HLO counts as opaque
-    custom calls (splash, cuDNN): self- and cross-attention of every layer; 0 for XLA kernels."""
+    custom calls (splash, cuDNN): self- and cross-attention of every layer (the image tokens'
+    too, in a build whose steps attend to CLIP features); 0 for XLA kernels."""
     if attention_lib.kernel_name(plan.attention) in attention_lib.PARTITIONABLE:
         return 0.0
     tc = plan.config.transformer
     spec, mesh_shape = _query_spec(plan.config, plan.shape, plan.mesh)
     q_shape = _query_shape(plan.config, plan.shape)
-    per_layer = attention_lib.flops(q_shape, q_shape[1]) + attention_lib.flops(
-        q_shape, plan.config.text_encoder.max_length
-    )
+    keys = [q_shape[1], plan.config.text_encoder.max_length]
+    if plan.config.image_encoder is not None and plan.key.option("pipeline") == "i2v-clip":
+        keys.append(plan.config.image_encoder.tokens)
+    per_layer = sum(attention_lib.flops(q_shape, length) for length in keys)
     split = math.prod(mesh_shape[a] for entry in spec for a in attention_lib.spec_axes(entry))
     return per_layer * tc.num_layers / split
 

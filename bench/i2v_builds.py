@@ -55,8 +55,10 @@ def build_one(model: str, res: str, batch: int, target: str, frames: int) -> dic
         checked = subprocess.run(
             [str(BIN / "aot"), "check", report["folder"], "--json"], capture_output=True, text=True
         )
+    violations = json.loads(checked.stdout)["violations"] if checked.stdout else []
+    verdict = "; ".join(f"{v['program']}: {v['message']}" for v in violations)
     return {"wall_seconds": round(wall, 1), "load_average": round(load, 2),
-            "aot_check": "pass" if checked.returncode == 0 else checked.stdout[-2000:],
+            "aot_check": verdict or ("pass" if checked.returncode == 0 else checked.stderr.strip()),
             **summary(report["manifest"])}  # fmt: skip
 
 

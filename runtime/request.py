@@ -13,6 +13,7 @@ import numpy as np
 
 from runtime.artifact import Manifest
 from wan.errors import InputError
+from wan.interface import IMAGE_PROGRAMS
 
 
 class RequestError(InputError):
@@ -141,12 +142,13 @@ def initial_latents(shape: tuple[int, ...], seed: int, init_noise: np.ndarray | 
 
 def check_image(programs: tuple[str, ...], build: str, given: bool) -> None:
     """An image exactly when the build (holding `programs`) makes videos from one."""
-    if "vae_encode" not in programs and given:
+    takes = not set(IMAGE_PROGRAMS).isdisjoint(programs)
+    if not takes and given:
         raise RequestError(
             f"build {build} is text to video and takes no image: build an image-to-video "
             "model (its own pipeline: `aot build --pipeline auto`) for the image"
         )
-    if "vae_encode" in programs and not given:
+    if takes and not given:
         raise RequestError(
             f"build {build} is image to video: give an image (--image FILE, `images=`)"
         )

@@ -14,7 +14,7 @@ from aot.plan import kernel_flops, plan_build
 from aot.targets import parse_target
 from runtime.artifact import read_manifest
 from wan import sharding
-from wan.configs import VideoShape
+from wan.configs import ImageEncoderConfig, VideoShape
 from wan.presets import PRESETS
 
 TINY = PRESETS["tiny"]
@@ -55,6 +55,22 @@ def test_kernel_flops_by_hand(mesh, shards, kernel):
     shape = plan.shape
     assert shape.step_batch == 2 and shape.tokens(TINY) == 720  # 3 x 20 x 12 patches
     assert kernel_flops(plan) == by_hand(2, 720, shards)
+
+
+def test_image_tokens_are_counted_where_the_steps_attend_to_them():
+    """Wan 2.1 image to video: every layer's queries also attend to the image's CLIP tokens
+    (5 here: 2x2 patches and the class token), through the same kernel."""
+    clip = ImageEncoderConfig(hidden_size=24, intermediate_size=48, num_hidden_layers=3,
+                              num_attention_heads=4, image_size=28, patch_size=14)  # fmt: skip
+    transformer = dataclasses.replace(
+        TINY.transformer, in_channels=36, image_dim=24, added_kv_proj_dim=32
+    )
+    i2v = dataclasses.replace(TINY, transformer=transformer, image_encoder=clip).validate()
+    plan = plan_build("i2v", i2v, VideoShape(192, 320, 9, 1), parse_target("tpu-v6e-8"), 8,
+                      mesh=sharding.MeshShape(data=2, context=4), attention="splash:512:512:512")  # fmt: skip
+    tc = TINY.transformer
+    image = 4 * 2 * tc.num_attention_heads * 720 * tc.attention_head_dim * clip.tokens
+    assert kernel_flops(plan) == by_hand(2, 720, 8) + image * tc.num_layers / 8
 
 
 @pytest.mark.parametrize("kernel", ["dot", "blockwise"])

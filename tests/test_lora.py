@@ -426,6 +426,7 @@ def test_distilled_lora_matches_diffusers(wan21):
         "file": str(root / "peft.safetensors"), "sha256": lora.file_sha256(root / "peft.safetensors"),
         "scale": SCALE, "transformer": "transformer", "format": "diffusers",
         "parameters": 2 * len(BLOCK_LINEARS) * 2 + 2 * len(TOP_LINEARS),  # weights and biases
+        "skipped_image_tensors": 0,
     }  # fmt: skip
 
     comfy = _in_process(wan21, loras=[(root / "comfy.safetensors", SCALE)])

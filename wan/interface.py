@@ -92,6 +92,9 @@ PIPELINES: dict[str, tuple[str, ...]] = {
     ),
 }  # fmt: skip
 DEFAULT_PIPELINE = "t2v"
+# The programs that take the image or what is made of it: a build holding one makes videos
+# from an image.
+IMAGE_PROGRAMS = ("image_encode", "vae_encode", "image_kv_cache")
 # What a build with step caching holds in place of a program.
 STEP_CACHE_PROGRAMS: dict[str, tuple[str, ...]] = {"denoise_step": ("cache_step", "cached_step")}
 # What a continuous build holds in place of a program: the step and the joins for the step, a

@@ -399,13 +399,17 @@ def _collect(
     return terms, files
 
 
-# The modules of Wan 2.1 image to video's image features (diffusers' names).
-IMAGE_FEATURE_MODULES = frozenset({"add_k_proj", "add_v_proj", "norm_added_k", "image_embedder"})
+# The modules of Wan 2.1 image to video's image features (diffusers' names): each block's
+# cross-attention's image keys and values, and the image embedder.
+IMAGE_FEATURE_MODULES = re.compile(
+    r"blocks\.\d+\.attn2\.(add_k_proj|add_v_proj|norm_added_k)"
+    r"|condition_embedder\.image_embedder\..+"
+)
 
 
 def _absent_image_module(lora: LoraFile, module: str, shapes: Mapping[Path_, Any]) -> bool:
     """A module of the image features that this model (with parameters `shapes`) lacks."""
-    if IMAGE_FEATURE_MODULES.isdisjoint(module.split(".")):
+    if not IMAGE_FEATURE_MODULES.fullmatch(module):
         return False
     try:
         target = lora.rule(lora.rule.tensor_name(module, "weight"))
