@@ -537,20 +537,31 @@ def test_upsampling_gathers_no_activation(width, height, axis):
     assert g.per_latent_frame <= budget, g.top
 
 
-def test_both_orientations_have_the_same_collectives():
-    """Landscape shards width, portrait height (128x80 and 80x128: latents 16 x 10 and 10 x 16,
-    like 720p's 160 x 90): the mid-block attention keeps its queries local in both, so the two
-    decodes have the same collectives by kind and count, and no all-to-all."""
+def collectives_by_orientation(config, make) -> dict[str, dict[str, int]]:
+    """Landscape 128x80 (width sharded) and portrait 80x128 (height sharded) on the VAE mesh
+    (1, 8): the collectives by kind and count of `make(config, shape)`, a VAE program."""
     summaries = {}
     for width, height, axis in [(128, 80, "width"), (80, 128, "height")]:
         shape = VideoShape(width, height, frames=9, batch=1)
-        _, _, lat_h, lat_w, _ = shape.latent_shape(TINY)
+        _, _, lat_h, lat_w, _ = shape.latent_shape(config)
         layout = sharding.choose_vae_layout(lat_h, lat_w, 8)
         assert layout.axis == axis
-        program = programs.vae_decode_program(TINY, shape, programs.ProgramOptions())
-        compiled = compile_program(program, vae_mesh(CPU8, (1, 8)), layout.rules(), layout.uneven)
+        compiled = compile_program(
+            make(config, shape), vae_mesh(CPU8, (1, 8)), layout.rules(), layout.uneven
+        )
         collectives = hlo.collective_summary(hlo.parse(compiled.as_text()))
         summaries[axis] = {kind: c["count"] for kind, c in collectives.items() if c["count"]}
+    return summaries
+
+
+def test_both_orientations_have_the_same_collectives():
+    """Landscape shards width, portrait height (latents 16 x 10 and 10 x 16, like 720p's
+    160 x 90): the mid-block attention keeps its queries local in both, so the two decodes
+    have the same collectives by kind and count, and no all-to-all."""
+    options = programs.ProgramOptions()
+    summaries = collectives_by_orientation(
+        TINY, lambda c, s: programs.vae_decode_program(c, s, options)
+    )
     assert summaries["width"] == summaries["height"]
     assert "all-to-all" not in summaries["width"]
 
@@ -563,16 +574,9 @@ def test_the_image_encode_has_the_decodes_collectives_in_both_orientations():
         TINY, transformer=dataclasses.replace(TINY.transformer, in_channels=36)
     )
     options = programs.ProgramOptions(build={"pipeline": "i2v"})
-    summaries = {}
-    for width, height, axis in [(128, 80, "width"), (80, 128, "height")]:
-        shape = VideoShape(width, height, frames=9, batch=1)
-        _, _, lat_h, lat_w, _ = shape.latent_shape(i2v)
-        layout = sharding.choose_vae_layout(lat_h, lat_w, 8)
-        assert layout.axis == axis
-        program = programs.vae_encode_program(i2v, shape, options)
-        compiled = compile_program(program, vae_mesh(CPU8, (1, 8)), layout.rules(), layout.uneven)
-        collectives = hlo.collective_summary(hlo.parse(compiled.as_text()))
-        summaries[axis] = {kind: c["count"] for kind, c in collectives.items() if c["count"]}
+    summaries = collectives_by_orientation(
+        i2v, lambda c, s: programs.vae_encode_program(c, s, options)
+    )
     assert summaries["width"] == summaries["height"]
     assert "all-to-all" not in summaries["width"]
 
