@@ -352,7 +352,7 @@ def kernel_flops(plan: BuildPlan) -> float:
     q_shape = _query_shape(plan.config, plan.shape)
     keys = [q_shape[1], plan.config.text_encoder.max_length]
     if plan.config.image_encoder is not None and plan.key.option("pipeline") == "i2v-clip":
-        keys.append(plan.config.image_encoder.tokens)
+        keys.append(plan.config.image_tokens)
     per_layer = sum(attention_lib.flops(q_shape, length) for length in keys)
     split = math.prod(mesh_shape[a] for entry in spec for a in attention_lib.spec_axes(entry))
     return per_layer * tc.num_layers / split

@@ -228,6 +228,17 @@ def run_cmd(
     except (ValueError, OSError) as e:  # LoraError is a ValueError
         raise CliError(str(e)) from None
 
+    if last_image is not None and not config.takes_last_image:
+        raise CliError(
+            f"--last-image: {model_spec(config, weights)} takes the first frame only "
+            "(first-last-frame: Wan 2.2 I2V-A14B, Wan 2.1 FLF2V)"
+        )
+    given_last = [last_image] if lines is None else [line.video.last_image for line in lines]
+    if config.needs_last_image and None in given_last:
+        raise CliError(
+            f"{model_spec(config, weights)} is first-last-frame (Wan 2.1 FLF2V): give each "
+            'video a last image (--last-image FILE, a --prompts line\'s "last_image")'
+        )
     match = _matcher(artifacts, request, config, weights, build_name, (loras, loras_2), trusted)
     folder, manifest = cli_options.start(
         match, coordinator, num_processes, process_id, join_timeout
@@ -240,11 +251,6 @@ def run_cmd(
     for picture, option in ((image, "--image"), (last_image, "--last-image")):
         if picture is not None:  # an aspect ratio the build cannot take, before the load
             images.check_fit(picture, width, height, what=option)
-    if last_image is not None and not config.takes_last_image:
-        raise CliError(
-            f"--last-image: {model_spec(config, weights)} takes the first frame only "
-            "(first-last-frame: Wan 2.2 I2V-A14B)"
-        )
     from runtime.pipeline import Pipeline
     from wan.tokenizer import TokenizerError
     from wan.weights import WeightError

@@ -142,6 +142,12 @@ def serve_cmd(
     trusted = signing.load_trusted_keys(trusted_keys)
     config = ModelConfig.from_folder(weights)
     model_name = model_spec(config, weights)
+    if config.needs_last_image:
+        raise CliError(
+            f"{model_name} is first-last-frame (Wan 2.1 FLF2V): every video needs a last image, "
+            "which the Videos API (one input_reference) has no part for: use runtime run "
+            "--last-image"
+        )
     cache_request = step_cache.from_options(
         cache, cache_threshold, cache_max_skip, cache_retention, mag_ratios, False,
         config.num_experts,

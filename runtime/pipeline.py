@@ -433,14 +433,21 @@ class Pipeline:
     ) -> list[PILImage | None]:
         """One last frame (or None) per video of the batch, where the model takes them."""
         if given is None:
-            return [None] * self.key.batch
-        if pictures is None or not self.config.takes_last_image:
+            lasts = [None] * self.key.batch
+        elif pictures is None or not self.config.takes_last_image:
             raise RequestError(
-                f"build {self.name} takes no last image (first-last-frame: Wan 2.2 I2V-A14B)"
+                f"build {self.name} takes no last image (first-last-frame: Wan 2.2 I2V-A14B, "
+                "Wan 2.1 FLF2V)"
             )
-        lasts = [given] * self.key.batch if isinstance(given, PILImage) else list(given)
+        else:
+            lasts = [given] * self.key.batch if isinstance(given, PILImage) else list(given)
         if len(lasts) != self.key.batch:
             raise RequestError(f"this build generates batches of {self.key.batch} videos")
+        if self.config.needs_last_image and None in lasts:
+            raise RequestError(
+                f"build {self.name} is first-last-frame (Wan 2.1 FLF2V): give every video a "
+                "last image (--last-image FILE, `last_images=`)"
+            )
         return lasts
 
     def image_conditioning(
@@ -467,7 +474,12 @@ class Pipeline:
         )["condition"]
         features = None
         if self.clip is not None:
-            clip = np.stack([images.clip_pixels(p, self.clip) for p in pictures])
+            # Each video's images through CLIP: its first, and the last where the model's
+            # features are both's (`ModelConfig.clip_images`).
+            clip = np.stack([
+                [images.clip_pixels(p, self.clip) for p in (first, last)[: self.config.clip_images]]
+                for first, last in zip(pictures, lasts, strict=True)
+            ])  # fmt: skip
             features = self.run(
                 "image_encode",
                 params=self.params["image_encoder"],

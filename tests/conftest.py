@@ -91,13 +91,18 @@ def tiny_weights(shared_dir) -> Path:
     return folder
 
 
-def _transformer(channels: int = 16, in_channels: int | None = None, image_dim: int | None = None):
+def _transformer(
+    channels: int = 16,
+    in_channels: int | None = None,
+    image_dim: int | None = None,
+    pos_embed_seq_len: int | None = None,
+):
     model = WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16,
         in_channels=in_channels or channels, out_channels=channels, text_dim=32, freq_dim=32,
         ffn_dim=64, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
         rope_max_seq_len=1024, image_dim=image_dim,
-        added_kv_proj_dim=None if image_dim is None else 32,
+        added_kv_proj_dim=None if image_dim is None else 32, pos_embed_seq_len=pos_embed_seq_len,
     )  # fmt: skip
     with torch.no_grad():  # make the zero/one-initialised norms and tables matter
         for name, p in model.named_parameters():
@@ -115,10 +120,11 @@ I2V_CHANNELS = 16 + 4 + 16  # the latents, the mask, the image's latents
 CLIP_SIZE = 28  # a tiny CLIP: 2x2 patches of 14 pixels and the class token
 
 
-def save_tiny_i2v_pipeline(folder, clip: bool) -> None:
+def save_tiny_i2v_pipeline(folder, clip: bool, first_last: bool = False) -> None:
     """A tiny diffusers WanImageToVideoPipeline with random weights, saved: Wan 2.1's kind
-    (`clip`: a CLIP vision model, image features in every cross-attention) or Wan 2.2
-    I2V-A14B's (two experts, the image through its latents only)."""
+    (`clip`: a CLIP vision model, image features in every cross-attention; `first_last`: both
+    images' features behind a position table, FLF2V's) or Wan 2.2 I2V-A14B's (two experts, the
+    image through its latents only)."""
     from diffusers import WanImageToVideoPipeline
     from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
@@ -136,10 +142,19 @@ def save_tiny_i2v_pipeline(folder, clip: bool) -> None:
         )
         image_parts = {"image_encoder": encoder, "image_processor": processor}
     experts = 1 if clip else 2
+    clip_tokens = (CLIP_SIZE // 14) ** 2 + 1
     transformers = [
-        _transformer(in_channels=I2V_CHANNELS, image_dim=24 if clip else None)
+        _transformer(
+            in_channels=I2V_CHANNELS,
+            image_dim=24 if clip else None,
+            pos_embed_seq_len=2 * clip_tokens if first_last else None,
+        )
         for _ in range(experts)
     ]
+    if first_last:  # zero at init: a random table, for the test to see it added
+        for model in transformers:
+            with torch.no_grad():
+                model.condition_embedder.image_embedder.pos_embed.normal_(0.0, 1.0)
     with torch.no_grad():  # at its init the image moves the frames by little: the condition's
         for model in transformers:  # channels x10 make another image move them well past it
             model.patch_embedding.weight[:, 16:].mul_(10.0)

@@ -310,3 +310,73 @@ def test_first_last_frame_matches_diffusers(tmp_path):
     # (by 0.06 at most through the tiny random encoder: the frame is the last of its chunk)
     assert np.abs(condition[0, -1, ..., 4:] - condition[1, -1, ..., 4:]).max() > 0.02
     np.testing.assert_allclose(condition[0, :-1], condition[1, :-1], atol=1e-5, rtol=0)
+
+
+def test_wan21_first_last_frame_matches_diffusers(tmp_path):
+    """Wan 2.1 FLF2V: both images' CLIP features, behind the image embedder's position table,
+    and the last frame given and marked in the condition. A batch of two videos with two last
+    images, each equal to diffusers' run of it; the second last image moves the frames well
+    past the tolerance (a control), and a video without a last image is refused."""
+    folder = tmp_path / "flf2v"
+    save_tiny_i2v_pipeline(folder, clip=True, first_last=True)
+    config = ModelConfig.from_diffusers(folder, dtype="float32")
+    assert config.needs_last_image and config.takes_last_image
+    assert config.image_tokens == 2 * config.image_encoder.tokens
+    width, height = 32, 48
+    first = picture(0, width * 2, height * 2)
+    lasts = [picture(seed, width * 2, height * 2) for seed in (3, 5)]
+    noise = np.random.default_rng(4).standard_normal(
+        (1, 16, (FRAMES - 1) // 4 + 1, height // 8, width // 8), dtype=np.float32
+    )
+    reference = WanImageToVideoPipeline.from_pretrained(folder, torch_dtype=torch.float32)
+
+    def diffusers_frames(last_image: Image.Image) -> np.ndarray:
+        return reference(
+            image=first, last_image=last_image, prompt=PROMPTS[0], height=height, width=width,
+            num_frames=FRAMES, num_inference_steps=STEPS, guidance_scale=5.0,
+            latents=torch.from_numpy(noise), output_type="np",
+        ).frames[0]  # fmt: skip
+
+    expected = np.stack([diffusers_frames(last) for last in lasts])
+    plan = plan_build(
+        "flf2v", config, VideoShape(width, height, FRAMES, 2), parse_target("cpu-8"), 8
+    )
+    pipe = Pipeline.assemble(
+        compile_in_process(plan, frames_dtype="float32"), folder, plan.key, "in-process", config
+    )
+    frames, report = pipe.generate(
+        PROMPTS[0], steps=STEPS, guidance=5.0, init_noise=np.repeat(noise, 2, 0), images=first,
+        last_images=lasts,
+    )  # fmt: skip
+    assert report.compile_count == 0
+    np.testing.assert_allclose(frames, expected, atol=ATOL, rtol=0)
+    assert np.abs(frames[0] - frames[1]).max() > 10 * ATOL  # the last image matters
+
+    with pytest.raises(RequestError, match="give every video a last image"):
+        pipe.generate(PROMPTS[0], steps=STEPS, images=first, last_images=[lasts[0], None])
+    with pytest.raises(RequestError, match="give every video a last image"):
+        pipe.generate(PROMPTS[0], steps=STEPS, images=first)
+
+
+def test_first_last_frame_model_refuses_one_image(tmp_path):
+    """A Wan 2.1 FLF2V model needs every video's last image: `runtime run` without one, and
+    `runtime serve` (whose Videos API has one image part), are one line before anything
+    loads."""
+    folder = tmp_path / "flf2v"
+    save_tiny_i2v_pipeline(folder, clip=True, first_last=True)
+    image = tmp_path / "first.png"
+    picture(0, 64, 96).save(image)
+    run = run_cli(
+        "runtime", "run", "--artifacts", str(tmp_path / "none"), "--weights", str(folder),
+        "--res", "48x32", "--frames", str(FRAMES), "--prompt", "a cat", "--image", str(image),
+        "--out", str(tmp_path / "v.mp4"), check=False,
+    )  # fmt: skip
+    serve = run_cli(
+        "runtime", "serve", "--artifacts", str(tmp_path / "none"), "--weights", str(folder),
+        "--out-dir", str(tmp_path / "served"), check=False,
+    )  # fmt: skip
+    for result, says in ((run, "give each video a last image"), (serve, "has no part for")):
+        assert result.returncode == 2, result.stderr
+        assert "first-last-frame (Wan 2.1 FLF2V)" in result.stderr and says in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not (tmp_path / "v.mp4").exists()

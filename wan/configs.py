@@ -59,7 +59,7 @@ WAN22_LATENTS_STD = (
 
 # Fields of a component's config left out of the model's dict (and so of its hash) while None:
 # added after models were hashed without them.
-UNSET_OMITTED = frozenset({"image_dim", "added_kv_proj_dim"})
+UNSET_OMITTED = frozenset({"image_dim", "added_kv_proj_dim", "pos_embed_seq_len"})
 CHECKPOINT_MARKER = "wan_checkpoint.json"  # a project checkpoint's metadata (wan.checkpoint)
 DTYPES = ("float32", "bfloat16", "float16")  # what a model's weights and activations may use
 MAX_CONFIG_BYTES = 16 << 20  # a config.json is a few KiB; a bigger one is not a config
@@ -120,6 +120,9 @@ class TransformerConfig(ComponentConfig):
     # out of the model's dict (and hash) when None, as before they existed (`UNSET_OMITTED`).
     image_dim: int | None = None
     added_kv_proj_dim: int | None = None
+    # Wan 2.1 FLF2V (first-last-frame): a position table over both images' features, which the
+    # image embedder adds before its norm (diffusers' WanImageEmbedding.pos_embed).
+    pos_embed_seq_len: int | None = None
 
     @property
     def inner_dim(self) -> int:
@@ -151,10 +154,11 @@ class TransformerConfig(ComponentConfig):
             f"added_kv_proj_dim is {self.added_kv_proj_dim}, expected the model's width "
             f"{self.inner_dim}: the image keys and values are made of the embedded features",
         )
-
-    def fixed_values(self) -> dict[str, tuple[Any, ...]]:
-        # The first-last-frame model's position table for its two images.
-        return {"pos_embed_seq_len": (None,)}
+        require(
+            self.pos_embed_seq_len is None or self.image_dim is not None,
+            "pos_embed_seq_len is set but image_dim is not: the position table is the image "
+            "features'",
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -454,6 +458,13 @@ class ModelConfig:
             f"{encoder and encoder.hidden_size} wide",
         )
         require(
+            tc.pos_embed_seq_len is None
+            or (encoder is not None and tc.pos_embed_seq_len == 2 * encoder.tokens),
+            f"transformer: pos_embed_seq_len is {tc.pos_embed_seq_len}, expected two images' "
+            f"features ({2 * encoder.tokens if encoder else 'image_dim and an image encoder'}): "
+            "the first-last-frame model's table",
+        )
+        require(
             encoder is None or tc.in_channels == image_channels,
             f"transformer: image features with in_channels {tc.in_channels}: image to video "
             f"takes {image_channels}",
@@ -470,11 +481,32 @@ class ModelConfig:
         return ("t2v", "i2v") if self.image_condition == "first_frame" else ("t2v",)
 
     @property
+    def clip_images(self) -> int:
+        """Images per video through the image encoder: 2 for Wan 2.1 FLF2V (the first and the
+        last frame's features, behind one position table), else 1."""
+        return 1 if self.transformer.pos_embed_seq_len is None else 2
+
+    @property
+    def image_tokens(self) -> int:
+        """Image-feature tokens per video the transformer's cross-attention takes."""
+        assert self.image_encoder is not None, "a model without an image encoder"
+        return self.clip_images * self.image_encoder.tokens
+
+    @property
     def takes_last_image(self) -> bool:
         """Whether a last frame can be given beside the first (first-last-frame): Wan 2.2
-        I2V-A14B's, as diffusers runs it. Wan 2.1's CLIP models would need the FLF2V model's
-        features of both images; TI2V-5B's image mode takes the first only."""
-        return self.image_condition == "channels" and self.image_encoder is None
+        I2V-A14B's, as diffusers runs it, and Wan 2.1 FLF2V's, which needs it
+        (`needs_last_image`). Wan 2.1 I2V's CLIP features are the first image's alone, and
+        TI2V-5B's image mode takes the first only."""
+        return self.image_condition == "channels" and (
+            self.image_encoder is None or self.needs_last_image
+        )
+
+    @property
+    def needs_last_image(self) -> bool:
+        """Whether every video needs its last frame: Wan 2.1 FLF2V's image embedder takes both
+        images' features."""
+        return self.clip_images == 2
 
     @property
     def image_condition(self) -> str | None:

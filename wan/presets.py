@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from wan.configs import (
@@ -110,6 +111,16 @@ PRESETS: dict[str, ModelConfig] = {
         )
         for name, shift in (("wan2.1-i2v-14b-480p", 3.0), ("wan2.1-i2v-14b-720p", 5.0))
     },
+    # Wan 2.1 FLF2V-14B-720P: the I2V-14B's architecture taking both images' CLIP features
+    # behind a position table (diffusers' conversion: pos_embed_seq_len 257 * 2, flow shift 16).
+    "wan2.1-flf2v-14b-720p": ModelConfig(
+        name="wan2.1-flf2v-14b-720p",
+        transformer=dataclasses.replace(_I2V_14B_CLIP, pos_embed_seq_len=2 * 257),
+        vae=_WAN21_VAE,
+        text_encoder=_UMT5_XXL,
+        scheduler=SchedulerConfig(flow_shift=16.0),
+        image_encoder=ImageEncoderConfig(),
+    ),
     "wan2.2-i2v-a14b": ModelConfig(
         name="wan2.2-i2v-a14b",
         transformer=TransformerConfig(

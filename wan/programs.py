@@ -214,28 +214,32 @@ def kv_cache_program(config: ModelConfig, shape: VideoShape, options: ProgramOpt
 # ----------------------------------------------------------------------------------------------
 # Image to video: the image's CLIP features and latents, and the conditioning of every step.
 
-IMAGE_TOKENS: Axes = (axes.BATCH, None, None)  # CLIP features (B, 257, width), per video
+IMAGE_TOKENS: Axes = (axes.BATCH, None, None)  # CLIP features (B, tokens, width), per video
+CLIP_PIXELS: Axes = (axes.BATCH, None, None, None, None)  # (B, images, size, size, 3)
 
 
 def image_encode_program(
     config: ModelConfig, shape: VideoShape, options: ProgramOptions
 ) -> Program:
-    """Each video's image (CLIP-preprocessed, channels-last) -> its CLIP features: the
+    """Each video's images (CLIP-preprocessed, channels-last: its first frame, and for Wan 2.1
+    FLF2V its last, `ModelConfig.clip_images`) -> their CLIP features one after the other: the
     penultimate layer's tokens, which the transformer's image embedder takes."""
     graphdef, params, param_axes = split_abstract(abstract_module(config, "image_encoder", options))
     size = config.image_encoder.image_size
-    pixels = _sds((shape.batch, size, size, 3), jnp.float32)
+    pixels = _sds((shape.batch, config.clip_images, size, size, 3), jnp.float32)
 
     def image_encode(params: Tree, pixels: jax.Array) -> dict[str, jax.Array]:
         encoder = nnx.merge(graphdef, params)
-        features = encoder(sharding.constrain(pixels, (axes.BATCH, None, None, None)))
+        pixels = sharding.constrain(pixels, CLIP_PIXELS)
+        features = encoder(pixels.reshape(-1, *pixels.shape[2:]))
+        features = features.reshape(shape.batch, -1, features.shape[-1])  # (B, n * tokens, C)
         return {"image_embeddings": sharding.constrain(features.astype(config.dtype), IMAGE_TOKENS)}
 
     return Program(
         "image_encode",
         image_encode,
         {"params": params, "pixels": pixels},
-        {"params": param_axes, "pixels": (axes.BATCH, None, None, None)},
+        {"params": param_axes, "pixels": CLIP_PIXELS},
         {"image_embeddings": IMAGE_TOKENS},
         "transformer",
     )
@@ -303,7 +307,7 @@ def image_kv_cache_program(
     emb = _sds((shape.step_batch, config.text_encoder.max_length, tc.text_dim), config.dtype)
     image = None
     if config.image_encoder is not None:
-        image = _sds((shape.batch, config.image_encoder.tokens, tc.image_dim), config.dtype)
+        image = _sds((shape.batch, config.image_tokens, tc.image_dim), config.dtype)
     condition = _sds(condition_shape(config, shape, image_condition(config, options)), jnp.float32)
     _, kv_axes = step_conditioning(config, shape, options)
 
@@ -359,7 +363,7 @@ def step_conditioning(
         return (kv, kv), (KV_AXES, KV_AXES)
     cross, cross_axes = [kv, kv], [KV_AXES, KV_AXES]
     if config.image_encoder is not None:
-        image = _sds((*kv.shape[:2], config.image_encoder.tokens, kv.shape[3]), config.dtype)
+        image = _sds((*kv.shape[:2], config.image_tokens, kv.shape[3]), config.dtype)
         cross, cross_axes = cross + [image, image], cross_axes + [KV_AXES, KV_AXES]
     condition = _sds(condition_shape(config, shape, mode), jnp.float32)
     return (

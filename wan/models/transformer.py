@@ -347,11 +347,23 @@ class WanBlock(nnx.Module):
 
 class ImageEmbedder(nnx.Module):
     """CLIP image features -> model width (diffusers' WanImageEmbedding): fp32 layer norm,
-    Linear, exact GELU, Linear, fp32 layer norm."""
+    Linear, exact GELU, Linear, fp32 layer norm. With `positions` (Wan 2.1 FLF2V: both images'
+    tokens), a learned table is added to the features first."""
 
     def __init__(
-        self, din: int, dout: int, *, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs
+        self,
+        din: int,
+        dout: int,
+        positions: int | None,
+        *,
+        dtype: DTypeLike,
+        param_dtype: DTypeLike,
+        rngs: nnx.Rngs,
     ):
+        self.pos_embed: nnx.Param | None = nnx.data(None)
+        if positions is not None:
+            init = logical_init(nnx.initializers.normal(0.02), (None, None, None))
+            self.pos_embed = nnx.Param(init(rngs.params(), (1, positions, din), param_dtype))
         self.norm1 = _layer_norm(din, 1e-6, affine=True, rngs=rngs)
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.ff = MLP(din, din, dout, gelu_exact, None, **kw)
@@ -359,6 +371,8 @@ class ImageEmbedder(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, features: jax.Array) -> jax.Array:
+        if self.pos_embed is not None:  # added in the model's dtype, as diffusers does
+            features = features.astype(self.dtype) + self.pos_embed[...].astype(self.dtype)
         h = self.norm1(features.astype(jnp.float32)).astype(self.dtype)
         return self.norm2(self.ff(h).astype(jnp.float32)).astype(self.dtype)
 
@@ -385,8 +399,9 @@ class ConditionEmbedder(nnx.Module):
         )  # fmt: skip
         if cfg.image_dim is not None:
             self.image_embedder = ImageEmbedder(
-                cfg.image_dim, dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs
-            )
+                cfg.image_dim, dim, cfg.pos_embed_seq_len, dtype=dtype, param_dtype=param_dtype,
+                rngs=rngs,
+            )  # fmt: skip
         self.dtype = dtype
 
     def time(self, timestep: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -449,8 +464,8 @@ class WanTransformer(nnx.Module):
         self, encoder_hidden_states: jax.Array, image_features: jax.Array | None = None
     ) -> KVCache:
         """Text embeddings (B, L, text_dim) -> every layer's cross-attention keys and values,
-        each (num_layers, B, L, inner_dim); with CLIP `image_features` (B, 257, image_dim), the
-        image tokens' keys and values follow (Wan 2.1 image to video)."""
+        each (num_layers, B, L, inner_dim); with CLIP `image_features` (B, image tokens,
+        image_dim), the image tokens' keys and values follow (Wan 2.1 image to video)."""
         context = self.condition_embedder.text_embedder(encoder_hidden_states.astype(self.dtype))
         image = None
         if image_features is not None:

@@ -28,6 +28,7 @@ _NORMS = {"norm_q", "norm_k", "norm_added_k", "norm1", "norm2"}
 _BLOCK = re.compile(r"blocks\.(\d+)\.(.+)")
 _IGNORED = ("norm_added_q",)  # diffusers ignores these unexpected keys on load too
 _TABLES = ("scale_shift_table",)  # raw parameters: the tensor is named after the module
+_POSITIONS = "condition_embedder.image_embedder.pos_embed"  # Wan 2.1 FLF2V's, a raw parameter
 
 # The original Wan module names (its own checkpoints, ComfyUI and kohya/musubi LoRAs) ->
 # diffusers'. Inside a block; the original norm3 is the cross-attention norm, diffusers' norm2.
@@ -74,6 +75,8 @@ def _target(name: str) -> Target | None:
         layer, prefix, local = int(match[1]), ("blocks",), match[2]
     if local in _TABLES:
         return Target((*prefix, local), layer, identity)
+    if name == _POSITIONS:
+        return Target(tuple(name.split(".")), None, identity)
     module, _, leaf = local.rpartition(".")
     module = _RENAMES.get(module, module)
     path = (*prefix, *module.split("."))
