@@ -333,8 +333,73 @@ def test_shipped_ratios_load_for_the_presets():
         for expert, values in ratios.items():
             assert len(values) == lengths[model_name, expert] and values[0] == 1.0
             assert all(0.5 < v < 1.1 for v in values)
-    # The published lists' cond entries (MagCache4Wan2.1/magcache_generate.py, T2V-14B).
-    assert WAN21_14B[1:4] == (1.02504, 1.00025, 0.9985) and WAN21_14B[-1] == 0.86111
+
+
+# The lists MagCache publishes, verbatim (https://github.com/Zehong-Ma/MagCache/blob/
+# df81cb181776c2c61477c08e1d21f87fda1cd938/...): cond and uncond entries interleaved (its model
+# is called twice per step), behind the scripts' [1.0] * 2 padding.
+PUBLISHED = {
+    # MagCache4Wan2.1/magcache_generate.py#L910
+    "wan2.1-t2v-14b": (
+        1.02504, 1.03017, 1.00025, 1.00251, 0.9985, 0.99962, 0.99779, 0.99771, 0.9966,
+        0.99658, 0.99482, 0.99476, 0.99467, 0.99451, 0.99664, 0.99656, 0.99434, 0.99431,
+        0.99533, 0.99545, 0.99468, 0.99465, 0.99438, 0.99434, 0.99516, 0.99517, 0.99384,
+        0.9938, 0.99404, 0.99401, 0.99517, 0.99516, 0.99409, 0.99408, 0.99428, 0.99426,
+        0.99347, 0.99343, 0.99418, 0.99416, 0.99271, 0.99269, 0.99313, 0.99311, 0.99215,
+        0.99215, 0.99218, 0.99215, 0.99216, 0.99217, 0.99163, 0.99161, 0.99138, 0.99135,
+        0.98982, 0.9898, 0.98996, 0.98995, 0.9887, 0.98866, 0.98772, 0.9877, 0.98767,
+        0.98765, 0.98573, 0.9857, 0.98501, 0.98498, 0.9838, 0.98376, 0.98177, 0.98173,
+        0.98037, 0.98035, 0.97678, 0.97677, 0.97546, 0.97543, 0.97184, 0.97183, 0.96711,
+        0.96708, 0.96349, 0.96345, 0.95629, 0.95625, 0.94926, 0.94929, 0.93964, 0.93961,
+        0.92511, 0.92504, 0.90693, 0.90678, 0.8796, 0.87945, 0.86111, 0.86189
+    ),
+    # MagCache4Wan2.1/magcache_generate.py#L912
+    "wan2.1-t2v-1.3b": (
+        1.0124, 1.02213, 1.00166, 1.0041, 0.99791, 1.00061, 0.99682, 0.99762, 0.99634,
+        0.99685, 0.99567, 0.99586, 0.99416, 0.99422, 0.99578, 0.99575, 0.9957, 0.99563,
+        0.99511, 0.99506, 0.99535, 0.99531, 0.99552, 0.99549, 0.99541, 0.99539, 0.9954,
+        0.99536, 0.99489, 0.99485, 0.99518, 0.99514, 0.99484, 0.99478, 0.99481, 0.99479,
+        0.99415, 0.99413, 0.99419, 0.99416, 0.99396, 0.99393, 0.99388, 0.99386, 0.99349,
+        0.99349, 0.99309, 0.99304, 0.9927, 0.9927, 0.99228, 0.99226, 0.99171, 0.9917,
+        0.99137, 0.99135, 0.99068, 0.99063, 0.99005, 0.99003, 0.98944, 0.98942, 0.98849,
+        0.98849, 0.98758, 0.98757, 0.98644, 0.98643, 0.98504, 0.98503, 0.9836, 0.98359,
+        0.98202, 0.98201, 0.97977, 0.97978, 0.97717, 0.97718, 0.9741, 0.97411, 0.97003,
+        0.97002, 0.96538, 0.96541, 0.9593, 0.95933, 0.95086, 0.95089, 0.94013, 0.94019,
+        0.92402, 0.92414, 0.90241, 0.9026, 0.86821, 0.86868, 0.81838, 0.81939
+    ),
+    # MagCache4Wan2.2/magcache_generate.py#L695
+    "wan2.2-t2v-a14b": (
+        1.00124, 1.00155, 0.99822, 0.99851, 0.99696, 0.99687, 0.99703, 0.99732, 0.9966,
+        0.99679, 0.99602, 0.99658, 0.99578, 0.99664, 0.99484, 0.9949, 0.99633, 0.996,
+        0.99659, 0.99683, 0.99534, 0.99549, 0.99584, 0.99577, 0.99681, 0.99694, 0.99563,
+        0.99554, 0.9944, 0.99473, 0.99594, 0.9964, 0.99466, 0.99461, 0.99453, 0.99481,
+        0.99389, 0.99365, 0.99391, 0.99406, 0.99354, 0.99361, 0.99283, 0.99278, 0.99268,
+        0.99263, 0.99057, 0.99091, 0.99125, 0.99126, 0.65523, 0.65252, 0.98808, 0.98852,
+        0.98765, 0.98736, 0.9851, 0.98535, 0.98311, 0.98339, 0.9805, 0.9806, 0.97776,
+        0.97771, 0.97278, 0.97286, 0.96731, 0.96728, 0.95857, 0.95855, 0.94385, 0.94385,
+        0.92118, 0.921, 0.88108, 0.88076, 0.80263, 0.80181
+    ),
+}  # fmt: skip
+A14B_SWITCH = 26  # the t2v-A14B script's high-noise steps: 40 steps, shift 12, boundary 0.875
+
+
+def test_shipped_ratios_are_the_published_lists():
+    """Entry by entry: the cond entries of each published list (the padding's first one and
+    every other after it), the A14B's split between its experts at the switch, the low-noise
+    expert's first entry (its residual against the other expert's) set to 1.0."""
+    for model_name, published in PUBLISHED.items():
+        cond = [1.0, 1.0, *published][0::2]
+        expected = {"transformer": cond}
+        if model_name == "wan2.2-t2v-a14b":
+            expected = {
+                "transformer": cond[:A14B_SWITCH],
+                "transformer_2": [1.0, *cond[A14B_SWITCH + 1 :]],
+            }
+            assert cond[A14B_SWITCH] == 0.65523  # the jump at the switch, replaced
+        shipped = shipped_mag_ratios(model_name, list(expected))
+        assert {e: list(r) for e, r in shipped.items()} == expected, model_name
+        uncond = [1.0, 1.0, *published][1::2]
+        assert list(shipped["transformer"]) != uncond[: len(shipped["transformer"])]
 
 
 def test_unshipped_model_says_how_to_calibrate():
