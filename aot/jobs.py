@@ -99,7 +99,12 @@ def compile_distinct(
                 if compiled:
                     ledger.compiled.add(pid)
         except BaseException as e:
-            pool.shutdown(cancel_futures=True)  # one failure ends the call: compile no more
+            # One failure ends the call: compile no more, and stop the compiles under way (a
+            # 14B program would otherwise run on for minutes before the error is shown).
+            # ProcessPoolExecutor has no public kill before Python 3.14's kill_workers().
+            for process in list(pool._processes.values()):
+                process.kill()
+            pool.shutdown(cancel_futures=True)
             if isinstance(e, concurrent.futures.process.BrokenProcessPool):
                 raise BuildError(
                     "a compile worker died (out of memory?): run again with fewer --jobs"

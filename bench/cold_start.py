@@ -10,6 +10,9 @@ in the same run: a bare `python -c "import jax; jax.devices()"`, `cat` of the we
 the programs' own seconds to the first step (text_encode + kv_cache, from A's report).
 
     python bench/cold_start.py --model tiny --res 192x320 --frames 9 --steps 3 --repeats 3
+
+`--weights` loads weights already written (default: random weights of --model, written into the
+scratch folder; tests/test_bench.py passes its session's tiny weights).
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--target", default="cpu-8")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--weights", type=Path, help="weights of --model (default: random ones)")
     parser.add_argument(
         "--out", type=Path, help="results JSON (default bench/results/cold_start_<model>.json)"
     )
@@ -68,9 +72,11 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        weights, artifacts, cache = tmp / "weights", tmp / "artifacts", tmp / "jax-cache"
-        subprocess.run([str(BIN / "python"), "-m", "wan.random_weights", "--model", args.model,
-                        "--out", str(weights)], check=True, capture_output=True)  # fmt: skip
+        artifacts, cache = tmp / "artifacts", tmp / "jax-cache"
+        weights = args.weights or tmp / "weights"
+        if not args.weights:
+            subprocess.run([str(BIN / "python"), "-m", "wan.random_weights", "--model", args.model,
+                            "--out", str(weights)], check=True, capture_output=True)  # fmt: skip
         build = subprocess.run([str(BIN / "aot"), "build", "--model", args.model, *shape,
                                 "--target", args.target, "--out", str(artifacts), "--json"],
                                check=True, capture_output=True, text=True)  # fmt: skip

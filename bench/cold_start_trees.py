@@ -6,6 +6,9 @@ ratios after/before. For a change to the artifact format or the loader (the pick
 executables: `git worktree add /tmp/before <commit>` gives the tree before).
 
     python bench/cold_start_trees.py --before /tmp/before --after . --repeats 5
+
+The same tree as --before and --after builds once (tests/test_bench.py runs it so, on its
+session's tiny weights (`--weights`) and the smallest shape (`--res`, `--frames`)).
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ import tempfile
 from pathlib import Path
 
 BIN = Path(sys.executable).parent
-SHAPE = ["--res", "192x320", "--frames", "9", "--batch", "1"]
 PHASES = {
     "first_step": lambda r: r["seconds_from_process_start_to_first_step"],
     "deserialize": lambda r: r["phases"]["deserialize"],
@@ -39,40 +41,32 @@ def main() -> None:
     parser.add_argument("--after", type=Path, required=True)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--res", default="192x320")
+    parser.add_argument("--frames", type=int, default=9)
+    parser.add_argument("--weights", type=Path, help="the tiny model's (default: random ones)")
     parser.add_argument("--save", type=Path)
     args = parser.parse_args()
+    shape = ["--res", args.res, "--frames", str(args.frames), "--batch", "1"]
     trees = {"before": args.before, "after": args.after}
     with tempfile.TemporaryDirectory() as scratch:
         root = Path(scratch)
-        tool(
-            args.after,
-            "python",
-            "-m",
-            "wan.random_weights",
-            "--model",
-            "tiny",
-            "--out",
-            str(root / "w"),
-        )
+        weights = args.weights or root / "w"
+        if not args.weights:
+            tool(args.after, "python", "-m", "wan.random_weights", "--model", "tiny",
+                 "--out", str(weights))  # fmt: skip
+        artifacts: dict[Path, Path] = {}  # each tree's build: the same tree twice builds once
         for name, tree in trees.items():
-            tool(
-                tree,
-                "aot",
-                "build",
-                "--model",
-                "tiny",
-                *SHAPE,
-                "--target",
-                "cpu-8",
-                "--out",
-                str(root / name),
-            )
+            if tree.resolve() not in artifacts:
+                artifacts[tree.resolve()] = root / name
+                tool(tree, "aot", "build", "--model", "tiny", *shape, "--target", "cpu-8",
+                     "--out", str(root / name))  # fmt: skip
         runs: dict[str, list[dict]] = {name: [] for name in trees}
         for _ in range(args.repeats):
             for name, tree in trees.items():
                 report = root / f"{name}.json"
-                tool(tree, "runtime", "run", "--artifacts", str(root / name), "--weights", str(root / "w"),
-                     *SHAPE, "--prompt", "a cat", "--steps", str(args.steps), "--out", str(root / "v.mp4"),
+                tool(tree, "runtime", "run", "--artifacts", str(artifacts[tree.resolve()]),
+                     "--weights", str(weights), *shape, "--prompt", "a cat",
+                     "--steps", str(args.steps), "--out", str(root / "v.mp4"),
                      "--report", str(report))  # fmt: skip
                 runs[name].append(json.loads(report.read_text()))
     medians = {

@@ -8,11 +8,15 @@
 The figure is each load's `weights` phase (Pipeline.load_phases), with the checkpoints' sizes.
 
     python bench/quant.py --out bench/results/quant_load.json
+
+`--model`, `--res` and `--frames` pick another preset and shape, `--weights` loads full-precision
+weights already written (default: random ones); tests/test_bench.py runs the tiny model so.
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import statistics
 import subprocess
 import sys
@@ -23,7 +27,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import record  # noqa: E402  (bench/record.py, beside this script)
 
 BIN = Path(sys.executable).parent
-SHAPE = ["--res", "320x192", "--frames", "17", "--batch", "1"]
 
 
 def _size(folder: Path) -> int:
@@ -32,9 +35,14 @@ def _size(folder: Path) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--res", default="320x192")
+    parser.add_argument("--frames", type=int, default=17)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--weights", type=Path, help="weights of --model (default: random ones)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    shape = ["--res", args.res, "--frames", str(args.frames), "--batch", "1"]
     from aot import targets
 
     targets.prepare_environment(targets.parse_target("cpu-8"))
@@ -45,12 +53,13 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        full = root / "weights"
-        subprocess.run([str(BIN / "python"), "-m", "wan.random_weights", "--model", "small",
-                        "--out", str(full)], check=True)  # fmt: skip
+        full = args.weights or root / "weights"
+        if not args.weights:
+            subprocess.run([str(BIN / "python"), "-m", "wan.random_weights", "--model", args.model,
+                            "--out", str(full)], check=True)  # fmt: skip
         stored = quantize_checkpoint(full, "w8a8-int8", root / "weights-int8")
         for mode in ("none", "w8a8-int8"):
-            subprocess.run([str(BIN / "aot"), "build", "--model", "small", *SHAPE, "--target",
+            subprocess.run([str(BIN / "aot"), "build", "--model", args.model, *shape, "--target",
                             "cpu-8", "--quant", mode, "--out", str(root / "artifacts")],
                            check=True)  # fmt: skip
         builds = sorted(p for p in (root / "artifacts").iterdir() if not p.name.startswith("."))
@@ -66,8 +75,8 @@ def main() -> None:
         sizes = {"full": _size(full), "int8": _size(stored)}
     medians = {v: statistics.median(s) for v, s in seconds.items()}
     row = {
-        "command": f"python bench/quant.py --out {args.out}",
-        "model": "small", "shape": " ".join(SHAPE), "target": "cpu-8",
+        "command": shlex.join(["python", "bench/quant.py", *sys.argv[1:]]),
+        "model": args.model, "shape": " ".join(shape), "target": "cpu-8",
         "weights_seconds": seconds, "median": medians,
         "ratio_B_over_A": round(medians["B"] / medians["A"], 3),
         "ratio_C_over_A": round(medians["C"] / medians["A"], 3),

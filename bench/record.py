@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -23,3 +25,18 @@ def save(path: Path, row: dict) -> None:
         "date": time.strftime("%Y-%m-%d"),
         "rows": [*kept, row],
     }, indent=1))  # fmt: skip
+
+
+def spread(values: Sequence[float], digits: int = 3) -> dict:
+    """A noisy measurement as the docs quote it: the median and the range of its runs."""
+    return {
+        "median": round(statistics.median(values), digits),
+        "min": round(min(values), digits),
+        "max": round(max(values), digits),
+        "runs": len(values),
+    }
+
+
+def host_load() -> float:
+    """The host's 1-minute load average: what else the cores were doing."""
+    return round(os.getloadavg()[0], 2)

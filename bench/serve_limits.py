@@ -7,6 +7,9 @@ head (how many the server has closed after `--wait` seconds). The tree before th
 
     python bench/serve_limits.py --before /tmp/before --after . --heads 3000 \
         --save bench/results/serve_limits.json
+
+The same tree as --before and --after builds once; `--weights` serves weights already written
+(tests/test_bench.py: this tree twice, its session's tiny weights, a few heads).
 """
 
 from __future__ import annotations
@@ -81,6 +84,8 @@ def measure(tree: Path, artifacts: Path, weights: Path, out: Path, heads: int, w
                 if client.get("/healthz").status_code == 200:
                     break
             except httpx.TransportError:
+                if server.poll() is not None:  # it failed to start: say so, never wait forever
+                    raise SystemExit(f"runtime serve exited with {server.returncode}") from None
                 time.sleep(0.2)
         result = {}
         prompt = b"x" * (BODY_MB << 20)
@@ -112,21 +117,27 @@ def main() -> None:
     parser.add_argument("--after", type=Path, required=True)
     parser.add_argument("--heads", type=int, default=3000)
     parser.add_argument("--wait", type=float, default=12.0)
+    parser.add_argument("--weights", type=Path, help="the tiny model's (default: random ones)")
     parser.add_argument("--save", type=Path)
     args = parser.parse_args()
     resource.setrlimit(resource.RLIMIT_NOFILE, (args.heads + 1024,) * 2)
     rows = {}
     with tempfile.TemporaryDirectory() as scratch:
         root = Path(scratch)
-        weights = root / "weights"
-        subprocess.run([str(BIN / "python"), "-m", "wan.random_weights", "--model", "tiny", "--out", str(weights)],
-                       env=env_of(args.after), check=True, capture_output=True)  # fmt: skip
+        weights = args.weights or root / "weights"
+        if not args.weights:
+            subprocess.run([str(BIN / "python"), "-m", "wan.random_weights", "--model", "tiny",
+                            "--out", str(weights)],
+                           env=env_of(args.after), check=True, capture_output=True)  # fmt: skip
+        built: dict[Path, Path] = {}  # each tree's build: the same tree twice builds once
         for name, tree in (("before", args.before), ("after", args.after)):
-            artifacts = root / name
-            subprocess.run([str(BIN / "aot"), "build", "--model", "tiny", *SHAPE, "--target", "cpu-8",
-                            "--out", str(artifacts)], env=env_of(tree), check=True, capture_output=True)  # fmt: skip
+            if tree.resolve() not in built:
+                built[tree.resolve()] = root / name
+                subprocess.run([str(BIN / "aot"), "build", "--model", "tiny", *SHAPE, "--target",
+                                "cpu-8", "--out", str(root / name)],
+                               env=env_of(tree), check=True, capture_output=True)  # fmt: skip
             rows[name] = measure(
-                tree, artifacts, weights, root / f"{name}-jobs", args.heads, args.wait
+                tree, built[tree.resolve()], weights, root / f"{name}-jobs", args.heads, args.wait
             )
     row = {"command": " ".join(["python bench/serve_limits.py", *sys.argv[1:]]), **rows}
     print(json.dumps(row, indent=1))

@@ -11,6 +11,10 @@ requests one after another on the batch-1 build.
 
     python bench/serve_load.py --model small --res 64x96 --frames 5 --steps 8 --n 12 \
         --batch 4 --rates 0.1,0.25,0.5 --rounds 3
+
+`--weights` serves weights already written (default: random ones), `--artifacts` builds into a
+folder that may already hold the builds (up to date, they are not compiled again):
+tests/test_bench.py passes its session's tiny weights and builds.
 """
 
 from __future__ import annotations
@@ -158,6 +162,10 @@ def main() -> None:
     )
     parser.add_argument("--rounds", type=int, default=1, help="passes over every rate and server")
     parser.add_argument("--batch-window", type=float, default=1.0)
+    parser.add_argument("--weights", type=Path, help="weights of --model (default: random ones)")
+    parser.add_argument(
+        "--artifacts", type=Path, help="the folder to build into (default: a scratch folder)"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "serve_load.json")
     args = parser.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
@@ -166,21 +174,22 @@ def main() -> None:
              "--target", "cpu-8"]  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        artifacts, weights = work / "artifacts", work / "weights"
-        subprocess.run([sys.executable, "-m", "wan.random_weights", "--model", args.model,
-                        "--out", str(weights)], check=True, capture_output=True)  # fmt: skip
+        artifacts = args.artifacts or work / "artifacts"
+        weights = args.weights or work / "weights"
+        if not args.weights:
+            subprocess.run([sys.executable, "-m", "wan.random_weights", "--model", args.model,
+                            "--out", str(weights)], check=True, capture_output=True)  # fmt: skip
+        names = []  # the build folders, in the order built: batch 1, batch B, continuous
         for extra in (["--batch", "1", "--batch", str(args.batch)],
                       ["--batch", str(args.batch), "--continuous"]):  # fmt: skip
-            subprocess.run([str(BIN / "aot"), "build", *shape, *extra, "--out", str(artifacts)],
-                           check=True, capture_output=True)  # fmt: skip
-        b, names = args.batch, [p.name for p in artifacts.iterdir() if not p.name.startswith(".")]
-        builds = {
-            "serve_b1": next(n for n in names if "_b1_" in n),
-            f"serve_b{b}_window": next(
-                n for n in names if f"_b{b}_" in n and "continuous" not in n
-            ),
-            f"serve_b{b}_continuous": next(n for n in names if "continuous" in n),
-        }
+            built = subprocess.run([str(BIN / "aot"), "build", *shape, *extra, "--out",
+                                    str(artifacts), "--json"],
+                                   check=True, capture_output=True, text=True)  # fmt: skip
+            names += [Path(report["folder"]).name for report in json.loads(built.stdout)]
+        b = args.batch
+        builds = dict(
+            zip(("serve_b1", f"serve_b{b}_window", f"serve_b{b}_continuous"), names, strict=True)
+        )
         runs: dict[str, dict[str, list[dict]]] = {f"{r:g}": {s: [] for s in builds} for r in rates}
         for r in range(args.rounds):
             for rate in rates:

@@ -12,11 +12,17 @@ settings (the steps run, each at its step lower bound: FLOPs at the chip's peak 
 
     python bench/step_cache.py --part measured --out bench/results/step_cache.json
     python bench/step_cache.py --part deviceless --out bench/results/step_cache.json
+
+`--model`, `--res`, `--frames` and `--steps` replace a part's preset, shape and steps, and
+`--weights` gives the measured part weights already written (default: random ones);
+tests/test_bench.py runs both parts on the tiny model so. The deviceless part's skipped steps
+stay those of the shipped Wan 2.1 14B ratios.
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import statistics
 import subprocess
 import sys
@@ -28,6 +34,11 @@ import record  # noqa: E402  (bench/record.py, beside this script)
 
 BIN = Path(sys.executable).parent
 PROMPT = "a red cat running in the rain"
+# Each part's preset, resolution, frames and steps (what docs/benchmarks.md quotes).
+DEFAULTS = {
+    "measured": ("small", "320x192", 17, 20),
+    "deviceless": ("wan2.1-t2v-14b", "1280x720", 81, 50),
+}
 
 
 def _build(model: str, shape: list[str], target: str, out: Path) -> Path:
@@ -40,8 +51,8 @@ def _build(model: str, shape: list[str], target: str, out: Path) -> Path:
     return folder
 
 
-def measured(repeats: int, steps: int) -> dict:
-    """Uncached vs MagCache denoise seconds on the small preset, alternating in one process."""
+def measured(model: str, shape: list[str], repeats: int, steps: int, weights: Path | None) -> dict:
+    """Uncached vs MagCache denoise seconds (the small preset), alternating in one process."""
     from aot import targets
 
     targets.prepare_environment(targets.parse_target("cpu-8"))
@@ -50,15 +61,15 @@ def measured(repeats: int, steps: int) -> dict:
     from runtime.step_cache import MAGCACHE, CacheRequest
     from wan.configs import ModelConfig
 
-    shape = ["--res", "320x192", "--frames", "17", "--batch", "1"]
     with tempfile.TemporaryDirectory() as tmp:
-        weights = Path(tmp) / "weights"
-        subprocess.run(
-            [str(BIN / "python"), "-m", "wan.random_weights", "--model", "small",
-             "--out", str(weights)],
-            check=True,
-        )  # fmt: skip
-        folder = _build("small", shape, "cpu-8", Path(tmp) / "artifacts")
+        if weights is None:
+            weights = Path(tmp) / "weights"
+            subprocess.run(
+                [str(BIN / "python"), "-m", "wan.random_weights", "--model", model,
+                 "--out", str(weights)],
+                check=True,
+            )  # fmt: skip
+        folder = _build(model, shape, "cpu-8", Path(tmp) / "artifacts")
         config = ModelConfig.from_folder(weights)
         pipe = Pipeline.from_build(folder, read_manifest(folder), weights, config)
 
@@ -77,7 +88,7 @@ def measured(repeats: int, steps: int) -> dict:
             skipped = report.cache.skipped_steps
     ratio = statistics.median(uncached) / statistics.median(cached)
     return {
-        "model": "small", "shape": " ".join(shape), "target": "cpu-8", "steps": steps,
+        "model": model, "shape": " ".join(shape), "target": "cpu-8", "steps": steps,
         "cache": "magcache threshold 0.06, max_skip 3, retention 0.2, ratios from our calibrate",
         "calibrated_ratios": list(ratios["transformer"]),
         "skipped_steps": skipped,
@@ -86,15 +97,14 @@ def measured(repeats: int, steps: int) -> dict:
     }  # fmt: skip
 
 
-def deviceless(steps: int) -> dict:
-    """Full vs cached step FLOPs of a 14B 720p tpu-v6e-8 build, and MagCache's transformer work
-    per video with the shipped Wan 2.1 14B ratios."""
+def deviceless(model: str, shape: list[str], steps: int) -> dict:
+    """Full vs cached step FLOPs of a tpu-v6e-8 build (the 14B at 720p), and MagCache's
+    transformer work per video with the shipped Wan 2.1 14B ratios."""
     from runtime.artifact import read_manifest
     from runtime.step_cache import MagCache, MagCacheSettings, shipped_mag_ratios
 
-    shape = ["--res", "1280x720", "--frames", "81", "--batch", "1"]
     with tempfile.TemporaryDirectory() as tmp:
-        folder = _build("wan2.1-t2v-14b", shape, "tpu-v6e-8", Path(tmp))
+        folder = _build(model, shape, "tpu-v6e-8", Path(tmp))
         manifest = read_manifest(folder)
     full, cached = (manifest.programs[n] for n in ("cache_step", "cached_step"))
     full_flops, cached_flops = (p.flops + p.kernel_flops for p in (full, cached))
@@ -105,7 +115,7 @@ def deviceless(steps: int) -> dict:
     uncached_seconds = steps * full_flops / peak
     cached_seconds = ((steps - len(skipped)) * full_flops + len(skipped) * cached_flops) / peak
     return {
-        "model": "wan2.1-t2v-14b", "shape": " ".join(shape), "target": "tpu-v6e-8",
+        "model": model, "shape": " ".join(shape), "target": "tpu-v6e-8",
         "steps": steps, "full_step_tflop_per_device": round(full_flops / 1e12, 3),
         "cached_step_tflop_per_device": round(cached_flops / 1e12, 4),
         "peak_tflops_per_device": round(peak / 1e12, 1),
@@ -124,10 +134,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--part", choices=["measured", "deviceless"], required=True)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--model", help="the preset (default: the part's, DEFAULTS)")
+    parser.add_argument("--res", help="WxH (default: the part's)")
+    parser.add_argument("--frames", type=int, help="(default: the part's)")
+    parser.add_argument("--steps", type=int, help="(default: the part's)")
+    parser.add_argument("--weights", type=Path, help="measured: weights of the preset")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    row = measured(args.repeats, steps=20) if args.part == "measured" else deviceless(steps=50)
-    command = f"python bench/step_cache.py --part {args.part} --out {args.out}"
+    defaults = DEFAULTS[args.part]
+    model, res, frames, steps = (
+        given if given is not None else default
+        for given, default in zip(
+            (args.model, args.res, args.frames, args.steps), defaults, strict=True
+        )
+    )
+    shape = ["--res", res, "--frames", str(frames), "--batch", "1"]
+    if args.part == "measured":
+        row = measured(model, shape, args.repeats, steps, args.weights)
+    else:
+        row = deviceless(model, shape, steps)
+    command = shlex.join(["python", "bench/step_cache.py", *sys.argv[1:]])
     record.save(args.out, {"command": command, **row})
     print(row)
 

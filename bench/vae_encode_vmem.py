@@ -43,9 +43,10 @@ def main() -> None:
     from wan.presets import resolve_model
 
     config = resolve_model(args.model)
+    name = Path(args.model).name if Path(args.model).is_dir() else args.model  # as `aot build`
     width, height = (int(v) for v in args.res.split("x"))
     shape = VideoShape(width, height, args.frames, args.batch)
-    plan = plan_build(args.model, config, shape, target, len(targets.devices(target)))
+    plan = plan_build(name, config, shape, target, len(targets.devices(target)))
     [lowered] = lower_plan(plan, only=["vae_encode"])
     for vmem in args.vmem:
         command = (f"python bench/vae_encode_vmem.py --model {args.model} --res {args.res} "

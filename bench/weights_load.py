@@ -2,8 +2,9 @@
 host CPU devices (fsdp=8) from the project's checkpoint (one safetensors file per component,
 the project's layout), from the same parameters in the checkpoint format before it (orbax, with
 its default zstd), and from a diffusers folder, each side by side with `cat` of the same
-files to /dev/null, alternating in one run (page cache warm for all: what a serving host that
-just downloaded the weights sees). GB/s = file bytes / seconds.
+files to /dev/null, the sources alternating round by round (page cache warm for all: what a
+serving host that just downloaded the weights sees). Each figure: the median and range of the
+rounds, with the host's load average at each. GB/s = file bytes / median seconds.
 
     python bench/weights_load.py --model wan2.1-t2v-1.3b --repeats 3
 
@@ -71,23 +72,29 @@ def main() -> None:
     )
     abstract = sharded_abstract(config)
     sources["checkpoint-orbax"] = orbax_copy(sources["checkpoint"], abstract)
+    paths = {name: files(source / "transformer") for name, source in sources.items()}
+    for name, source in sources.items():  # warm: page cache, jax, orbax
+        timed_cat(paths[name]), timed_load(source, abstract, None)
+    # Rounds alternate the sources, each load beside its `cat`: a busy moment of the host
+    # falls on every source alike, and each round's load / cat is taken from one moment.
+    runs = {name: {"cat": [], "load": [], "host_load": []} for name in sources}
+    for _ in range(args.repeats):
+        for name, source in sources.items():
+            runs[name]["host_load"].append(record.host_load())
+            runs[name]["cat"].append(timed_cat(paths[name]))
+            runs[name]["load"].append(timed_load(source, abstract, None)[0])
     results = {}
-    for name, source in sources.items():
-        component = source / "transformer"
-        paths = files(component)
-        size = sum(p.stat().st_size for p in paths)
-        timed_cat(paths), timed_load(source, abstract, None)  # warm: page cache, jax, orbax
-        cat, load = [], []
-        for _ in range(args.repeats):
-            cat.append(timed_cat(paths))
-            load.append(timed_load(source, abstract, None)[0])
+    for name, run in runs.items():
+        size = sum(p.stat().st_size for p in paths[name])
         results[name] = {
             "bytes": size,
-            "seconds_cat": [round(s, 3) for s in cat],
-            "seconds_load": [round(s, 3) for s in load],
-            "gb_per_s_cat": round(size / 1e9 / statistics.median(cat), 2),
-            "gb_per_s_load": round(size / 1e9 / statistics.median(load), 2),
-            "load_over_cat": round(statistics.median(load) / statistics.median(cat), 2),
+            "seconds_cat": record.spread(run["cat"]),
+            "seconds_load": record.spread(run["load"]),
+            "gb_per_s_load": round(size / 1e9 / statistics.median(run["load"]), 2),
+            "load_over_cat": record.spread(
+                [lo / c for lo, c in zip(run["load"], run["cat"], strict=True)], 2
+            ),
+            "host_load": run["host_load"],
         }
         print(name, results[name], flush=True)
     record.save(

@@ -27,7 +27,7 @@ from transformers import UMT5Config, UMT5EncoderModel  # noqa: E402
 from wan.tokenizer import build_word_tokenizer  # noqa: E402
 
 BIN = Path(sys.executable).parent
-TINY_SHAPE = ["--res", "192x320", "--frames", "9", "--batch", "1"]
+TINY_SHAPE = ["--res", "64x128", "--frames", "9", "--batch", "1"]
 SMALL = ["--res", "64x96", "--frames", "5"]  # the served shape: small frames, the decode dominates
 TEXT_GAIN = 3.0  # on the tiny transformer's text path (_transformer)
 
@@ -55,10 +55,10 @@ def shared_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_build(shared_dir) -> Path:
-    """`aot build` of the tiny model, portrait 192x320, 9 frames, batch 1, for cpu-8."""
+    """`aot build` of the tiny model, portrait 64x128, 9 frames, batch 1, for cpu-8."""
     out = shared_dir / "artifacts"
     run_cli("aot", "build", "--model", "tiny", *TINY_SHAPE, "--target", "cpu-8", "--out", str(out))
-    (folder,) = [p for p in out.iterdir() if p.name.startswith("tiny_192x320_f9_b1_")]
+    (folder,) = [p for p in out.iterdir() if p.name.startswith("tiny_64x128_f9_b1_")]
     return folder
 
 

@@ -44,12 +44,12 @@ def test_matrix_builds_then_skips(tmp_path):
     """A 2 x 2 matrix compiles each distinct program once (text_encode and kv_cache depend on
     the batch only) and a second run compiles nothing; a two-expert model of the same shapes
     into the same folder reuses every program (its experts share the tiny architecture)."""
-    matrix = ["--res", "192x320", "--res", "320x192", "--frames", "9", "--batch", "1",
+    matrix = ["--res", "64x128", "--res", "128x64", "--frames", "9", "--batch", "1",
               "--batch", "2", "--target", "cpu-8", "--out", str(tmp_path)]  # fmt: skip
     first = run_cli("aot", "build", "--model", "tiny", *matrix)
     builds = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("."))
     assert len(builds) == 4, builds
-    assert {b.split("_")[1] for b in builds} == {"192x320", "320x192"}
+    assert {b.split("_")[1] for b in builds} == {"64x128", "128x64"}
     assert "4 built" in first.stdout
     # Live progress lines per program, n/N and the elapsed time.
     assert (
@@ -81,7 +81,7 @@ def test_jobs_compile_each_program_once_in_workers(tmp_path):
     """--jobs 2: the matrix's 8 distinct programs compiled by two worker processes, each
     reported compiled by one build; then --force recompiles each once per call, not once per
     build that has it."""
-    matrix = ["--model", "tiny", "--res", "192x320", "--res", "320x192", "--frames", "9",
+    matrix = ["--model", "tiny", "--res", "64x128", "--res", "128x64", "--frames", "9",
               "--batch", "1", "--target", "cpu-8", "--out", str(tmp_path), "--json"]  # fmt: skip
     once = {
         "text_encode": ["compiled", "reused"],
@@ -179,7 +179,7 @@ def test_killed_build_leaves_nothing_complete_and_is_redone(tmp_path):
     programs before it are stored: text_encode and kv_cache) leaves no build folder, only
     hidden entries; the store keeps the finished programs, which the build run again reuses."""
     args = ["build", "--model", "tiny", *TINY_SHAPE, "--target", "cpu-8", "--out", str(tmp_path)]
-    plan = plan_build("tiny", PRESETS["tiny"], VideoShape(192, 320, 9, 1), parse_target("cpu-8"), 8)
+    plan = plan_build("tiny", PRESETS["tiny"], VideoShape(64, 128, 9, 1), parse_target("cpu-8"), 8)
     folder = plan.key.folder_name()
     seen = build_killed_when(args, f"] {folder} denoise_step compiling")
     done = {line.split()[2] for line in seen if line.split()[3:5] == ["done", "in"]}
@@ -217,7 +217,7 @@ def test_killed_build_leaves_nothing_complete_and_is_redone(tmp_path):
 def test_bad_requests_are_one_line_errors(tmp_path, args, message):
     base = {
         "--model": "tiny",
-        "--res": "192x320",
+        "--res": "64x128",
         "--frames": "9",
         "--batch": "1",
         "--target": "cpu-8",
@@ -403,7 +403,7 @@ def test_replicated_weights_are_reported(tiny_build):
 def xla_memory(tiny_build) -> dict:
     """XLA's own memory analysis of the tiny build's programs, compiled again in this process."""
     key = read_manifest(tiny_build).key
-    plan = plan_build("tiny", PRESETS["tiny"], VideoShape(192, 320, 9, 1), parse_target("cpu-8"), 8)
+    plan = plan_build("tiny", PRESETS["tiny"], VideoShape(64, 128, 9, 1), parse_target("cpu-8"), 8)
     assert plan.key == key
     return {name: c.memory_analysis() for name, c in compile_in_process(plan).items()}
 
@@ -442,7 +442,7 @@ def test_plan_fans_out_and_concurrent_builds_compile_each_program_once(tmp_path)
     """`aot plan --json` names each build of a matrix and the command that makes just it. That
     command and the whole matrix, run at the same time into one folder, both succeed, every
     build is complete, and no program is compiled twice."""
-    matrix = ["--model", "tiny", "--res", "192x320", "--res", "320x192", "--frames", "9",
+    matrix = ["--model", "tiny", "--res", "64x128", "--res", "128x64", "--frames", "9",
               "--batch", "1", "--target", "cpu-8", "--out", str(tmp_path)]  # fmt: skip
     plan = json.loads(run_cli("aot", "plan", *matrix, "--json").stdout)
     assert [e["folder"] for e in plan] == [BuildKey.from_json(e["key"]).folder_name() for e in plan]

@@ -1,5 +1,11 @@
-"""Benchmarks the docs quote still run: each on the tiny model into a scratch folder (the
-real presets are what docs/benchmarks.md records; the code path is the same)."""
+"""Benchmarks the docs quote still run: every `bench/` script that docs/ names, each run as its
+own process on the tiny model (or a tiny image-to-video folder where it needs one), its smallest
+shape, one repeat, deviceless TPU targets where it compiles for one, and its results into a
+scratch folder. The real presets are what docs/benchmarks.md records; the code path is the same,
+so a change that breaks a benchmark fails here, not the next time someone measures. Each test
+checks what the script wrote (its keys and rows), not only its exit status. The session's tiny
+weights and builds (conftest) are passed in where a script takes them, so that they are not
+written or compiled again."""
 
 from __future__ import annotations
 
@@ -8,7 +14,54 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+from conftest import SMALL, run_cli, save_tiny_i2v_pipeline, with_its_store
+
 ROOT = Path(__file__).resolve().parents[1]
+# The smallest video of the tiny model: a 2x2 latent (one token after the 2x2 patch), one frame.
+MIN = ["--res", "16x16", "--frames", "1"]
+TPU = "tpu-v6e-8"
+
+
+def bench(script: str, *args: str | Path) -> subprocess.CompletedProcess:
+    """`python bench/<script> args` from the repository root, as the docs run it; it must exit 0."""
+    result = subprocess.run(
+        [sys.executable, f"bench/{script}", *map(str, args)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, f"{script}:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+    return result
+
+
+def rows(path: Path) -> list[dict]:
+    """A results file of bench/record.py: its rows, each naming the command that made it."""
+    found = json.loads(path.read_text())["rows"]
+    assert all(row["command"].strip() for row in found)
+    return found
+
+
+@pytest.fixture
+def tpu() -> None:
+    pytest.importorskip("libtpu", reason="needs the tpu extra (deviceless TPU compiles)")
+
+
+@pytest.fixture(scope="module")
+def tiny_i2v(tmp_path_factory) -> Path:
+    """A tiny Wan 2.2 I2V-A14B-kind diffusers folder: a model with an image encode (vae_encode)."""
+    folder = tmp_path_factory.mktemp("bench") / "tiny-i2v"
+    save_tiny_i2v_pipeline(folder, clip=False)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def serve_builds(shared_dir, small_builds) -> list[Path]:
+    """The builds bench/serve_load.py makes at conftest's SMALL shape: batch 1 and 2
+    (small_builds) and the continuous batch 2, built as tests/test_continuous.py builds it (the
+    same command into the same folder: one run compiles it once)."""
+    out = shared_dir / "continuous-artifacts"
+    run_cli("aot", "build", "--model", "tiny", *SMALL, "--batch", "2", "--continuous",
+            "--target", "cpu-8", "--out", str(out))  # fmt: skip
+    return [p for f in (small_builds, out) for p in f.iterdir() if not p.name.startswith(".")]
 
 
 def test_weights_load_runs_from_a_fresh_folder(tmp_path):
@@ -25,3 +78,194 @@ def test_weights_load_runs_from_a_fresh_folder(tmp_path):
         row for entry in [json.loads(out.read_text())] for row in json.dumps(entry).split('"')
     }
     assert {"checkpoint", "diffusers", "checkpoint-orbax"} <= sources
+
+
+def test_lora_merge(tmp_path):
+    out = tmp_path / "lora_merge.json"
+    bench("lora_merge.py", "--model", "tiny", "--rank", "4", "--repeats", "1",
+          "--work", tmp_path / "work", "--out", out)  # fmt: skip
+    (row,) = rows(out)
+    assert row["lora_rank"] == 4 and row["transformer_parameters"] > 0
+    assert set(row["sources"]) == {"checkpoint", "diffusers"}
+    for source in row["sources"].values():
+        assert len(source["seconds_with"]) == len(source["seconds_without"]) == 1
+
+
+def test_build_jobs(tmp_path):
+    out = tmp_path / "build_jobs.json"
+    bench("build_jobs.py", "--jobs", "1", "--repeats", "1", "--out", out, "--",
+          "--model", "tiny", *MIN, "--batch", "1", "--target", "cpu-8")  # fmt: skip
+    (row,) = rows(out)
+    [run] = row["runs"]["1"]
+    assert run["compiled"] > 0 and run["reused"] == 0
+    assert row["ratio_to_jobs_1"] == {"1": 1.0}
+
+
+def test_cold_start(tmp_path, tiny_weights):
+    """A (runtime run), B (plain jax.jit: bench/jit_run.py) and C (B with a warm cache)."""
+    out = tmp_path / "cold_start.json"
+    bench("cold_start.py", "--model", "tiny", *MIN, "--steps", "1", "--repeats", "1",
+          "--weights", tiny_weights, "--out", out)  # fmt: skip
+    result = json.loads(out.read_text())
+    assert set(result["median"]) == {"A_runtime", "B_jit", "C_jit_cache"}
+    assert all(run["first_step"] > 0 for run in result["median"].values())
+    assert set(result["ratio_first_step"]) == set(result["ratio_total"]) == {"A/B", "A/C"}
+    assert result["floor"]["first_step"] > 0 and result["aot_build_compile_seconds"] > 0
+
+
+def test_cold_start_trees(tmp_path, tiny_weights):
+    """This tree as both --before and --after (built once)."""
+    out = tmp_path / "cold_start_trees.json"
+    bench("cold_start_trees.py", "--before", ROOT, "--after", ROOT, "--repeats", "1",
+          "--steps", "1", *MIN, "--weights", tiny_weights, "--save", out)  # fmt: skip
+    result = json.loads(out.read_text())
+    phases = {"first_step", "deserialize", "total"}
+    assert set(result["median_seconds"]) == {"before", "after"}
+    assert all(set(m) == phases for m in result["median_seconds"].values())
+    assert set(result["ratio_after_over_before"]) == phases
+
+
+def test_serve_limits(tmp_path, tiny_weights):
+    """This tree as both --before and --after (built once): the bodies over the bound are
+    refused (a 413, or the connection closed under the body), and the half heads were sent."""
+    out = tmp_path / "serve_limits.json"
+    bench("serve_limits.py", "--before", ROOT, "--after", ROOT, "--heads", "8", "--wait", "0.5",
+          "--weights", tiny_weights, "--save", out)  # fmt: skip
+    (row,) = rows(out)
+    for tree in ("before", "after"):
+        for body in ("declared_body", "chunked_body"):
+            assert row[tree][body]["answer"] not in ("", "202"), row[tree]
+            assert {"seconds", "rss_mib_before", "rss_mib_growth"} <= set(row[tree][body])
+        assert row[tree]["half_sent_heads"]["sent"] == 8
+
+
+def test_serve_load(tmp_path, tiny_weights, serve_builds):
+    """One request at one rate to the three servers, and one `runtime run`; the builds are the
+    session's (up to date: not compiled again)."""
+    artifacts = tmp_path / "artifacts"
+    for build in serve_builds:
+        with_its_store(build, artifacts)
+    out = tmp_path / "serve_load.json"
+    bench("serve_load.py", "--model", "tiny", *SMALL, "--steps", "1", "--n", "1", "--batch", "2",
+          "--rates", "1", "--rounds", "1", "--batch-window", "0", "--weights", tiny_weights,
+          "--artifacts", artifacts, "--out", out)  # fmt: skip
+    (row,) = rows(out)
+    servers = {"serve_b1", "serve_b2_window", "serve_b2_continuous"}
+    assert set(row["builds"]) == servers
+    assert set(row["medians"]["1"]) == servers
+    assert all(m["compile_count"] == 0 for m in row["medians"]["1"].values())
+    assert row["runtime_run_x1"]["all_videos_s"] > 0
+
+
+def test_quant(tmp_path, tiny_weights):
+    out = tmp_path / "quant.json"
+    bench("quant.py", "--model", "tiny", *MIN, "--rounds", "1", "--weights", tiny_weights,
+          "--out", out)  # fmt: skip
+    (row,) = rows(out)
+    assert set(row["median"]) == {"A", "B", "C"}
+    assert 0 < row["checkpoint_bytes"]["int8"] < row["checkpoint_bytes"]["full"]
+
+
+def test_step_cache_measured(tmp_path, tiny_weights):
+    out = tmp_path / "step_cache.json"
+    bench("step_cache.py", "--part", "measured", "--model", "tiny", *MIN, "--steps", "4",
+          "--repeats", "1", "--weights", tiny_weights, "--out", out)  # fmt: skip
+    (row,) = rows(out)
+    assert row["model"] == "tiny" and len(row["calibrated_ratios"]) == 4
+    assert len(row["denoise_seconds_uncached"]) == len(row["denoise_seconds_magcache"]) == 1
+
+
+def test_step_cache_deviceless(tmp_path, tpu):
+    out = tmp_path / "step_cache.json"
+    bench("step_cache.py", "--part", "deviceless", "--model", "tiny", *MIN, "--steps", "10",
+          "--out", out)  # fmt: skip
+    (row,) = rows(out)
+    assert row["target"] == TPU and row["skipped_steps_shipped_ratios"]
+    assert set(row["peak_memory_per_device_gib"]) == {"cache_step", "cached_step"}
+
+
+def test_memory_table(tmp_path, tpu):
+    """Every program of a deviceless build, then the table docs/benchmarks.md shows."""
+    out = tmp_path / "memory_table.json"
+    bench("memory_table.py", "--models", "tiny", "--targets", TPU, "--batches", "1", *MIN,
+          "--out", out)  # fmt: skip
+    (row,) = rows(out)
+    assert "error" not in row, row
+    assert set(row["programs"]) == {"text_encode", "kv_cache", "denoise_step", "vae_decode"}
+    table = bench("memory_table.py", "--markdown", "--out", out).stdout
+    assert f"| tiny | {TPU} (32) | 1 |" in table
+
+
+def test_i2v_builds(tmp_path, tpu):
+    """One `aot build` and `aot check` (the script's path is the same for text to video)."""
+    out = tmp_path / "i2v_builds.json"
+    bench("i2v_builds.py", "--model", "tiny", "--res", "16x16", "--frames", "1", "--batches", "1",
+          "--targets", TPU, "--out", out)  # fmt: skip
+    (row,) = rows(out)
+    assert "error" not in row, row
+    assert row["aot_check"] == "pass" and "denoise_step" in row["programs"]
+    table = bench("i2v_builds.py", "--markdown", "--out", out).stdout
+    assert f"| tiny | 16x16 | 1 | {TPU} |" in table
+
+
+def test_program_ids(tmp_path, tpu):
+    out = tmp_path / "program_ids.json"
+    bench("program_ids.py", "--model", "tiny", *MIN, "--batch", "1", "--target", TPU,
+          "--label", "this", "--save", out)  # fmt: skip
+    (row,) = rows(out)
+    assert row["label"] == "this"
+    assert {"text_encode", "denoise_step", "vae_decode"} <= set(row["program_ids"])
+    assert all(len(pid) == 64 for pid in row["program_ids"].values())
+
+
+def test_program_reuse(tmp_path, tpu):
+    """Two resolutions: the second reuses the first's text encoder."""
+    out = tmp_path / "program_reuse.json"
+    bench("program_reuse.py", "--model", "tiny", "--res", "16x16", "--res", "32x16",
+          "--frames", "1", "--batch", "1", "--target", TPU, "--out", out)  # fmt: skip
+    result = json.loads(out.read_text())
+    counts = result["per_model"]["tiny"]
+    assert counts["compiled"]["denoise_step"] == 2
+    assert counts["reused"]["text_encode"] == 1
+    assert len(result["program_ids"]["tiny"]) == sum(
+        n for kind in counts.values() for n in kind.values()
+    )
+
+
+def test_vae_allgather(tmp_path, tpu):
+    """Two latent frames (the first chunk and a scan trip), and the reference alone."""
+    hlo = tmp_path / "hlo"
+    printed = bench("vae_allgather.py", "--preset", "tiny", "--target", TPU, "--res", "16x16",
+                    "--latent-frames", "2", "--save-hlo", hlo).stdout  # fmt: skip
+    assert "per latent frame" in printed and "of the upsampler inputs'" in printed
+    assert (hlo / f"vae_decode_16x16_{TPU}.hlo.txt").stat().st_size > 0
+    reference = bench("vae_allgather.py", "--preset", "tiny", "--reference").stdout
+    assert reference.count("upsampler inputs per latent frame") == 2
+
+
+def test_vae_compile(tmp_path, tpu):
+    out = tmp_path / "vae_compile.json"
+    bench("vae_compile.py", "--preset", "tiny", "--target", TPU, "--res", "16x16",
+          "--latent-frames", "1", "--vae-vmem", "4", "--repeats", "1", "--out", out)  # fmt: skip
+    result = json.loads(out.read_text())
+    measured = result["median"]["16x16"]["this tree, --vae-vmem 4"]
+    assert measured["compiler_options"] == {"xla_tpu_scoped_vmem_limit_kib": 4096}
+    assert measured["compile_seconds"] > 0 and measured["distinct_convolutions"] > 0
+
+
+def test_vae_encode_vmem(tmp_path, tpu, tiny_i2v):
+    out = tmp_path / "vae_encode_vmem.json"
+    bench("vae_encode_vmem.py", "--model", tiny_i2v, *MIN, "--batch", "1", "--target", TPU,
+          "--vmem", "4", "--out", out)  # fmt: skip
+    (row,) = rows(out)
+    assert "error" not in row, row
+    assert row["vmem_mib"] == 4 and row["peak_gib"] >= 0
+
+
+def test_vae_mesh(tmp_path, tpu):
+    """The non-default variant: one video per device, batch 8."""
+    out = tmp_path / "vae_mesh.json"
+    bench("vae_mesh.py", "--target", TPU, "--model", "tiny", *MIN, "--batches", "8",
+          "--meshes", "N,1", "--out", out)  # fmt: skip
+    (row,) = rows(out)
+    assert row["vae_mesh"] == [8, 1] and row["batch"] == 8 and row["compile_seconds"] > 0

@@ -338,7 +338,7 @@ def test_ulysses_limit_is_the_builds_own(tiny_build, tmp_path):
 def ulysses_build(tmp_path_factory) -> Path:
     """A tiny Ulysses build: batch 2 (4 rows with CFG) on data=4, the 2 heads over context=2."""
     out = tmp_path_factory.mktemp("ulysses")
-    run_cli("aot", "build", "--model", "tiny", "--res", "192x320", "--frames", "9", "--batch",
+    run_cli("aot", "build", "--model", "tiny", "--res", "64x128", "--frames", "9", "--batch",
             "2", "--target", "cpu-8", "--mesh", "data=4,context=2", "--context-parallel",
             "ulysses", "--out", str(out))  # fmt: skip
     (folder,) = [p for p in out.iterdir() if p.name.endswith("_ulysses")]

@@ -154,7 +154,7 @@ def test_gpu_build_on_a_cpu_host_is_refused_in_one_line(gpu_build, tiny_weights,
 @needs_plugin
 def test_device_check_dry_run(tmp_path):
     result = subprocess.run(
-        [sys.executable, "bench/device_check.py", "--model", "tiny", "--res", "192x320",
+        [sys.executable, "bench/device_check.py", "--model", "tiny", "--res", "64x128",
          "--frames", "9", "--steps", "2", "--kind", "h100", "--dry-run", "--out", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )  # fmt: skip

@@ -500,7 +500,7 @@ def reads_or_refuses(folder: Path) -> Manifest | None:
     report.inspect_text(manifest)
     report._peak_text(manifest)
     json.dumps(manifest.to_json())
-    passed_over(manifest, Request(VideoShape(192, 320, 9, 1)), Present.host_cpu())
+    passed_over(manifest, Request(VideoShape(64, 128, 9, 1)), Present.host_cpu())
     check.BuildFacts.of(manifest)
     return manifest
 
@@ -803,7 +803,7 @@ def test_runtime_run_skips_broken_builds(mixed_builds, tiny_weights, tmp_path, b
     assert result.returncode == 0, result.stderr
     assert build_copy.name in result.stdout and (tmp_path / "v.mp4").is_file()
     # A request no build serves: the refusal names every build, the broken ones with why.
-    matched = Request(VideoShape(320, 192, 9, 1))
+    matched = Request(VideoShape(128, 64, 9, 1))
     with pytest.raises(ArtifactError) as refused:
         match_build(mixed_builds, matched, "tiny", Present.host_cpu())
     lines = str(refused.value).splitlines()

@@ -302,10 +302,10 @@ def test_one_broken_manifest_is_its_build_row(tiny_build, tmp_path, make):
     assert [v.rule for v in checked["broken"].violations] == ["unreadable"]
     assert checked["good"].programs
     # runtime run: the good build serves; a request no build serves names the broken one.
-    shape = VideoShape(192, 320, 9, 1, True)
+    shape = VideoShape(64, 128, 9, 1, True)
     assert match_build(artifacts, Request(shape), "tiny", Present.host_cpu())[0].name == "good"
     with pytest.raises(ArtifactError, match="  broken: unreadable: .*manifest.json"):
-        match_build(artifacts, Request(VideoShape(320, 192, 9, 1)), "tiny", Present.host_cpu())
+        match_build(artifacts, Request(VideoShape(128, 64, 9, 1)), "tiny", Present.host_cpu())
 
 
 # ------------------------------------------------------------- files read before any bound

@@ -34,8 +34,8 @@ from runtime.request import (
     read_init_noise,
 )
 
-LATENTS = (1, 3, 40, 24, 16)  # the tiny build's, channels-last (B, T, h, w, C)
-NOISE = (1, 16, 3, 40, 24)  # the same in the diffusers layout (B, C, T, h, w)
+LATENTS = (1, 3, 16, 8, 16)  # the tiny build's, channels-last (B, T, h, w, C)
+NOISE = (1, 16, 3, 16, 8)  # the same in the diffusers layout (B, C, T, h, w)
 RUN = ["--prompt", "a cat", "--steps", "3", "--guidance", "5"]
 
 
@@ -225,8 +225,8 @@ def _noise_with_a_nan(path):
 
 
 def _noise_of_another_shape(path):
-    np.save(path, np.zeros((1, 16, 3, 24, 40), np.float32))
-    return "this build needs float (1, 16, 3, 40, 24)"
+    np.save(path, np.zeros((1, 16, 3, 8, 16), np.float32))
+    return "this build needs float (1, 16, 3, 16, 8)"
 
 
 def _pickled_object_array(path):
@@ -342,11 +342,11 @@ def small_disk(tmp_path):
 
 @pytest.mark.parametrize(
     ("size", "fails"),
-    [("200k", "v.mp4: ffmpeg exited with"), ("700k", "f.npy: No space left on device")],
+    [("32k", "v.mp4: ffmpeg exited with"), ("160k", "f.npy: No space left on device")],
     ids=["video-does-not-fit", "frames-do-not-fit"],
 )
 def test_full_disk(tiny_build, tiny_weights, small_disk, size, fails):
-    """The video (~440 kB) or the frames (1.6 MB) do not fit: one line naming the disk space,
+    """The video (~60 kB) or the frames (221 kB) do not fit: one line naming the disk space,
     nothing left on the disk but the user's previous video, unchanged."""
     disk = small_disk(size)
     (disk / "v.mp4").write_text("the previous video")
@@ -389,4 +389,4 @@ def test_outputs_are_written_whole_into_new_folders(tiny_build, tiny_weights, tm
     assert _files(tmp_path) == ["a", "b", "v.mp4"] and _files(tmp_path / "b" / "c") == ["f.npy"]
     assert (tmp_path / "v.mp4").read_bytes()[4:8] == b"ftyp"
     assert json.loads((tmp_path / "a" / "r.json").read_text())["compile_count"] == 0
-    assert np.load(tmp_path / "b" / "c" / "f.npy").shape == (1, 9, 320, 192, 3)
+    assert np.load(tmp_path / "b" / "c" / "f.npy").shape == (1, 9, 128, 64, 3)

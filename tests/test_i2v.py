@@ -12,6 +12,7 @@ another image and prompt, compared with diffusers' run of that image alone: a co
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -380,3 +381,18 @@ def test_first_last_frame_model_refuses_one_image(tmp_path):
         assert "first-last-frame (Wan 2.1 FLF2V)" in result.stderr and says in result.stderr
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not (tmp_path / "v.mp4").exists()
+
+
+def test_a_position_table_of_another_length_is_refused():
+    """FLF2V's table covers exactly two images' features: another length is another model."""
+    from wan.presets import PRESETS
+    from wan.weights import WeightError
+
+    flf2v = PRESETS["wan2.1-flf2v-14b-720p"]
+    assert flf2v.validate().image_tokens == 514 and flf2v.needs_last_image
+    odd = dataclasses.replace(
+        flf2v, transformer=dataclasses.replace(flf2v.transformer, pos_embed_seq_len=257)
+    )
+    with pytest.raises(WeightError, match="pos_embed_seq_len is 257, expected two images'"):
+        odd.validate()
+    assert not PRESETS["wan2.1-i2v-14b-720p"].takes_last_image

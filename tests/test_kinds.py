@@ -346,7 +346,7 @@ def test_a_vae_of_another_model_is_refused(tiny_folder, tmp_path):
         ("transformer/config.json", lambda r: r.update(image_dim=1280),
          "image_dim and added_kv_proj_dim are set together"),
         ("transformer/config.json", lambda r: r.update(pos_embed_seq_len=514),
-         "pos_embed_seq_len is 514, this project implements only null"),
+         "pos_embed_seq_len is set but image_dim is not"),
         ("transformer/config.json", lambda r: r.update(qk_norm="rms_norm"),
          'qk_norm is "rms_norm"; the per_video transformer implements only'),
         ("text_encoder/config.json", lambda r: r.update(model_type="t5"), 'model_type is "t5"'),
@@ -419,7 +419,7 @@ def test_aot_build_of_a_diffusers_folder_with_no_op_keys(tiny_folder, tmp_path):
     out = tmp_path / "out"
     run_cli("aot", "build", "--model", str(folder), *TINY_SHAPE, "--target", "cpu-8",
             "--out", str(out))  # fmt: skip
-    (build,) = [p for p in out.iterdir() if p.name.startswith("model_192x320_f9_b1_")]
+    (build,) = [p for p in out.iterdir() if p.name.startswith("model_64x128_f9_b1_")]
     assert json.loads((build / "manifest.json").read_text())["model_hash"] == (
         ModelConfig.from_folder(tiny_folder).hash()
     )

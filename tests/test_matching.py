@@ -62,7 +62,7 @@ def test_build_option_picks_the_named_one(three_builds, tiny_weights, tmp_path):
 def test_eight_devices_prefer_the_default_mesh(three_builds):
     """This process has 8 devices: cpu-4 is passed over, the default mesh wins over context=8."""
     names, artifacts = three_builds
-    request = Request(VideoShape(192, 320, 9, 1))
+    request = Request(VideoShape(64, 128, 9, 1))
     folder, _ = match_build(artifacts, request, "tiny", Present.of(jax.devices()))
     assert folder.name == names["cpu-8True"]
     with pytest.raises(ArtifactError, match="needs 4 cpu devices, this process has 8"):

@@ -89,7 +89,7 @@ def test_a_toy_program_is_built_loaded_and_run(toy_registries, tiny_weights, tmp
 
 
 def test_a_plain_option_value_is_checked(toy_registries, tiny_weights):
-    shape = VideoShape(192, 320, 9, 1)
+    shape = VideoShape(64, 128, 9, 1)
     config = ModelConfig.from_folder(tiny_weights)
     with pytest.raises(BuildError, match="--stats-scale"):
         plan_build("tiny", config, shape, parse_target("cpu-8"), 8, stats_scale="big")

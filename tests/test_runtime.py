@@ -50,11 +50,11 @@ def test_run_compiles_nothing_and_equals_plain_jit(tiny_build, tiny_weights, tmp
     assert to_step > phases["imports"] + phases["weights"] + phases["text_encode"]
     assert report["seconds_from_process_start_to_video"] > to_step + phases["vae_decode"]
     frames = np.load(tmp_path / "f.npy")
-    assert frames.dtype == np.uint8 and frames.shape == (1, 9, 320, 192, 3)
+    assert frames.dtype == np.uint8 and frames.shape == (1, 9, 128, 64, 3)
     assert (tmp_path / "video.mp4").stat().st_size > 1000
 
     # The same programs compiled here under plain jax.jit, same weights and seed.
-    plan = plan_build("tiny", PRESETS["tiny"], VideoShape(192, 320, 9, 1), parse_target("cpu-8"), 8)
+    plan = plan_build("tiny", PRESETS["tiny"], VideoShape(64, 128, 9, 1), parse_target("cpu-8"), 8)
     assert plan.key == read_manifest(tiny_build).key
     pipe = Pipeline.assemble(compile_in_process(plan), tiny_weights, plan.key, "jit")
     expected, _ = pipe.generate(PROMPT, steps=3, guidance=5.0, seed=7)
@@ -64,12 +64,12 @@ def test_run_compiles_nothing_and_equals_plain_jit(tiny_build, tiny_weights, tmp
 def test_missing_build_names_the_command(tiny_build, tiny_weights, tmp_path):
     result = run_cli(
         "runtime", "run", "--artifacts", str(tiny_build.parent), "--weights", str(tiny_weights),
-        "--res", "320x192", "--frames", "9", *RUN, "--out", str(tmp_path / "v.mp4"), check=False,
+        "--res", "128x64", "--frames", "9", *RUN, "--out", str(tmp_path / "v.mp4"), check=False,
     )  # fmt: skip
     assert result.returncode == 2 and "Traceback" not in result.stderr
     first, *builds = result.stderr.strip().splitlines()
-    assert "aot build --model" in first and "--res 320x192" in first
-    assert builds == [f"  {tiny_build.name}: another shape (192x320 f9 b1)"]
+    assert "aot build --model" in first and "--res 128x64" in first
+    assert builds == [f"  {tiny_build.name}: another shape (64x128 f9 b1)"]
 
 
 @pytest.fixture
@@ -174,7 +174,7 @@ def test_loading_in_process_refuses_wrong_devices(build_copy, tiny_weights):
         build_copy, lambda m: m.update(device_ids=m["device_ids"][:4], local_device_count=4)
     )
     with pytest.raises(ArtifactError, match="needs 4 cpu devices, this process has 8"):
-        Pipeline.load(build_copy.parent, tiny_weights, Request(VideoShape(192, 320, 9, 1)))
+        Pipeline.load(build_copy.parent, tiny_weights, Request(VideoShape(64, 128, 9, 1)))
 
 
 def test_runtime_imports_no_model_code():
