@@ -33,6 +33,7 @@ from test_server import decode
 from aot.lower import compile_in_process
 from aot.plan import BuildError, plan_build
 from aot.targets import parse_target
+from runtime.artifact import read_manifest
 from runtime.images import read_image
 from runtime.outputs import write_videos
 from runtime.pipeline import Pipeline
@@ -133,10 +134,19 @@ def test_pipeline_variant_is_the_models(folder):
         plan_build("m", config, shape, target, 8, continuous=True)
 
 
-def test_runtime_run_with_an_image(folder, tmp_path):
-    """`runtime run --image` as a user runs it: its frames equal Pipeline.generate's for the
-    same image (the file read and prepared by runtime.images), another image moves them, and a
-    bad image, a missing one or one given to a text-to-video build is one line and exit 2."""
+@pytest.fixture(scope="module")
+def clip_folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("i2v_clip") / "pipe"
+    save_tiny_i2v_pipeline(path, clip=True)
+    return path
+
+
+def test_runtime_run_with_an_image(clip_folder, tmp_path):
+    """`runtime run --image` as a user runs it (Wan 2.1's kind: the image through CLIP and the
+    VAE): its frames equal Pipeline.generate's on the same build for the same image (the file
+    read and prepared by runtime.images), another image moves them, and a bad image, a missing
+    one or one given to a text-to-video build is one line and exit 2."""
+    folder = clip_folder
     width, height = 48, 32
     shape = ["--res", f"{width}x{height}", "--frames", str(FRAMES), "--batch", "1"]
     artifacts = tmp_path / "artifacts"
@@ -167,9 +177,8 @@ def test_runtime_run_with_an_image(folder, tmp_path):
     # separates the CLI from Pipeline.generate below.
     assert np.abs(videos[0].astype(int) - videos[1].astype(int)).max() > 10
 
-    config = ModelConfig.from_diffusers(folder, dtype="float32")
-    plan = plan_build("x", config, VideoShape(width, height, FRAMES, 1), parse_target("cpu-8"), 8)
-    pipe = Pipeline.assemble(compile_in_process(plan), folder, plan.key, "in-process", config)
+    (build,) = [p for p in artifacts.iterdir() if not p.name.startswith(".")]
+    pipe = Pipeline.from_build(build, read_manifest(build), folder, ModelConfig.from_folder(folder))
     expected, _ = pipe.generate(
         PROMPTS[0], steps=STEPS, init_noise=noise, images=read_image(pictures[0])
     )

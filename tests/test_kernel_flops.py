@@ -110,5 +110,6 @@ def test_dot_builds_attention_flops_in_the_hlo_match_the_formula(tiny_build):
     attention, _ = counter.computation(module.entry)
     shards = m.mesh_axes["data"] * m.mesh_axes["context"]  # batch and queries' split
     assert (m.mesh_axes["data"], m.mesh_axes["context"]) == (2, 4)
-    assert attention == by_hand(2, 720, shards)
+    tokens = VideoShape(m.key.width, m.key.height, m.key.frames, 1).tokens(TINY)
+    assert attention == by_hand(2, tokens, shards)
     assert 0 < attention < step.flops  # the rest: projections, MLP, norms
