@@ -67,7 +67,9 @@ def main() -> None:
         config = ModelConfig.from_folder(full)
         variants = {"A": (plain, full), "B": (int8, full), "C": (int8, stored)}
         seconds: dict[str, list[float]] = {v: [] for v in variants}
+        host_load = []
         for _ in range(args.rounds):
+            host_load.append(record.host_load())
             for name, (build, weights) in variants.items():
                 pipe = Pipeline.from_build(build, read_manifest(build), weights, config)
                 seconds[name].append(pipe.load_phases["weights"])
@@ -80,6 +82,14 @@ def main() -> None:
         "weights_seconds": seconds, "median": medians,
         "ratio_B_over_A": round(medians["B"] / medians["A"], 3),
         "ratio_C_over_A": round(medians["C"] / medians["A"], 3),
+        # Each round's own ratios (its loads side by side): their median and range.
+        "round_ratios": {
+            f"{v}/A": record.spread(
+                [x / a for x, a in zip(seconds[v], seconds["A"], strict=True)], 3
+            )
+            for v in ("B", "C")
+        },
+        "host_load": host_load,
         "checkpoint_bytes": sizes,
     }  # fmt: skip
     record.save(args.out, row)
