@@ -37,5 +37,7 @@ lint: $(VENV)/.test-installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# --dist loadscope: a module's tests share one worker, so its module-scoped builds are made
+# once, not once per worker.
 test: lint
-	$(BIN)/pytest -n 2 -q
+	$(BIN)/pytest -n 2 --dist loadscope -q
