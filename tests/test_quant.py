@@ -29,7 +29,9 @@ from wan.random_weights import write_random_checkpoint
 
 RTOL = 1e-5
 QUANTIZED = ("attn1", "attn2", "ffn")  # a diffusers block's modules whose Linear layers are 8-bit
-SCHEME_MEAN = 3e-3  # frames in [0, 1], mean |ours - the scheme's|: rounding ties differ
+# Frames in [0, 1], mean |ours - the scheme's|: rounding ties differ. Measured: 0.0007 (int8),
+# 0.0014 (fp8); with one activation scale per tensor in the layer itself, 0.0032 and 0.0084.
+SCHEME_MEAN = 2e-3
 
 
 def _reference(x: np.ndarray, q: np.ndarray, scale: np.ndarray, b: np.ndarray, s: quant.Scheme):
