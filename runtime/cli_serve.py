@@ -12,7 +12,7 @@ from runtime import cli_options, processes, signing, step_cache
 from runtime.artifact import ArtifactError, BuildKey, Manifest
 from runtime.cli_args import TRUSTED_KEY, CliError
 from runtime.http_guards import API_KEYS_ENV, MAX_BODY_BYTES, HttpLimits, load_api_keys
-from runtime.job_store import LOCK_TIMEOUT_S, JobStore
+from runtime.job_store import LEASE_S, LOCK_TIMEOUT_S, MAX_ATTEMPTS, JobStore, default_replica
 from runtime.loader import (
     Present,
     Request,
@@ -48,6 +48,36 @@ from wan.presets import model_spec
     type=click.Path(path_type=Path, file_okay=False),
     required=True,
     help="The job database and the MP4s; a restart on the same folder resumes its queue.",
+)
+@click.option(
+    "--job-store",
+    envvar="WAN_JOB_STORE",
+    metavar="URL",
+    help="postgresql://USER:PASSWORD@HOST:PORT/DATABASE: keep the jobs in PostgreSQL, shared by "
+    "every replica given the same URL and the same --out-dir (a folder they all mount, README: "
+    "Scaling out); default: SQLite in --out-dir, one server. $WAN_JOB_STORE is read too (a "
+    "password on the command line shows in `ps`).",
+)
+@click.option(
+    "--replica",
+    help="This server's name in a fleet (/metrics, the jobs it holds); unique among the running "
+    "replicas. Default: HOSTNAME-PID.",
+)
+@click.option(
+    "--lease",
+    default=LEASE_S,
+    show_default=True,
+    type=cli_options.Seconds(1, 86400),
+    help="Seconds a claimed job stays this server's unless renewed (every third of it while the "
+    "batch runs): a killed replica's jobs go back to the queue this long after it stopped.",
+)
+@click.option(
+    "--max-attempts",
+    default=MAX_ATTEMPTS,
+    show_default=True,
+    type=click.IntRange(1, 100),
+    help="Claims of one job (a replica or a server stopped while running it) before it fails "
+    "with the reason instead of being queued again.",
 )
 @click.option("--max-queue", default=64, show_default=True, type=click.IntRange(min=1))
 @click.option(
@@ -124,7 +154,8 @@ from wan.presets import model_spec
 )
 @cli_options.cache_options
 def serve_cmd(
-    artifacts, weights, lora_args, build_names, host, port, out_dir, max_queue, batch_window,
+    artifacts, weights, lora_args, build_names, host, port, out_dir, job_store, replica, lease,
+    max_attempts, max_queue, batch_window,
     drain_timeout, store_timeout, max_body_bytes, max_prompt_chars, header_timeout, body_timeout,
     save_frames, api_keys, api_key_file, cache, cache_threshold, cache_max_skip, cache_retention,
     mag_ratios, trusted_keys,
@@ -159,7 +190,9 @@ def serve_cmd(
     from runtime.server import listen  # before jax: a taken port fails in a second
 
     sock = listen(host, port)
-    store = JobStore(out_dir, store_timeout)  # a store it cannot use fails before anything loads
+    # A store it cannot use fails before anything loads.
+    store = JobStore(out_dir, store_timeout, job_store, replica or default_replica(), lease,
+                     max_attempts)  # fmt: skip
     requeued = store.recover()
     cli_options.start(lambda present: builds(present)[0], None, 1, 0, processes.JOIN_TIMEOUT_S)
     import jax

@@ -1,26 +1,36 @@
-"""The server's jobs, kept so that none is lost: one SQLite database (the standard library's
-sqlite3, WAL mode, every change committed before it is answered) in the output folder, beside
-the MP4s and the image-to-video jobs' images, which are written there atomically
-(runtime.outputs.staged). A restart finds the completed videos and queues again the ones that
-were queued or in progress, with their images. Every SQLite failure comes out as a StoreError,
-one line saying what to do: the start refuses, the server retries."""
+"""The server's jobs, kept so that none is lost: in SQLite in the output folder (the default:
+one server) or in PostgreSQL (`--job-store postgresql://...`: a fleet of servers sharing one
+queue), runtime.store_backends, every change committed before it is answered. The MP4s and the
+image-to-video jobs' images live in the output folder (shared by a fleet), written there
+atomically (runtime.outputs.staged).
+
+A server claims the jobs of a batch (`start`: with PostgreSQL, `FOR UPDATE SKIP LOCKED`, so two
+replicas never claim one job) under a lease it renews while it works (`renew`); a lease that
+expires (the server killed, its host lost) puts the job back in the queue (`expire`), at most
+`max_attempts` claims in all, after which it fails with a reason. Every claim is counted
+(`attempts`), and only the claim that holds a job may report its progress and complete it: a
+server that lost its lease cannot complete a job twice. A restart of a SQLite server finds the
+completed videos and queues again those in progress, with their images. The schema is versioned
+in its own table (MIGRATIONS); a server refuses a store of a newer version. Every database
+failure comes out as a StoreError, one line saying what to do: the start refuses, the server
+retries."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
+import os
 import secrets
-import sqlite3
-import threading
+import socket
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from runtime.batching import Group, Settings
 from runtime.outputs import write_files
-from wan.errors import InputError
+from runtime.store_backends import Backend, Executor, StoreError, open_backend
+
+__all__ = ["Job", "JobStore", "QueueFull", "StoreError"]
 
 DATABASE = "jobs.sqlite3"
 VIDEOS = "videos"
@@ -36,45 +46,40 @@ REQUEST_FIELDS = {"prompt": str, "negative_prompt": str, "size": str, "frames": 
 CONTENT = {"video": ".mp4", "thumbnail": ".webp", "spritesheet": ".jpg", "frames": ".npy"}
 LOCK_TIMEOUT_S = 5.0  # an operation's wait for a lock another process holds (--store-timeout)
 MAX_PAGE_BYTES = 1 << 20  # of stored requests in one page of the list: 1,000 short ones
-# What to do about a SQLite failure, by its primary result code.
-_ADVICE = {
-    sqlite3.SQLITE_BUSY: "another process holds its lock (a second `runtime serve` on this "
-    "--out-dir, a sqlite3 shell?): end it",
-    sqlite3.SQLITE_LOCKED: "another connection holds its lock: end it",
-    sqlite3.SQLITE_FULL: "the disk is full: free some space",
-    sqlite3.SQLITE_READONLY: "it is read-only: make it and its folder writable",
-    sqlite3.SQLITE_CANTOPEN: "it or its -wal/-shm file cannot be opened (a folder, no permission, "
-    "a read-only disk?): give a writable --out-dir",
-    sqlite3.SQLITE_NOTADB: "it is not a SQLite database: move it away (a new one is made, the "
-    "videos stay) or give another --out-dir",
-    sqlite3.SQLITE_CORRUPT: "it is damaged: move it away (a new one is made, the videos stay) or "
-    "give another --out-dir",
-    sqlite3.SQLITE_IOERR: "the disk failed to read or write it: check the disk",
-}
+LEASE_S = 60.0  # a claim's lease (--lease), renewed every third of it while the batch runs
+MAX_ATTEMPTS = 3  # claims of one job before a lost lease fails it (--max-attempts)
+# A shared folder's staged files and orphan images are removed at a start only once this old:
+# a younger one may be another replica's write in flight.
+SHARED_STALE_S = 3600.0
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    id TEXT UNIQUE NOT NULL,
-    grp TEXT NOT NULL,
-    request TEXT NOT NULL,
-    status TEXT NOT NULL,
-    progress INTEGER NOT NULL DEFAULT 0,
-    created_at REAL NOT NULL,
-    completed_at REAL,
-    error_code TEXT,
-    error_message TEXT
+# The schema, one entry per version, each run once in order and recorded in schema_migrations;
+# {serial} and {real} are the backend's column types. Version 1 is the SQLite store of the
+# first server (a database of it has no schema_migrations table and is migrated in place).
+MIGRATIONS = (
+    """CREATE TABLE IF NOT EXISTS jobs (
+        seq {serial},
+        id TEXT UNIQUE NOT NULL,
+        grp TEXT NOT NULL,
+        request TEXT NOT NULL,
+        status TEXT NOT NULL,
+        progress INTEGER NOT NULL DEFAULT 0,
+        created_at {real} NOT NULL,
+        completed_at {real},
+        error_code TEXT,
+        error_message TEXT
+    )""",
+    # The fleet: the build a job runs on (what a replica can claim), who holds it and until when,
+    # and how many times it was claimed.
+    "ALTER TABLE jobs ADD COLUMN build TEXT",
+    "ALTER TABLE jobs ADD COLUMN owner TEXT",
+    "ALTER TABLE jobs ADD COLUMN lease_until {real}",
+    "ALTER TABLE jobs ADD COLUMN attempts INTEGER NOT NULL DEFAULT 0",
+    "CREATE INDEX IF NOT EXISTS jobs_by_status ON jobs (status, seq)",
 )
-"""
 
 
 class QueueFull(Exception):
     """The queue holds --max-queue jobs already."""
-
-
-class StoreError(InputError):
-    """The job database cannot be used now (locked, full, damaged, read-only, a row that does
-    not read): one line naming it, why and what to do."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,64 +92,105 @@ class Job:
     created_at: float
     completed_at: float | None
     error: dict[str, str] | None
+    attempts: int = 0  # times a server claimed it
+    owner: str | None = None  # the replica that holds it, or held it last
+
+
+def default_replica() -> str:
+    """A replica's name unless --replica gives one: unique among running servers."""
+    return f"{socket.gethostname()}-{os.getpid()}"
 
 
 class JobStore:
-    """The jobs of one output folder. Thread-safe: the HTTP handlers and the generation worker
-    share one connection under a lock."""
+    """The jobs of one output folder, in its SQLite file or in the PostgreSQL database `url`
+    (whose replicas share the folder). Thread-safe: the HTTP handlers, the generation worker and
+    the lease's renewal share one connection under a lock."""
 
-    def __init__(self, out_dir: Path, timeout: float = LOCK_TIMEOUT_S):
+    def __init__(
+        self,
+        out_dir: Path,
+        timeout: float = LOCK_TIMEOUT_S,
+        url: str | None = None,
+        replica: str | None = None,
+        lease: float = LEASE_S,
+        max_attempts: int = MAX_ATTEMPTS,
+    ):
         """`timeout`: the seconds an operation waits for a lock another process holds before it
-        fails."""
+        fails; `replica`: this server's name in a fleet (the jobs it holds); `lease`: the
+        seconds a claim lasts unless renewed."""
         self.out_dir = out_dir
-        self.path = out_dir / DATABASE
+        self.path = None if url else out_dir / DATABASE  # the SQLite file, when it is one
         self.videos = out_dir / VIDEOS
         self.inputs = out_dir / INPUTS
         self.videos.mkdir(parents=True, exist_ok=True)
         self.inputs.mkdir(exist_ok=True)
-        self._lock = threading.Lock()
-        try:
-            self._db = sqlite3.connect(self.path, timeout=timeout, check_same_thread=False)
-        except sqlite3.Error as e:
-            raise StoreError(self._explain(e)) from None
-        self._db.row_factory = sqlite3.Row
-        with self._transaction() as db:
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=FULL")
-            db.execute(_SCHEMA)
+        self.replica = replica or default_replica()
+        self.lease, self.max_attempts = lease, max_attempts
+        self._claims: dict[str, int] = {}  # the jobs this store's server holds: their attempt
+        self._db: Backend = open_backend(url, out_dir, DATABASE, timeout)
+        self.where, self.shared = self._db.where, self._db.shared
+        self._migrate()
+
+    def _migrate(self) -> None:
+        db = self._db
+        with db.transaction() as tx:
+            db.serialize(tx)
+            tx.execute(
+                "CREATE TABLE IF NOT EXISTS schema_migrations ("
+                f"version INTEGER PRIMARY KEY, applied_at {db.real} NOT NULL)"
+            )
+            row = tx.execute("SELECT MAX(version) AS v FROM schema_migrations").fetchone()
+            version = row["v"] or 0
+            if version > len(MIGRATIONS):
+                raise StoreError(
+                    f"job store {self.where} has schema version {version}; this server knows "
+                    f"versions up to {len(MIGRATIONS)}: run the newer wan-aot that wrote it, or "
+                    "give another store"
+                )
+            for number, statement in enumerate(MIGRATIONS[version:], version + 1):
+                tx.execute(statement.format(serial=db.serial, real=db.real))
+                tx.execute(
+                    f"INSERT INTO schema_migrations (version, applied_at) VALUES (?, {db.now})",
+                    (number,),
+                )
 
     def recover(self) -> int:
-        """At the start: the database is checked whole (its pages, every job's request), the jobs
-        in progress are queued again (their videos were not written), and staged files a killed
-        writer left are removed, with the images of no job (`add` or `delete` killed between
-        the file and the row). Returns the jobs queued."""
+        """At the start: the database is checked (SQLite: its pages; every job's request), the
+        jobs in progress of a SQLite store are queued again (their videos were not written; with
+        PostgreSQL, other replicas' jobs: their leases decide), and staged files a killed writer
+        left are removed, with the images of no job (`add` or `delete` killed between the file
+        and the row); in a shared folder only those SHARED_STALE_S old. Returns the jobs
+        queued."""
+        stale = time.time() - (SHARED_STALE_S if self.shared else 0)
         for partial in (*self.videos.glob(".*.partial"), *self.inputs.glob(".*.partial")):
-            partial.unlink(missing_ok=True)
+            _unlink_older(partial, stale)
         ids = set()
-        with self._transaction() as db:
-            [problem] = db.execute("PRAGMA quick_check(1)").fetchone()
-            if problem != "ok":
-                raise StoreError(self._explain(problem, sqlite3.SQLITE_CORRUPT))
-            for job_id, text in db.execute("SELECT id, request FROM jobs"):
+        with self._db.transaction() as db:
+            problem = self._db.integrity_problem(db)
+            if problem:
+                raise StoreError(problem)
+            for row in db.execute("SELECT id, request FROM jobs"):
+                job_id = row["id"]
                 ids.add(job_id)
-                if _read_request(text) is None:
+                if _read_request(row["request"]) is None:
+                    fix = self._db.shell(f"DELETE FROM jobs WHERE id='{job_id}'")
                     raise StoreError(
-                        f"job store {self.path}: job {job_id}'s request does not read (a JSON "
-                        f"object with {', '.join(REQUEST_FIELDS)}): delete it (sqlite3 "
-                        f"{self.path} \"DELETE FROM jobs WHERE id='{job_id}'\") or give another "
-                        "--out-dir"
+                        f"job store {self.where}: job {job_id}'s request does not read (a JSON "
+                        f"object with {', '.join(REQUEST_FIELDS)}): delete it ({fix}) or give "
+                        "another store"
                     )
-            db.execute("UPDATE jobs SET status='queued', progress=0 WHERE status='in_progress'")
-            (queued,) = db.execute("SELECT COUNT(*) FROM jobs WHERE status='queued'").fetchone()
+            if not self.shared:
+                self._release(db, "status='in_progress'", "the server stopped while running it")
+            queued = db.execute("SELECT COUNT(*) AS n FROM jobs WHERE status='queued'").fetchone()
         for image in self.inputs.glob(f"*{INPUT}"):
             if image.name.removesuffix(INPUT) not in ids:
-                image.unlink(missing_ok=True)
-        return queued
+                _unlink_older(image, stale)
+        return queued["n"]
 
     def check(self) -> None:
-        """That the store takes writes now: its write lock taken and given back."""
-        with self._transaction() as db:
-            db.execute("BEGIN IMMEDIATE")
+        """That the store takes writes now (SQLite: its write lock taken and given back)."""
+        with self._db.transaction() as db:
+            self._db.serialize(db)
 
     def add(
         self, group: Group, request: dict[str, Any], max_queue: int, image: bytes | None = None
@@ -161,24 +207,26 @@ class JobStore:
                 ) from None
             request = request | {"input_reference": True}
         try:
-            with self._transaction() as db:
-                (waiting,) = db.execute(
-                    "SELECT COUNT(*) FROM jobs WHERE status IN ('queued', 'in_progress')"
-                ).fetchone()
+            with self._db.transaction() as db:
+                self._db.serialize(db)  # the count and the insert as one: the queue's bound
+                waiting = db.execute(
+                    "SELECT COUNT(*) AS n FROM jobs WHERE status IN ('queued', 'in_progress')"
+                ).fetchone()["n"]
                 if waiting >= max_queue:
                     raise QueueFull(f"the queue is full ({max_queue} videos): retry later")
                 db.execute(
-                    "INSERT INTO jobs (id, grp, request, status, created_at) "
-                    "VALUES (?, ?, ?, ?, ?)",
-                    (job_id, _group_text(group), json.dumps(request), "queued", time.time()),
-                )
+                    "INSERT INTO jobs (id, grp, build, request, status, created_at) "
+                    "VALUES (?, ?, ?, ?, ?, ?)",
+                    (job_id, _group_text(group), group.build, json.dumps(request), "queued",
+                     time.time()),
+                )  # fmt: skip
                 return _job(db.execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone())
         except BaseException:
             self.input_path(job_id).unlink(missing_ok=True)
             raise
 
     def get(self, job_id: str) -> Job | None:
-        with self._transaction() as db:
+        with self._db.transaction() as db:
             row = db.execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone()
         return None if row is None else _job(row)
 
@@ -200,31 +248,36 @@ class JobStore:
             else "SELECT * FROM jobs WHERE seq < COALESCE((SELECT seq FROM jobs WHERE id=?), "
             "9223372036854775807) ORDER BY seq DESC"
         )
-        with self._transaction() as db:
-            cursor = db.execute(query, (after,))
-            for row in cursor:
+        with self._db.transaction() as db:
+            for row in db.execute(f"{query} LIMIT ?", (after, limit + 1)):
                 size += len(row["request"])
                 if len(rows) == limit or (rows and size > max_bytes):
                     return [_job(r) for r in rows], True
                 rows.append(row)
         return [_job(r) for r in rows], False
 
-    def queued(self) -> list[Job]:
-        """The queued jobs, oldest first."""
-        with self._transaction() as db:
-            rows = db.execute("SELECT * FROM jobs WHERE status='queued' ORDER BY seq").fetchall()
+    def queued(self, builds: list[str] | None = None) -> list[Job]:
+        """The queued jobs, oldest first; with `builds`, only those of these builds (a replica's:
+        the others wait for a replica that serves them)."""
+        where, params = "status='queued'", []
+        if builds is not None:
+            where += f" AND build IN ({_marks(builds)})"
+            params = builds
+        with self._db.transaction() as db:
+            rows = db.execute(f"SELECT * FROM jobs WHERE {where} ORDER BY seq", params).fetchall()
         return [_job(r) for r in rows]
 
     def counts(self) -> dict[str, int]:
         """Jobs per status."""
-        with self._transaction() as db:
-            found = dict(db.execute("SELECT status, COUNT(*) FROM jobs GROUP BY status"))
+        with self._db.transaction() as db:
+            found = {r["status"]: r["n"] for r in
+                     db.execute("SELECT status, COUNT(*) AS n FROM jobs GROUP BY status")}  # fmt: skip
         return {s: found.get(s, 0) for s in STATUSES}
 
     def delete(self, job_id: str) -> bool:
         """Remove a job that is not in progress (a queued one is cancelled) and then its files;
         False if it is in progress."""
-        with self._transaction() as db:
+        with self._db.transaction() as db:
             cursor = db.execute("DELETE FROM jobs WHERE id=? AND status!='in_progress'", (job_id,))
         if cursor.rowcount != 1:
             return False
@@ -234,40 +287,109 @@ class JobStore:
         return True
 
     def start(self, job_ids: list[str]) -> list[Job]:
-        """Of `job_ids`, those still queued (not cancelled meanwhile), now in progress."""
-        marks = ", ".join("?" * len(job_ids))
-        with self._transaction() as db:
+        """Of `job_ids`, those still queued (not cancelled, not claimed by another replica
+        meanwhile), now claimed by this server under a lease."""
+        marks = _marks(job_ids)
+        with self._db.transaction() as db:
+            claimed = [
+                r["id"]
+                for r in db.execute(
+                    f"SELECT id FROM jobs WHERE id IN ({marks}) AND status='queued' "
+                    f"ORDER BY seq {self._db.skip_locked}",
+                    job_ids,
+                )
+            ]
+            if not claimed:
+                return []
             db.execute(
-                "UPDATE jobs SET status='in_progress', progress=0 "
-                f"WHERE id IN ({marks}) AND status='queued'",
-                job_ids,
+                "UPDATE jobs SET status='in_progress', progress=0, owner=?, "
+                f"lease_until={self._db.now} + ?, attempts=attempts + 1 "
+                f"WHERE id IN ({_marks(claimed)})",
+                (self.replica, self.lease, *claimed),
             )
             rows = db.execute(
-                f"SELECT * FROM jobs WHERE id IN ({marks}) AND status='in_progress' ORDER BY seq",
-                job_ids,
+                f"SELECT * FROM jobs WHERE id IN ({_marks(claimed)}) ORDER BY seq", claimed
             ).fetchall()
-        return [_job(r) for r in rows]
+        jobs = [_job(r) for r in rows]
+        self._claims |= {j.id: j.attempts for j in jobs}
+        return jobs
+
+    def renew(self) -> int:
+        """This server's leases extended by `lease` from now; the claims it holds."""
+        held = list(self._claims.items())
+        if not held:
+            return 0
+        with self._db.transaction() as db:
+            for job_id, attempt in held:
+                db.execute(
+                    f"UPDATE jobs SET lease_until={self._db.now} + ? "
+                    "WHERE id=? AND attempts=? AND status='in_progress'",
+                    (self.lease, job_id, attempt),
+                )
+        return len(held)
+
+    def expire(self) -> int:
+        """Jobs whose lease ran out (their server killed, or its host lost) queued again, or
+        failed with the reason once claimed `max_attempts` times. Returns those queued again."""
+        with self._db.transaction() as db:
+            return self._release(
+                db,
+                f"status='in_progress' AND lease_until < {self._db.now}",
+                "the server running it stopped renewing its lease (killed, or its host lost)",
+            )
+
+    def _release(self, db: Executor, where: str, why: str) -> int:
+        """The jobs `where` selects queued again, or failed once claimed `max_attempts` times."""
+        db.execute(
+            "UPDATE jobs SET status='failed', completed_at=?, error_code='lease_expired', "
+            f"error_message=? WHERE {where} AND attempts >= ?",
+            (time.time(), f"{why}, {self.max_attempts} times: submit the video again",
+             self.max_attempts),
+        )  # fmt: skip
+        cursor = db.execute(
+            f"UPDATE jobs SET status='queued', progress=0, lease_until=NULL WHERE {where}"
+        )
+        return cursor.rowcount
 
     def progress(self, job_ids: list[str], percent: int) -> None:
-        self._set(job_ids, "progress=?", percent)
+        self._held(job_ids, "progress=?", percent)
 
-    def complete(self, job_id: str) -> None:
-        """Called once the job's MP4 is in place (video_path)."""
-        self._set([job_id], "status='completed', progress=100, completed_at=?", time.time())
+    def complete(self, job_id: str) -> bool:
+        """Called once the job's MP4 is in place (video_path); False if this server no longer
+        holds the job (its lease ran out and another claim took it: the video stays the other
+        claim's)."""
+        done = self._held([job_id], "status='completed', progress=100, completed_at=?", time.time())
+        self._claims.pop(job_id, None)
+        return done == 1
 
     def fail(self, job_ids: list[str], code: str, message: str) -> None:
-        self._set(
-            job_ids,
-            "status='failed', completed_at=?, error_code=?, error_message=?",
-            time.time(),
-            code,
-            message,
-        )
+        """The jobs this server holds, or queued ones (their stored group does not read), failed
+        with a reason."""
+        assignments = "status='failed', completed_at=?, error_code=?, error_message=?"
+        values = (time.time(), code, message)
+        self._held([i for i in job_ids if i in self._claims], assignments, *values)
+        queued = [i for i in job_ids if i not in self._claims]
+        if queued:
+            with self._db.transaction() as db:
+                db.execute(
+                    f"UPDATE jobs SET {assignments} WHERE id IN ({_marks(queued)}) "
+                    "AND status='queued'",
+                    (*values, *queued),
+                )
+        for job_id in job_ids:
+            self._claims.pop(job_id, None)
 
     def requeue_in_progress(self) -> None:
-        """At shutdown: the jobs of an unfinished batch wait again for the next start."""
-        with self._transaction() as db:
-            db.execute("UPDATE jobs SET status='queued', progress=0 WHERE status='in_progress'")
+        """At shutdown: the jobs of this server's unfinished batch wait again for a server."""
+        held = list(self._claims)
+        if held:
+            with self._db.transaction() as db:
+                db.execute(
+                    "UPDATE jobs SET status='queued', progress=0, lease_until=NULL "
+                    f"WHERE id IN ({_marks(held)}) AND owner=? AND status='in_progress'",
+                    (*held, self.replica),
+                )
+        self._claims.clear()
 
     def content_path(self, job_id: str, variant: str) -> Path:
         """Where a job's `variant` of CONTENT is kept: its MP4, thumbnail (WebP), spritesheet
@@ -287,32 +409,38 @@ class JobStore:
         return self.input_path(job.id) if given else None
 
     def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        self._db.close()
 
-    @contextlib.contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
-        """The connection under the lock, in one transaction; a SQLite failure a StoreError."""
-        with self._lock:
-            try:
-                with self._db:
-                    yield self._db
-            except sqlite3.Error as e:
-                raise StoreError(self._explain(e)) from None
-
-    def _explain(self, e: sqlite3.Error | str, code: int | None = None) -> str:
-        if isinstance(e, sqlite3.Error):
-            code = getattr(e, "sqlite_errorcode", None)
-        advice = _ADVICE.get((code or 0) & 0xFF, "move it away or give another --out-dir")
-        return f"job store {self.path}: {' '.join(str(e).split())}: {advice}"  # one line
-
-    def _set(self, job_ids: list[str], assignments: str, *values: Any) -> None:
-        marks = ", ".join("?" * len(job_ids))
-        with self._transaction() as db:
-            db.execute(f"UPDATE jobs SET {assignments} WHERE id IN ({marks})", (*values, *job_ids))
+    def _held(self, job_ids: list[str], assignments: str, *values: Any) -> int:
+        """`assignments` made to those of `job_ids` this server's claim still holds; how many."""
+        changed = 0
+        held = [(i, self._claims[i]) for i in job_ids if i in self._claims]
+        with self._db.transaction() as db:
+            for job_id, attempt in held:
+                cursor = db.execute(
+                    f"UPDATE jobs SET {assignments} WHERE id=? AND attempts=? "
+                    "AND status='in_progress'",
+                    (*values, job_id, attempt),
+                )
+                changed += cursor.rowcount
+        return changed
 
 
-def _job(row: sqlite3.Row) -> Job:
+def _marks(values: list[Any]) -> str:
+    return ", ".join("?" * len(values))
+
+
+def _unlink_older(path: Path, before: float) -> None:
+    """`path` removed if it was last written before `before` (seconds since the epoch)."""
+    try:
+        if path.stat().st_mtime <= before:
+            path.unlink(missing_ok=True)
+    except FileNotFoundError:
+        pass
+
+
+def _job(row: Any) -> Job:
+    """A row (by column name) as a Job."""
     error = None
     if row["error_code"] is not None:
         error = {"code": row["error_code"], "message": row["error_message"]}
@@ -325,6 +453,8 @@ def _job(row: sqlite3.Row) -> Job:
         created_at=row["created_at"],
         completed_at=row["completed_at"],
         error=error,
+        attempts=row["attempts"],
+        owner=row["owner"],
     )
 
 

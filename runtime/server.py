@@ -1,7 +1,7 @@
 """`runtime serve`: a resident video-generation service over HTTP that speaks OpenAI's Videos API
 (runtime.openai_dialect), so the official `openai` SDK works against it unchanged. The builds are
-loaded once (runtime.cli_serve chooses them), the requests are queued in a SQLite job store
-(runtime.job_store) and run by the worker (runtime.service.Service); the bounds and the API keys
+loaded once (runtime.cli_serve chooses them), the requests are queued in a job store (SQLite, or
+PostgreSQL shared by a fleet: runtime.job_store) and run by the worker (runtime.service.Service); the bounds and the API keys
 wrap the app (runtime.http_guards). This module is the routes, their OpenAPI schema, and the
 server's start and drain on SIGTERM."""
 
@@ -154,6 +154,12 @@ def make_app(service: Service, limits: HttpLimits, keys: tuple[str, ...] = ()) -
         if job.status != "completed":
             raise ApiError(409, "not_ready", f"video {video_id} is {job.status}, not completed")
         video, path = store.video_path(job.id), store.content_path(job.id, variant)
+        if not video.is_file() and store.shared:  # the folder may not be this replica's
+            raise ApiError(
+                404, "content_missing", f"{video.name} is not in {store.videos} on replica "
+                f"{store.replica}: every replica must mount the same --out-dir (README: Scaling "
+                "out), or the video was deleted there: submit it again",
+            )  # fmt: skip
         if not video.is_file():
             raise ApiError(
                 410, "gone", f"{video.name} is no longer in {store.videos}: submit the video again"
@@ -327,6 +333,10 @@ def serve(
     With `keys`, /v1/ takes one of them; without, the start says the server is open."""
     worker = threading.Thread(target=service.run, name="generation", daemon=True)
     worker.start()
+    stop_renewing = threading.Event()
+    threading.Thread(
+        target=service.renew_leases, args=(stop_renewing,), name="leases", daemon=True
+    ).start()
     config = uvicorn.Config(
         make_app(service, limits, keys),
         log_level="warning",
@@ -337,12 +347,14 @@ def serve(
     server = _DrainingServer(config, service, drain_timeout)
     host, port = sock.getsockname()[:2]
     log(f"serving {len(service.pipelines)} build(s) on http://{host}:{port}: {service.served()}")
+    log(f"job store {service.store.where}, replica {service.store.replica}")
     if not keys:
         log(f"open: no API key (--api-key-file, ${API_KEYS_ENV}, --api-key): anyone who reaches "
             f"{host}:{port} can queue videos")  # fmt: skip
     server.run(sockets=[sock])
     service.drain()
     finished = service.idle.wait(0)
+    stop_renewing.set()
     try:
         service.store.requeue_in_progress()
     except StoreError as e:  # recover() queues them at the next start all the same

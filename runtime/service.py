@@ -54,6 +54,8 @@ class Metrics:
     steps: int = 0
     slot_steps: int = 0  # continuous builds: slots that held a video at a step
     empty_slot_steps: int = 0  # and slots that did not (computed, masked, discarded)
+    requeued: int = 0  # jobs whose lease ran out, queued again by this replica
+    claims_lost: int = 0  # videos finished here after the lease ran out (another claim's now)
 
 
 class Service:
@@ -142,11 +144,15 @@ class Service:
                             build.model if build else None)  # fmt: skip
 
     def runnable(self) -> list[Waiting]:
-        """The queued jobs as the scheduler sees them. A job this start cannot run fails instead
-        of waiting forever: one of a build not loaded (queued by an earlier start), or one whose
-        stored group does not read."""
+        """The queued jobs as the scheduler sees them, once the jobs whose lease ran out are
+        queued again. A shared store's jobs of builds this replica does not load wait for one
+        that does; otherwise a job this start cannot run fails instead of waiting forever: one
+        of a build not loaded (queued by an earlier start), or one whose stored group does not
+        read."""
+        self.metrics.requeued += self.store.expire()
         waiting = []
-        for job in self.store.queued():
+        served = sorted(self.pipelines) if self.store.shared else None
+        for job in self.store.queued(served):
             if job.group is None:
                 self.store.fail(
                     [job.id],
@@ -188,6 +194,15 @@ class Service:
                 self._run_batch([w.id for w in batch], batch[0].group)
             finally:
                 self.idle.set()
+
+    def renew_leases(self, stop: threading.Event) -> None:
+        """Until `stop`: the leases of the jobs this replica runs renewed every third of the
+        lease, so that a replica that dies loses them within one lease."""
+        while not stop.wait(self.store.lease / 3):
+            try:
+                self.store.renew()
+            except StoreError as e:
+                self.store_problem = str(e)
 
     def drain(self) -> None:
         """Stop taking requests and batches; the batch in flight goes on (`idle` when done)."""
@@ -326,15 +341,19 @@ class Service:
         except OSError as e:  # a WriteError naming the file
             self._fail([job_id], "write_failed", str(e))
             return
-        self._stored(functools.partial(self.store.complete, job_id))
-        self.metrics.completed += 1
+        if self._stored(functools.partial(self.store.complete, job_id)):
+            self.metrics.completed += 1
+        else:  # the files are the same video as the other claim's: same request, same seed
+            self.metrics.claims_lost += 1
 
     def metrics_text(self) -> str:
         """The metrics in Prometheus' text format."""
         m, counts = self.metrics, self.store.counts()
         rows = [
-            ("queue_depth", "gauge", "Videos queued, not started.", counts["queued"]),
-            ("videos_in_progress", "gauge", "Videos in the batch in flight.", counts["in_progress"]),
+            ("queue_depth", "gauge", "Videos queued, not started, in the whole store (a fleet's "
+             "shared queue).", counts["queued"]),
+            ("videos_in_progress", "gauge", "Videos in progress in the whole store (every "
+             "replica's batches).", counts["in_progress"]),
             ("videos_completed_total", "counter", "Videos completed.", m.completed),
             ("videos_failed_total", "counter", "Videos failed.", m.failed),
             ("batches_total", "counter", "Batches run.", m.batches),
@@ -349,11 +368,25 @@ class Service:
              m.empty_slot_steps),
             ("compile_count", "counter", "Compilations since the builds loaded.",
              self.compile_count()),
+            ("leases_expired_total", "counter", "Jobs whose lease ran out, queued again by this "
+             "replica.", m.requeued),
+            ("claims_lost_total", "counter", "Videos this replica finished after its lease ran "
+             "out (completed by another claim).", m.claims_lost),
         ]  # fmt: skip
-        lines = []
+        labels = f'replica="{_label(self.store.replica)}",store="{_label(self.store.where)}"'
+        lines = [
+            "# HELP wan_replica_info This server: its --replica name and its job store.",
+            "# TYPE wan_replica_info gauge",
+            f"wan_replica_info{{{labels}}} 1",
+        ]
         for name, kind, help_text, value in rows:
             lines += [f"# HELP wan_{name} {help_text}", f"# TYPE wan_{name} {kind}"]
             lines.append(
                 f"wan_{name} {value:g}" if isinstance(value, float) else f"wan_{name} {value}"
             )
         return "\n".join(lines) + "\n"
+
+
+def _label(value: str) -> str:
+    """`value` as a Prometheus label value (backslash, quote and newline escaped)."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
