@@ -1,0 +1,118 @@
+"""A real PostgreSQL server for the fleet tests, in a temporary folder: the host's `postgres`
+binaries when it has them (Debian's postgresql package), else those of the pip-installable
+`pgserver` (a test dependency). PostgreSQL refuses to run as root: as root, the server runs as
+`nobody` (setpriv). Stopped, killed and started again at will (a store that goes away)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+
+UNPRIVILEGED = 65534  # nobody / nogroup
+
+
+def binaries() -> Path:
+    """The folder of initdb and postgres."""
+    found = shutil.which("postgres")
+    candidates = [Path(found).resolve().parent] if found else []
+    candidates += sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True)
+    for folder in candidates:
+        if (folder / "initdb").is_file() and (folder / "postgres").is_file():
+            return folder
+    import pgserver  # the pip-installable server's binaries
+
+    return Path(pgserver.__file__).parent / "pginstall" / "bin"
+
+
+def _as_server_user() -> list[str]:
+    if os.geteuid() != 0:
+        return []
+    return ["setpriv", f"--reuid={UNPRIVILEGED}", f"--regid={UNPRIVILEGED}", "--clear-groups"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class PostgresServer:
+    """initdb'd once; `start`, `stop` (fast shutdown) and `kill` (SIGKILL) as often as a test
+    wants, on the same port and data."""
+
+    def __init__(self) -> None:
+        # Not under pytest's tmp_path: its root is private to root, and the server runs as nobody.
+        self.root = Path(tempfile.mkdtemp(prefix="wan-pg-"))
+        self.root.chmod(0o755)
+        self.data = self.root / "data"
+        self.data.mkdir(mode=0o700)
+        self.sockets = self.root / "sockets"
+        self.sockets.mkdir()
+        self.log = self.root / "postgres.log"
+        self.log.touch()
+        if os.geteuid() == 0:
+            for path in (self.data, self.sockets, self.log):
+                os.chown(path, UNPRIVILEGED, UNPRIVILEGED)
+        self.bin = binaries()
+        self.port = _free_port()
+        subprocess.run(
+            [*_as_server_user(), str(self.bin / "initdb"), "-D", str(self.data), "-U", "postgres",
+             "--auth=trust", "--encoding=UTF8", "--no-sync"],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    def url(self, database: str = "postgres") -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/{database}"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [*_as_server_user(), str(self.bin / "postgres"), "-D", str(self.data), "-p",
+             str(self.port), "-h", "127.0.0.1", "-k", str(self.sockets), "-c", "fsync=off",
+             "-c", "max_connections=50"],
+            stdout=subprocess.DEVNULL, stderr=self.log.open("a"),
+        )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while True:
+            assert self.proc.poll() is None, self.log.read_text()[-3000:]
+            with contextlib.suppress(psycopg.OperationalError):
+                psycopg.connect(self.url(), connect_timeout=2).close()
+                return
+            assert time.monotonic() < deadline, self.log.read_text()[-3000:]
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        """A fast shutdown: the clients' connections are closed."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)  # fast (SIGTERM waits for every client to leave)
+            self.proc.wait(60)
+        self.proc = None
+
+    def new_database(self, name: str) -> str:
+        with psycopg.connect(self.url(), autocommit=True) as db:
+            db.execute(f'CREATE DATABASE "{name}"')
+        return self.url(name)
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def postgres_server() -> Iterator[PostgresServer]:
+    server = PostgresServer()
+    try:
+        yield server
+    finally:
+        server.close()
