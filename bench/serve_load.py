@@ -12,6 +12,16 @@ requests one after another on the batch-1 build.
     python bench/serve_load.py --model small --res 64x96 --frames 5 --steps 8 --n 12 \
         --batch 4 --rates 0.1,0.25,0.5 --rounds 3
 
+With `--replicas 1 2 3`, a fleet instead: for each count, that many servers of the batch-B build
+on one PostgreSQL job store (a scratch server, tests/postgres_server.py) and one shared folder,
+the trace at `--rate` spread over them (request i to replica i mod k, polled through the next),
+the counts alternating within each round; per count videos/min, p50/p95 latency and the most
+claims of any job (1: none ran twice); and the store's own cost per job, SQLite against
+PostgreSQL, over `--store-jobs` jobs a round (bench/results/serve_fleet.json).
+
+    python bench/serve_load.py --model small --res 64x96 --frames 5 --steps 8 --n 12 \
+        --batch 4 --replicas 1 2 3 --rate 0.4 --rounds 3
+
 `--weights` serves weights already written (default: random ones), `--artifacts` builds into a
 folder that may already hold the builds (up to date, they are not compiled again):
 tests/test_bench.py passes its session's tiny weights and builds.
@@ -34,7 +44,7 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
-from record import save
+from record import host_load, save, spread
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -76,61 +86,166 @@ def body(i: int, args: argparse.Namespace) -> dict:
             "frames": args.frames, "steps": args.steps, "seed": i}  # fmt: skip
 
 
-def serve_trace(artifacts: Path, weights: Path, build: str, out: Path, arrivals, args) -> dict:
-    """Start a server of `build`, send the trace, wait for every video; its figures."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    started = time.time()
-    server = subprocess.Popen(
-        [str(BIN / "runtime"), "serve", "--artifacts", str(artifacts), "--weights", str(weights),
-         "--build", build, "--port", str(port), "--out-dir", str(out),
-         "--batch-window", str(args.batch_window)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
+def start_servers(artifacts: Path, weights: Path, outs: list[Path], *extra: str) -> list:
+    """`runtime serve` processes, one per folder of `outs` (a fleet: one folder, shared),
+    started together; (process, url) each once healthy."""
+    servers = []
+    for out in outs:
+        port = free_port()
+        process = subprocess.Popen(
+            [str(BIN / "runtime"), "serve", "--artifacts", str(artifacts), "--weights",
+             str(weights), "--port", str(port), "--out-dir", str(out), *extra],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        servers.append((process, f"http://127.0.0.1:{port}"))
+    for process, url in servers:
         while True:
             with contextlib.suppress(OSError):
                 if call(f"{url}/healthz")["status"] == "ok":
                     break
-            if server.poll() is not None:
-                raise SystemExit(f"runtime serve exited with {server.returncode}")
+            if process.poll() is not None:
+                raise SystemExit(f"runtime serve exited with {process.returncode}")
             time.sleep(POLL_S)
-        t0 = time.time()
+    return servers
 
-        def one(i: int) -> tuple[float, float, float]:
-            time.sleep(max(t0 + arrivals[i] - time.time(), 0))
-            sent = time.time()
-            video = call(f"{url}/v1/videos", body(i, args))
-            first_step = None
-            while video["status"] not in ("completed", "failed"):
-                time.sleep(POLL_S)
-                video = call(f"{url}/v1/videos/{video['id']}")
-                if first_step is None and (video["progress"] or video["status"] == "completed"):
-                    first_step = time.time()
-            if video["status"] == "failed":
-                raise SystemExit(f"a video failed: {video['error']}")
-            return sent, first_step or time.time(), time.time()
 
-        with concurrent.futures.ThreadPoolExecutor(len(arrivals)) as pool:
-            times = list(pool.map(one, range(len(arrivals))))
-        m = metrics(url)
-    finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(timeout=600)
+def stop_servers(servers: list) -> None:
+    for process, _ in servers:
+        process.send_signal(signal.SIGTERM)
+    for process, _ in servers:
+        process.wait(timeout=600)
+
+
+def send_trace(urls: list[str], arrivals: list[float], args) -> tuple[float, list]:
+    """Request i sent to urls[i % len] at its arrival and polled (every POLL_S) through the next
+    url (in a fleet: a replica other than the one it was created on) until done. Returns the
+    trace's start and, per request: sent, first step, done (seconds since the epoch)."""
+    t0 = time.time()
+
+    def one(i: int) -> tuple[float, float, float]:
+        time.sleep(max(t0 + arrivals[i] - time.time(), 0))
+        sent = time.time()
+        video = call(f"{urls[i % len(urls)]}/v1/videos", body(i, args))
+        poll = urls[(i + 1) % len(urls)]
+        first_step = None
+        while video["status"] not in ("completed", "failed"):
+            time.sleep(POLL_S)
+            video = call(f"{poll}/v1/videos/{video['id']}")
+            if first_step is None and (video["progress"] or video["status"] == "completed"):
+                first_step = time.time()
+        if video["status"] == "failed":
+            raise SystemExit(f"a video failed: {video['error']}")
+        return sent, first_step or time.time(), time.time()
+
+    with concurrent.futures.ThreadPoolExecutor(len(arrivals)) as pool:
+        return t0, list(pool.map(one, range(len(arrivals))))
+
+
+def latency_figures(t0: float, times: list) -> dict:
     latencies = [done - sent for sent, _, done in times]
     span = max(done for *_, done in times) - t0
-    slot_steps = m["wan_slot_steps_total"] + m["wan_empty_slot_steps_total"]
     return {
         "videos_per_minute": round(60 * len(times) / span, 2),
         "latency_p50_s": round(float(np.percentile(latencies, 50)), 2),
         "latency_p95_s": round(float(np.percentile(latencies, 95)), 2),
         "first_step_p50_s": round(float(np.median([f - s for s, f, _ in times])), 2),
+    }
+
+
+def serve_trace(artifacts: Path, weights: Path, build: str, out: Path, arrivals, args) -> dict:
+    """Start a server of `build`, send the trace, wait for every video; its figures."""
+    started = time.time()
+    servers = start_servers(artifacts, weights, [out], "--build", build, "--batch-window",
+                            str(args.batch_window))  # fmt: skip
+    try:
+        t0, times = send_trace([url for _, url in servers], arrivals, args)
+        m = metrics(servers[0][1])
+    finally:
+        stop_servers(servers)
+    slot_steps = m["wan_slot_steps_total"] + m["wan_empty_slot_steps_total"]
+    return {
+        **latency_figures(t0, times),
         "slot_fill": round(
             m["wan_slot_steps_total"] / slot_steps if slot_steps else m["wan_batch_fill_ratio"], 3
         ),
         "compile_count": int(m["wan_compile_count"]),
         "start_to_first_video_s": round(min(done for *_, done in times) - started, 2),
     }
+
+
+def fleet_trace(artifacts: Path, weights: Path, build: str, replicas: int, store: str,
+                shared: Path, arrivals, args) -> dict:  # fmt: skip
+    """`replicas` servers of `build` on the PostgreSQL database `store` and the folder `shared`:
+    the trace spread over them; its figures, and how often each job was claimed."""
+    import psycopg
+
+    servers = start_servers(artifacts, weights, [shared] * replicas, "--build", build,
+                            "--batch-window", str(args.batch_window), "--job-store", store)  # fmt: skip
+    try:
+        t0, times = send_trace([url for _, url in servers], arrivals, args)
+        compiles = sum(metrics(url)["wan_compile_count"] for _, url in servers)
+    finally:
+        stop_servers(servers)
+    with psycopg.connect(store) as db:
+        claims = [n for (n,) in db.execute("SELECT attempts FROM jobs")]
+    return {**latency_figures(t0, times), "compile_count": int(compiles),
+            "claims_per_job_max": max(claims)}  # fmt: skip
+
+
+def store_overhead(store: str, scratch: Path, jobs: int) -> dict[str, float]:
+    """Milliseconds of job-store work per job, in this process, SQLite in `scratch` against the
+    PostgreSQL database `store`: what a server does for one video (add, claim, a progress
+    report per step, complete, one poll per 0.5 s of a 10 s video), the video's own time left
+    out."""
+    from runtime.batching import Group, Settings
+    from runtime.job_store import JobStore
+
+    request = {"prompt": "a fox", "negative_prompt": "", "size": "64x96", "frames": 5,
+               "seed": 0, "steps": 8}  # fmt: skip
+    group = Group("bench", Settings(steps=8))
+    seconds = {}
+    for name, url in (("sqlite", None), ("postgresql", store)):
+        job_store = JobStore(scratch / name, url=url, replica="bench")
+        begin = time.perf_counter()
+        for _ in range(jobs):
+            job = job_store.add(group, request, jobs + 1)
+            [job] = job_store.start([job.id])
+            for step in range(8):
+                job_store.progress([job.id], 100 * step // 8)
+                job_store.renew()
+            job_store.complete(job.id)
+            for _ in range(20):
+                job_store.get(job.id)
+        seconds[name] = time.perf_counter() - begin
+        job_store.close()
+    return {f"{name}_ms_per_job": round(1000 * s / jobs, 2) for name, s in seconds.items()}
+
+
+def fleet(artifacts: Path, weights: Path, build: str, work: Path, args) -> dict:
+    """--replicas: each count of replicas on one PostgreSQL store, the counts alternating within
+    each round; the store's overhead per job against SQLite."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from postgres_server import postgres_server  # a real server in a scratch folder
+
+    arrivals = trace(args.n, args.rate)
+    runs: dict[str, list[dict]] = {str(k): [] for k in args.replicas}
+    overhead = []
+    with postgres_server() as server:
+        for r in range(args.rounds):
+            for k in args.replicas if r % 2 == 0 else args.replicas[::-1]:
+                store = server.new_database(f"fleet_{k}_{r}")
+                row = fleet_trace(artifacts, weights, build, k, store, work / f"fleet_{k}_{r}",
+                                  arrivals, args)  # fmt: skip
+                runs[str(k)].append(row)
+                print(f"round {r} replicas {k}: {row}", file=sys.stderr)
+            store = server.new_database(f"overhead_{r}")
+            overhead.append(store_overhead(store, work / f"overhead_{r}", args.store_jobs))
+    medians = {
+        k: {f: statistics.median(x[f] for x in rows) for f in rows[0]} for k, rows in runs.items()
+    }
+    return {"build": build, "rate_per_s": args.rate, "medians": medians, "runs": runs,
+            "store_overhead": {f: spread([o[f] for o in overhead], 2) for f in overhead[0]},
+            "host_load": host_load()}  # fmt: skip
 
 
 def run_processes(artifacts: Path, weights: Path, work: Path, n: int, args) -> dict:
@@ -166,8 +281,20 @@ def main() -> None:
     parser.add_argument(
         "--artifacts", type=Path, help="the folder to build into (default: a scratch folder)"
     )
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "serve_load.json")
+    parser.add_argument(
+        "--replicas", type=int, nargs="+",
+        help="a fleet instead: these counts of replicas of the batch build on one PostgreSQL "
+        "store (a scratch server) and one folder, the trace at --rate",
+    )  # fmt: skip
+    parser.add_argument("--rate", type=float, default=0.25, help="--replicas: arrivals a second")
+    parser.add_argument(
+        "--store-jobs", type=int, default=200, help="--replicas: jobs of the store's overhead"
+    )
+    parser.add_argument("--out", type=Path, help="default: bench/results/serve_load.json, or "
+                        "serve_fleet.json with --replicas")  # fmt: skip
     args = parser.parse_args()
+    default = "serve_fleet.json" if args.replicas else "serve_load.json"
+    args.out = args.out or ROOT / "bench" / "results" / default
     rates = [float(r) for r in args.rates.split(",")]
     command = "python bench/serve_load.py " + " ".join(sys.argv[1:])
     shape = ["--model", args.model, "--res", args.res, "--frames", str(args.frames),
@@ -180,13 +307,21 @@ def main() -> None:
             subprocess.run([sys.executable, "-m", "wan.random_weights", "--model", args.model,
                             "--out", str(weights)], check=True, capture_output=True)  # fmt: skip
         names = []  # the build folders, in the order built: batch 1, batch B, continuous
-        for extra in (["--batch", "1", "--batch", str(args.batch)],
-                      ["--batch", str(args.batch), "--continuous"]):  # fmt: skip
+        commands = (["--batch", "1", "--batch", str(args.batch)],
+                    ["--batch", str(args.batch), "--continuous"])  # fmt: skip
+        for extra in commands[: 1 if args.replicas else 2]:  # a fleet serves the batch build
             built = subprocess.run([str(BIN / "aot"), "build", *shape, *extra, "--out",
                                     str(artifacts), "--json"],
                                    check=True, capture_output=True, text=True)  # fmt: skip
             names += [Path(report["folder"]).name for report in json.loads(built.stdout)]
         b = args.batch
+        if args.replicas:
+            row = {"command": command, "model": args.model, "res": args.res,
+                   "frames": args.frames, "steps": args.steps, "n": args.n, "batch": b,
+                   **fleet(artifacts, weights, names[1], work, args)}  # fmt: skip
+            save(args.out, row)
+            print(json.dumps(row["medians"], indent=1), json.dumps(row["store_overhead"]))
+            return
         builds = dict(
             zip(("serve_b1", f"serve_b{b}_window", f"serve_b{b}_continuous"), names, strict=True)
         )

@@ -157,6 +157,24 @@ def test_serve_load(tmp_path, tiny_weights, serve_builds):
     assert row["runtime_run_x1"]["all_videos_s"] > 0
 
 
+def test_serve_load_fleet(tmp_path, tiny_weights, serve_builds):
+    """--replicas: one and two replicas of the batch build on a scratch PostgreSQL store, each
+    job claimed once; the store's overhead per job measured for both databases."""
+    artifacts = tmp_path / "artifacts"
+    for build in serve_builds:
+        with_its_store(build, artifacts)
+    out = tmp_path / "serve_fleet.json"
+    bench("serve_load.py", "--model", "tiny", *SMALL, "--steps", "1", "--n", "2", "--batch", "2",
+          "--replicas", "1", "2", "--rate", "1", "--rounds", "1", "--batch-window", "0",
+          "--store-jobs", "3", "--weights", tiny_weights, "--artifacts", artifacts, "--out", out)  # fmt: skip
+    (row,) = rows(out)
+    assert set(row["medians"]) == {"1", "2"}
+    for figures in row["medians"].values():
+        assert figures["claims_per_job_max"] == 1 and figures["compile_count"] == 0
+        assert figures["videos_per_minute"] > 0
+    assert set(row["store_overhead"]) == {"sqlite_ms_per_job", "postgresql_ms_per_job"}
+
+
 def test_quant(tmp_path, tiny_weights):
     out = tmp_path / "quant.json"
     bench("quant.py", "--model", "tiny", *MIN, "--rounds", "1", "--weights", tiny_weights,
