@@ -21,7 +21,7 @@ import click
 import numpy as np
 from tqdm import tqdm
 
-from runtime import cli_options, cli_serve, clock, images, processes, step_cache
+from runtime import cli_options, cli_serve, clock, images, step_cache
 from runtime.artifact import ArtifactError, Manifest
 from runtime.batching import PromptLine, Settings, generate_batch, read_prompts_file
 from runtime.cli_args import TRUSTED_KEY, CliError, OneLineErrors, parse_resolution
@@ -146,10 +146,6 @@ def cli() -> None:
     "build_name",
     help="The build folder to use when several in --artifacts serve the request.",
 )
-@click.option(
-    "--coordinator",
-    help="Multi-process builds: host:port of process 0; run one `runtime run` per process.",
-)
 @cli_options.cache_options
 @click.option(
     "--calibrate-mag-ratios",
@@ -157,15 +153,7 @@ def cli() -> None:
     type=click.Path(path_type=Path),
     help="MagCache: skip nothing and write this model's ratios to this JSON file.",
 )
-@click.option("--num-processes", default=1, show_default=True, type=click.IntRange(min=1))
-@click.option("--process-id", default=0, show_default=True, type=click.IntRange(min=0))
-@click.option(
-    "--join-timeout",
-    default=processes.JOIN_TIMEOUT_S,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="Seconds to wait for the other processes of the job.",
-)
+@cli_options.job_options
 # Longer than most: the command in order, each check before the load it protects.
 def run_cmd(
     artifacts, weights, prompt, prompts_file, out_dir, negative_prompt, resolution, frames, batch,
@@ -390,11 +378,7 @@ def _check_arguments(
         raise CliError(
             f"--weights {weights} is not a folder (a diffusers-format folder or a checkpoint)"
         )
-    if (num_processes > 1) != (coordinator is not None) or process_id >= num_processes:
-        raise click.UsageError(
-            "a multi-process run needs --coordinator HOST:PORT, --num-processes P > 1 and "
-            "--process-id in [0, P)"
-        )
+    cli_options.check_job(coordinator, num_processes, process_id)
 
 
 def _outputs(

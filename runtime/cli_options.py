@@ -110,6 +110,39 @@ def cache_options(command: Callable) -> Callable:
     return command
 
 
+# A multi-process build's job (one process per host): `runtime run` and `runtime serve` alike.
+JOB_OPTIONS = [
+    click.option(
+        "--coordinator",
+        help="Multi-process builds: host:port of process 0; run one command per process, the "
+        "same arguments but --process-id.",
+    ),
+    click.option("--num-processes", default=1, show_default=True, type=click.IntRange(min=1)),
+    click.option("--process-id", default=0, show_default=True, type=click.IntRange(min=0)),
+    click.option(
+        "--join-timeout",
+        default=processes.JOIN_TIMEOUT_S,
+        show_default=True,
+        type=click.IntRange(min=1),
+        help="Seconds to wait for the other processes of the job.",
+    ),
+]
+
+
+def job_options(command: Callable) -> Callable:
+    for option in reversed(JOB_OPTIONS):
+        command = option(command)
+    return command
+
+
+def check_job(coordinator: str | None, num_processes: int, process_id: int) -> None:
+    if (num_processes > 1) != (coordinator is not None) or process_id >= num_processes:
+        raise click.UsageError(
+            "a multi-process job needs --coordinator HOST:PORT, --num-processes P > 1 and "
+            "--process-id in [0, P)"
+        )
+
+
 def start(
     match: Callable[[Present], tuple[Path, Manifest]],
     coordinator: str | None,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from runtime import cli_options, processes, signing, step_cache
+from runtime import cli_options, peers, signing, step_cache
 from runtime.artifact import ArtifactError, BuildKey, Manifest
 from runtime.cli_args import TRUSTED_KEY, CliError
 from runtime.http_guards import API_KEYS_ENV, MAX_BODY_BYTES, HttpLimits, load_api_keys
@@ -153,17 +153,23 @@ from wan.presets import model_spec
     help="A file of API keys, one a line (blank lines and # comments skipped), as --api-key.",
 )
 @cli_options.cache_options
+@cli_options.job_options
 def serve_cmd(
     artifacts, weights, lora_args, build_names, host, port, out_dir, job_store, replica, lease,
     max_attempts, max_queue, batch_window,
     drain_timeout, store_timeout, max_body_bytes, max_prompt_chars, header_timeout, body_timeout,
     save_frames, api_keys, api_key_file, cache, cache_threshold, cache_max_skip, cache_retention,
-    mag_ratios, trusted_keys,
+    mag_ratios, trusted_keys, coordinator, num_processes, process_id, join_timeout,
 ) -> None:  # fmt: skip
     """Serve the builds in --artifacts over HTTP as OpenAI's Videos API (the `openai` SDK works
     with base_url http://HOST:PORT/v1): load once, queue the requests, run them in the builds'
     batches, compile nothing. API keys: --api-key-file, $WAN_API_KEYS or --api-key; /healthz and
-    /metrics stay open. Plain HTTP: for TLS put a reverse proxy in front (README)."""
+    /metrics stay open. Plain HTTP: for TLS put a reverse proxy in front (README).
+
+    A multi-process build (a slice of several hosts): one `runtime serve` per process, the same
+    arguments but --process-id; process 0 listens and keeps the jobs (its --port, --out-dir and
+    --job-store), the others run each batch with it (runtime.peers)."""
+    cli_options.check_job(coordinator, num_processes, process_id)
     if not weights.is_dir():
         raise CliError(
             f"--weights {weights} is not a folder (a diffusers-format folder or a checkpoint)"
@@ -189,12 +195,16 @@ def serve_cmd(
 
     from runtime.server import listen  # before jax: a taken port fails in a second
 
-    sock = listen(host, port)
-    # A store it cannot use fails before anything loads.
-    store = JobStore(out_dir, store_timeout, job_store, replica or default_replica(), lease,
-                     max_attempts)  # fmt: skip
-    requeued = store.recover()
-    cli_options.start(lambda present: builds(present)[0], None, 1, 0, processes.JOIN_TIMEOUT_S)
+    leader = process_id == 0  # the process that listens and keeps the jobs
+    if leader:
+        sock = listen(host, port)
+        # A store it cannot use fails before anything loads.
+        store = JobStore(out_dir, store_timeout, job_store, replica or default_replica(), lease,
+                         max_attempts)  # fmt: skip
+        requeued = store.recover()
+    cli_options.start(
+        lambda present: builds(present)[0], coordinator, num_processes, process_id, join_timeout
+    )
     import jax
 
     from runtime.pipeline import CompileCounter, Pipeline
@@ -202,6 +212,12 @@ def serve_cmd(
     from runtime.service import Service
 
     served = builds(Present.of(jax.devices()))
+    continuous = [f.name for f, m in served if m.key.option("continuous")]
+    if num_processes > 1 and continuous:
+        raise CliError(
+            f"{continuous[0]} is a continuous build, whose slots a multi-process job does not "
+            "step yet: serve a batch build of that shape (aot build without --continuous)"
+        )
     for folder, manifest in served:  # every build before any loads
         verify_signed(folder, manifest, trusted)
     # Before any weight loads: every build served takes the cache (its ratios read once).
@@ -217,10 +233,16 @@ def serve_cmd(
         for folder, manifest in served
     }
     counter = CompileCounter()
+    if not leader:
+        peers.follow(peers.JobChannel(process_id, num_processes, peers.exit_now), pipelines,
+                     cache_request)  # fmt: skip
+        return
     service = Service(
         pipelines, store, max_queue, batch_window, lambda: counter.count, save_frames,
         cache_request,
     )  # fmt: skip
+    if num_processes > 1:
+        service.peers = peers.JobChannel(process_id, num_processes, service.lose_job)
     if requeued:
         click.echo(f"{requeued} video(s) queued from the last run", err=True)
     limits = HttpLimits(max_body_bytes, max_prompt_chars, header_timeout, body_timeout)

@@ -106,7 +106,8 @@ def passed_over(manifest: Manifest, request: Request, present: Present) -> str |
     if m.process_count != present.processes:
         return (
             f"a {m.process_count}-process job, this one has {present.processes}: run one "
-            "`runtime run` per process with --coordinator, --num-processes and --process-id"
+            "`runtime run` (or `runtime serve`) per process with --coordinator, --num-processes "
+            "and --process-id"
         )
     if present.devices is not None and len(m.device_ids) != present.devices:
         return f"needs {len(m.device_ids)} {m.platform} devices, this process has {present.devices}"

@@ -27,6 +27,7 @@ from runtime.openai_dialect import (
     video_object,
 )
 from runtime.outputs import previews, write_npy, write_videos
+from runtime.peers import JobChannel, batch_message, exit_now
 from wan.configs import VAEKindConfig
 
 if TYPE_CHECKING:  # jax: imported by runtime.cli_serve once the port is bound
@@ -86,6 +87,8 @@ class Service:
         self.draining = False
         # Why the job store is unusable, while it is (the last attempt failed): /healthz 503.
         self.store_problem: str | None = None
+        # A multi-process build's other processes (runtime.peers), which run each batch too.
+        self.peers: JobChannel | None = None
         self._progress_due = 0.0  # while the store fails, progress is tried again from then
         self._lock = threading.Lock()  # draining vs. the start of a batch
         # The rule runtime.cli_serve loaded the builds by, which gives each route one build.
@@ -183,6 +186,8 @@ class Service:
             )
             with self._lock:
                 if self.draining:
+                    if self.peers:  # the other processes end with this one
+                        self.peers.publish({"stop": "drained"})
                     return
                 if batch:
                     self.idle.clear()
@@ -203,6 +208,17 @@ class Service:
                 self.store.renew()
             except StoreError as e:
                 self.store_problem = str(e)
+
+    def lose_job(self, why: str) -> None:
+        """A process of this multi-process job is lost (runtime.peers): the batch in flight can
+        never end, so the jobs this server holds go back to the queue and the process ends with
+        the line (a restart of every process on the same store runs them)."""
+        try:
+            self.store.requeue_in_progress()
+            kept = "the videos in progress are queued again"
+        except StoreError:
+            kept = "the videos in progress are queued again at the next start"
+        exit_now(f"{why}: {kept}; restart every process of the job")
 
     def drain(self) -> None:
         """Stop taking requests and batches; the batch in flight goes on (`idle` when done)."""
@@ -264,9 +280,13 @@ class Service:
         def on_step(done: int, total: int) -> None:
             self._progress(ids, 100 * done // total)
 
+        if self.peers:  # the other processes run the same batch with this one
+            self.peers.publish(batch_message(group.build, videos, group.settings))
         try:
             frames, report = generate_batch(pipe, videos, group.settings, on_step, self.cache)
         except Exception as e:  # any failure fails this batch's videos, not the server
+            if self.peers:  # unless a lost process caused it: that ends the job (lose_job)
+                self.peers.wait_out()
             self._fail(ids, "generation_failed", str(e) or type(e).__name__)
             return
         m = self.metrics
