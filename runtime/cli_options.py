@@ -104,10 +104,15 @@ CACHE_OPTIONS = [
 ]
 
 
-def cache_options(command: Callable) -> Callable:
-    for option in reversed(CACHE_OPTIONS):
-        command = option(command)
-    return command
+def _stacked(options: list[Callable]) -> Callable[[Callable], Callable]:
+    """One decorator that applies `options` in the order listed (the order --help shows)."""
+
+    def decorate(command: Callable) -> Callable:
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return decorate
 
 
 # A multi-process build's job (one process per host): `runtime run` and `runtime serve` alike.
@@ -127,12 +132,7 @@ JOB_OPTIONS = [
         help="Seconds to wait for the other processes of the job.",
     ),
 ]
-
-
-def job_options(command: Callable) -> Callable:
-    for option in reversed(JOB_OPTIONS):
-        command = option(command)
-    return command
+cache_options, job_options = _stacked(CACHE_OPTIONS), _stacked(JOB_OPTIONS)
 
 
 def check_job(coordinator: str | None, num_processes: int, process_id: int) -> None:
