@@ -1,0 +1,230 @@
+"""Radial Attention's static block-sparse self-attention mask (arXiv 2506.19852), for splash.
+
+Ported from `gen_log_mask_shrinked` and its helpers (`get_window_width`,
+`get_diagonal_split_mask`, `shrinkMaskStrict`) in radial_attn/attn_mask.py of
+github.com/mit-han-lab/radial-attention at commit 72788d4f0a6d202f1ec5f1c98a6e4c8b2e34fdbc,
+`model_type="wan"`; rewritten, not copied. The official mask, per pair of latent frames
+(i, j) at distance d = |i - j|:
+  - j == 0: all of frame 0 (the attention sink every frame sees);
+  - d <= 1: the whole frame (d == 1: tokens_per_frame // 2 wide before that commit);
+  - otherwise a band |r - c| <= w on the frames' own (raster-order) token indices,
+    w = max(2**bit_length(tokens_per_frame) / 2**bit_length(d) * decay, block);
+  - but (j > 0) the pair is dropped unless d is a multiple of block / (2**bit_length(tpf) /
+    2**bit_length(d)) once that width (without decay) is under a block;
+each pair's token mask is then shrunk to blocks (a block is kept when more than 60% of its
+columns with any entry hold entries in more than a third of the block's rows; the pair only
+sees the ceil(tpf / block) blocks from the one its first token is in), and the pairs' blocks
+are OR-ed. The kernel then computes kept blocks whole: the mask *is* the block mask. Where
+frames straddle blocks that shrink can drop a neighbouring frame's blocks for the few rows a
+frame has in a block it shares (at 720p, 0.08% of neighbouring-frame token pairs): kept so.
+
+Here a band's entries per column are counted in closed form instead of materialising each
+tpf x tpf pair, so one elementwise function gives `block_mask` (numpy) and also runs inside
+the splash kernel (jnp) on blocks that are partly kept.
+
+Padding: at that commit the video tokens must be a multiple of the block (1280x720, 81
+frames: 21 x 3600 = 75,600 tokens, fails). Its first version (3f66894) zero-padded the tokens
+up to the block and kept the blocks from tokens // block on dense, rows and columns: so here.
+Unlike it, `RadialSplashMask` never attends the pad keys themselves (zero keys would dilute
+the softmax); pad query rows are dense.
+
+Generalisation: the official split threshold is a literal 128, "equal to block-size"; here
+it is `block` (the same at the official block of 128).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
+
+# Official Wan 2.1 T2V 14B settings, scripts/wan_t2v_inference.sh at the commit above (and
+# radial_attn/models/wan/attention.py: block_size=128). Dense steps and layers are the
+# caller's business, recorded here only.
+WAN_BLOCK = 128
+WAN_DECAY = 0.2  # --decay_factor 0.2
+WAN_DENSE_STEPS = 12  # --dense_timesteps 12: the first 12 of --num_inference_steps 50
+WAN_DENSE_LAYERS = 1  # --dense_layers 1: transformer block 0 stays dense
+
+
+@dataclasses.dataclass(frozen=True)
+class RadialSpec:
+    """Build-time settings: latent frames x tokens per latent frame, mask block, decay."""
+
+    frames: int
+    tokens_per_frame: int
+    block: int = WAN_BLOCK
+    decay: float = WAN_DECAY
+
+    def __post_init__(self) -> None:
+        if min(self.frames, self.tokens_per_frame, self.block) < 1 or self.decay <= 0:
+            raise ValueError(f"invalid {self}")
+
+    @property
+    def tokens(self) -> int:
+        return self.frames * self.tokens_per_frame
+
+    @property
+    def padded_tokens(self) -> int:
+        return -(-self.tokens // self.block) * self.block
+
+    @property
+    def n_blocks(self) -> int:
+        return self.padded_tokens // self.block
+
+
+def _module(*arrays) -> types.ModuleType:
+    """jnp inside the kernel (tracers), numpy otherwise."""
+    return jnp if any(isinstance(a, jax.Array) for a in arrays) else np
+
+
+def _window(spec: RadialSpec, group: int) -> int:
+    """Band half-width (inclusive) for frame distances of bit length `group`."""
+    t = spec.tokens_per_frame
+    if group <= 1:  # the same or an adjacent frame: whole
+        return t
+    width = max(2.0 ** (t.bit_length() - group) * spec.decay, spec.block)
+    return int(np.floor(np.float32(width)))  # the official compares in float32
+
+
+def _split_period(spec: RadialSpec, group: int) -> int:
+    """Distances kept: multiples of this (a band under a block would waste a whole block)."""
+    width = 2.0 ** (spec.tokens_per_frame.bit_length() - group)
+    return 1 if width >= spec.block else int(spec.block / width)
+
+
+def _by_group(xp, d, values: list):
+    """values[d.bit_length()], elementwise, from comparisons alone (kernel-friendly)."""
+    out = values[0]
+    for group in range(1, len(values)):
+        out = xp.where(d >= 1 << (group - 1), values[group], out)
+    return out
+
+
+def _columns_reaching(xp, m: int, r0, r1, c0, c1, width):
+    """Columns c in [c0, c1) whose band |r - c| <= width holds >= m of the rows [r0, r1)."""
+    lo = xp.maximum(r0 - width - 1 + m, c0)
+    hi = xp.minimum(r1 + width - m, c1 - 1)
+    possible = (r1 - r0 >= m) & (2 * width + 1 >= m)
+    return xp.where(possible, xp.maximum(hi - lo + 1, 0), 0)
+
+
+def _pair_keeps(spec: RadialSpec, xp, i, j, r0, r1, c0, c1):
+    """shrinkMaskStrict's verdict on one block for frame pair (i, j), whose frame-local rows
+    [r0, r1) and columns [c0, c1) fall in it."""
+    d = xp.abs(i - j)
+    groups = range(max(spec.frames - 1, 1).bit_length() + 1)
+    sink = j == 0
+    width = xp.where(
+        sink, spec.tokens_per_frame, _by_group(xp, d, [_window(spec, g) for g in groups])
+    )
+    periods = [_split_period(spec, g) for g in groups]
+    split = _by_group(xp, d, [True if p == 1 else d % p == 0 for p in periods])
+    dense_cols = spec.block // 3 + 1  # column density > 1/3
+    nonzero = _columns_reaching(xp, 1, r0, r1, c0, c1, width)
+    dense = _columns_reaching(xp, dense_cols, r0, r1, c0, c1, width)
+    return (r1 > r0) & (sink | split) & (5 * dense > 3 * nonzero)  # > 60% of non-empty columns
+
+
+def _frames_of(spec: RadialSpec, xp, blk, step: int):
+    """The step-th latest frame whose pair blocks can cover block `blk`, its frame-local token
+    range inside the block, and whether it does cover it."""
+    t, b = spec.tokens_per_frame, spec.block
+    span = -(-t // b)  # blocks a pair sees, from its first token's block
+    f = xp.minimum(spec.frames - 1, ((blk + 1) * b - 1) // t) - step
+    covers = (f >= 0) & (blk - f * t // b < span)
+    lo = xp.maximum(blk * b, f * t) - f * t
+    hi = xp.minimum((blk + 1) * b, (f + 1) * t) - f * t
+    return f, lo, hi, covers
+
+
+def _blocks_kept(spec: RadialSpec, xp, q_blk, kv_blk):
+    """The official block mask at (query block, key block), elementwise, broadcasting."""
+    t, b = spec.tokens_per_frame, spec.block
+    border = spec.tokens // b  # this block on holds the padding: dense
+    keep = (q_blk >= border) | (kv_blk >= border)
+    candidates = (-(-t // b) * b - 1) // t + 1  # frames whose pairs can reach one block
+    for si in range(candidates):
+        i, r0, r1, i_ok = _frames_of(spec, xp, q_blk, si)
+        for sj in range(candidates):
+            j, c0, c1, j_ok = _frames_of(spec, xp, kv_blk, sj)
+            keep = keep | (i_ok & j_ok & _pair_keeps(spec, xp, i, j, r0, r1, c0, c1))
+    return keep
+
+
+def block_mask(spec: RadialSpec) -> np.ndarray:
+    """(n_blocks, n_blocks) bool over the tokens padded to the block; padded block dense."""
+    blocks = np.arange(spec.n_blocks)
+    return _blocks_kept(spec, np, blocks[:, None], blocks[None, :])
+
+
+def radial_keep(spec: RadialSpec, q_ids, kv_ids):
+    """Token-level mask (block_mask expanded), broadcasting numpy or jax int arrays."""
+    b = spec.block
+    return _blocks_kept(spec, _module(q_ids, kv_ids), q_ids // b, kv_ids // b)
+
+
+class RadialSplashMask(splash_mask._ComputableMask):
+    """Splash mask of shape (q_len, kv_len) >= (tokens, tokens): radial, keys past the video
+    (padding) never kept. Evaluated by block: a small block table on the host, the closed
+    form in the kernel."""
+
+    def __init__(
+        self, spec: RadialSpec, shape: tuple[int, int] | None = None, shard_count: int = 1
+    ):
+        shape = shape or (spec.tokens, spec.tokens)
+        if min(shape) < spec.tokens:
+            raise ValueError(f"mask shape {shape} shorter than the {spec.tokens} video tokens")
+        self.spec = spec
+        n = spec.tokens
+
+        def radial_mask_function(q_ids, kv_ids):
+            return radial_keep(spec, q_ids, kv_ids) & (kv_ids < n)
+
+        super().__init__(shape=shape, mask_function=radial_mask_function, shard_count=shard_count)
+        q_blocks, kv_blocks = (np.arange(-(-s // spec.block)) for s in shape)
+        self._table = _blocks_kept(spec, np, q_blocks[:, None], kv_blocks[None, :])
+
+    def __getitem__(self, idx) -> np.ndarray:
+        # splash's mask processing visits every block: look the table up, not the closed form
+        q_slice, kv_slice = idx
+        rows = np.arange(*q_slice.indices(self.shape[0]))
+        cols = np.arange(*kv_slice.indices(self.shape[1]))
+        b = self.spec.block
+        return self._table[np.ix_(rows // b, cols // b)] & (cols < self.spec.tokens)[None, :]
+
+    def __eq__(self, other: object):
+        if not isinstance(other, type(self)):
+            return NotImplemented
+        return (
+            self.shape == other.shape
+            and self.spec == other.spec
+            and np.array_equal(self.q_sequence, other.q_sequence)
+        )
+
+    def __hash__(self):
+        return hash((type(self), self.shape, self.spec, self.q_sequence.tobytes()))
+
+
+def density(spec: RadialSpec, kernel_block: int) -> float:
+    """Fraction of (kernel_block x kernel_block) blocks a block-sparse kernel computes: the
+    tokens padded to a multiple of kernel_block as splash needs, of `RadialSplashMask` (pad
+    keys never kept, pad queries dense), i.e. the splash mask info's non-empty blocks."""
+    kb, b, n = kernel_block, spec.block, spec.tokens
+    count = -(-n // kb)
+    table = RadialSplashMask(spec, (count * kb, count * kb))._table.astype(np.int64)
+    sums = np.pad(table.cumsum(0).cumsum(1), ((1, 0), (1, 0)))  # 2-D prefix sums
+    starts = np.arange(count) * kb
+    r0, r1 = starts // b, (starts + kb - 1) // b + 1
+    c0, c1 = starts // b, (np.minimum(starts + kb, n) - 1) // b + 1  # real keys only
+    kept = (
+        sums[r1[:, None], c1[None, :]]
+        - sums[r0[:, None], c1[None, :]]
+        - sums[r1[:, None], c0[None, :]]
+        + sums[r0[:, None], c0[None, :]]
+    )
+    return float((kept > 0).mean())
