@@ -2,6 +2,7 @@
 blockwise memory is linear."""
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from wan.models.attention import (
     resolve,
     splash_attention,
 )
+from wan.models.radial_mask import RadialSpec, block_mask, radial_keep
 
 
 def _qkv(q_len: int, kv_len: int, heads: int = 3, dim: int = 8, seed: int = 0):
@@ -200,3 +202,68 @@ def test_ulysses_refuses_heads_that_do_not_divide():
     q, k, v = _qkv(40, 40, heads=3)
     with pytest.raises(ValueError, match="use context parallelism 'gather'"):
         _on_mesh(lambda q, k, v: attention(q, k, v, "dot", "ulysses"), q, k, v)
+
+
+# Radial attention: 5 latent frames of 52 tokens (260, not a multiple of the 32-token mask
+# block: the padded block is dense), mask blocks of 32, decay 0.5 so that the band and the
+# frame-distance split both drop blocks at this small size.
+RADIAL = RadialSpec(frames=5, tokens_per_frame=52, block=32, decay=0.5)
+
+
+def _masked_reference(q, k, v, spec):
+    """Softmax over the entries the Radial mask keeps, float64."""
+    q, k, v = (np.asarray(t, np.float64) for t in (q, k, v))
+    ids = np.arange(q.shape[1])
+    keep = radial_keep(spec, ids[:, None], ids[None, :])
+    s = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    s = np.where(keep, s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+def test_the_radial_spec_drops_blocks_at_this_size():
+    kept = block_mask(RADIAL)[: RADIAL.tokens // RADIAL.block]
+    assert (~kept).sum() > 0 and kept[:, 0].all()  # sparse, and frame 0 seen by every block
+
+
+@pytest.mark.parametrize("q_block,kv_block", [(32, 32), (48, 40), (128, 128)])
+def test_sparse_blockwise_is_masked_attention(q_block, kv_block):
+    """Kernel blocks aligned with the mask's or not: the kept entries' softmax, exactly; the
+    control: dense attention differs."""
+    q, k, v = _qkv(RADIAL.tokens, RADIAL.tokens)
+    got = jax.jit(lambda q, k, v: blockwise_attention(
+        q, k, v, q_block=q_block, kv_block=kv_block, sparse=RADIAL))(q, k, v)  # fmt: skip
+    want = _masked_reference(q, k, v, RADIAL)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+    assert np.abs(want - _reference(q, k, v)).max() > 0.1
+
+
+def test_sparse_splash_is_masked_attention():
+    """The splash kernel (interpret mode) with the Radial mask, length padded to its blocks."""
+    q, k, v = _qkv(RADIAL.tokens, RADIAL.tokens, heads=2)
+    got = jax.jit(lambda q, k, v: splash_attention(
+        q, k, v, blocks=SplashBlocks(128, 128, 128), interpret=True, sparse=RADIAL))(q, k, v)  # fmt: skip
+    np.testing.assert_allclose(got, _masked_reference(q, k, v, RADIAL), atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "impl,context_parallel", [("splash:128:128:128", "ulysses"), ("blockwise:64:64", "gather")]
+)
+def test_sparse_attention_on_a_mesh(impl, context_parallel):
+    """Tokens sharded over context=4: splash under Ulysses (whole sequences per device), the
+    blockwise kernel left to XLA's partitioner; both the masked softmax."""
+    q, k, v = _qkv(RADIAL.tokens, RADIAL.tokens, heads=8)
+    got = _on_mesh(lambda q, k, v: attention(q, k, v, impl, context_parallel, RADIAL), q, k, v)
+    np.testing.assert_allclose(got, _masked_reference(q, k, v, RADIAL), atol=2e-5, rtol=0)
+
+
+def test_sparse_attention_refusals():
+    q, k, v = _qkv(RADIAL.tokens, RADIAL.tokens, heads=8)
+    with pytest.raises(ValueError, match="needs ulysses context parallelism"):
+        _on_mesh(lambda q, k, v: attention(q, k, v, "splash:128:128:128", "gather", RADIAL),
+                 q, k, v)  # fmt: skip
+    with pytest.raises(ValueError, match="radial attention runs in splash or blockwise"):
+        resolve("triton", sparse=RADIAL)
+    with pytest.raises(ValueError, match="self-attention over the 260 video tokens"):
+        blockwise_attention(*_qkv(RADIAL.tokens, 7), sparse=RADIAL)

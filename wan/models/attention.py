@@ -32,6 +32,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import (
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
 from wan import axes, sharding
+from wan.models.radial_mask import RadialSpec, RadialSplashMask, radial_keep
 
 Attention = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -64,14 +65,23 @@ def _blocks(x: jax.Array, size: int) -> jax.Array:
 
 
 def blockwise_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, *, q_block: int = 1024, kv_block: int = 1024
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    q_block: int = 1024,
+    kv_block: int = 1024,
+    sparse: RadialSpec | None = None,
 ) -> jax.Array:
-    """Same result as `dot_product_attention`, computed flash-style for any lengths.
+    """Same result as `dot_product_attention`, computed flash-style for any lengths; with
+    `sparse`, over the entries its Radial mask keeps (self-attention of its video tokens).
 
     Keys/values are zero-padded to a multiple of `kv_block` and the padded keys masked out;
     queries are padded to a multiple of `q_block` and the padded rows sliced off. The largest
-    temporary is one (B, H, q_block, kv_block) fp32 score block.
+    temporary is one (B, H, q_block, kv_block) fp32 score block. The mask is applied entry by
+    entry (this kernel computes every block: it is the reference, not the fast path).
     """
+    _check_sparse(sparse, q.shape[1], k.shape[1])
     b, q_len, h, d = q.shape
     kv_len = k.shape[1]
     q_block, kv_block = min(q_block, q_len), min(kv_block, kv_len)
@@ -86,8 +96,13 @@ def blockwise_attention(
     q_padded = _pad_to(q, q_block)
     n = q_padded.shape[1] // q_block
     q_blocks = q_padded.reshape(b, q_block, n, h, d).transpose(2, 0, 1, 3, 4)
+    # Sparse, each block also needs the indices of its queries and keys (for the mask).
+    q_xs = q_blocks if sparse is None else (q_blocks, jnp.arange(n))
+    key_ids = jnp.arange(k_blocks.shape[0] * kv_block).reshape(-1, kv_block)
+    kv_xs = (k_blocks, v_blocks, key_valid) + (() if sparse is None else (key_ids,))
 
-    def one_query_block(q_blk: jax.Array) -> jax.Array:
+    def one_query_block(x: jax.Array | tuple[jax.Array, jax.Array]) -> jax.Array:
+        q_blk, j = (x, None) if sparse is None else x
         init = (
             jnp.full((b, h, q_block), -jnp.inf, jnp.float32),  # running max of the scores
             jnp.zeros((b, h, q_block), jnp.float32),  # running softmax denominator
@@ -96,9 +111,14 @@ def blockwise_attention(
 
         def step(carry, kv):
             m, denom, acc = carry
-            k_blk, v_blk, valid = kv
+            k_blk, v_blk, valid, *ids = kv
+            if sparse is not None:
+                query_ids = j + n * jnp.arange(q_block)
+                valid = valid & radial_keep(sparse, query_ids[:, None], ids[0][None, :])
             s = jnp.where(valid, _scores(q_blk, k_blk), -jnp.inf)
             m_new = jnp.maximum(m, s.max(axis=-1))
+            if sparse is not None:  # a row whose keys so far were all dropped: 0, not NaN
+                m_new = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
             p = jnp.exp(s - m_new[..., None])
             correction = jnp.exp(m - m_new)
             denom = denom * correction + p.sum(axis=-1)
@@ -107,10 +127,10 @@ def blockwise_attention(
             )
             return (m_new, denom, acc * correction[..., None] + pv), None
 
-        (_, denom, acc), _ = jax.lax.scan(step, init, (k_blocks, v_blocks, key_valid))
+        (_, denom, acc), _ = jax.lax.scan(step, init, kv_xs)
         return (acc / denom[..., None]).transpose(0, 2, 1, 3).astype(q.dtype)
 
-    out = jax.lax.map(one_query_block, q_blocks)  # (n, B, q_block, H, D)
+    out = jax.lax.map(one_query_block, q_xs)  # (n, B, q_block, H, D)
     return out.transpose(1, 2, 0, 3, 4).reshape(b, -1, h, d)[:, :q_len]
 
 
@@ -140,13 +160,22 @@ SPLASH_LANES = 128
 
 
 def splash_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, *, blocks: SplashBlocks, interpret: bool
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    blocks: SplashBlocks,
+    interpret: bool,
+    sparse: RadialSpec | None = None,
 ) -> jax.Array:
-    """Pallas splash attention (TPU; `interpret` runs the same kernel in plain JAX elsewhere).
+    """Pallas splash attention (TPU; `interpret` runs the same kernel in plain JAX elsewhere);
+    with `sparse`, its Radial mask as splash's block-sparse mask: blocks it drops whole are
+    skipped, blocks it keeps in part are masked inside the kernel.
 
     Lengths need not be block multiples: queries and keys are zero-padded to their blocks,
     padded keys get another segment id than every query (so they never contribute) and the
     padded query rows are sliced off."""
+    _check_sparse(sparse, q.shape[1], k.shape[1])
     b, q_len, heads, d = q.shape
     kv_len = k.shape[1]
     bq = balanced_block(q_len, blocks.q, SPLASH_LANES)
@@ -157,7 +186,12 @@ def splash_attention(
     q_pad, kv_pad = _round_up(q_len, bq), _round_up(kv_len, bkv)
     # Videos fold into the kernel's heads: a vmap over the batch would batch the kernel's VMEM
     # scratch too (x2 with CFG), over the scoped VMEM its blocks were sized for.
-    mask = splash_mask.MultiHeadMask([splash_mask.FullMask((q_pad, kv_pad))] * (b * heads))
+    one = (
+        splash_mask.FullMask((q_pad, kv_pad))
+        if sparse is None
+        else RadialSplashMask(sparse, (q_pad, kv_pad))
+    )
+    mask = splash_mask.MultiHeadMask([one] * (b * heads))
     kernel = splash_kernel.make_splash_mha(
         mask,
         block_sizes=splash_kernel.BlockSizes(
@@ -265,6 +299,18 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     return jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
 
 
+def _check_sparse(sparse: RadialSpec | None, q_len: int, kv_len: int) -> None:
+    """A Radial mask is over one video's tokens: self-attention of exactly that length."""
+    if sparse is not None and not q_len == kv_len == sparse.tokens:
+        raise ValueError(
+            f"radial attention is self-attention over the {sparse.tokens} video tokens of its "
+            f"spec, not {q_len} queries and {kv_len} keys"
+        )
+
+
+# The kernels a Radial mask runs in: the TPU kernel skips the blocks it drops, the blockwise
+# kernel (CPU) masks entry by entry.
+SPARSE_KERNELS = ("splash", "blockwise")
 CONTEXT_PARALLEL = ("gather", "ulysses")
 # Kernels XLA's SPMD partitioner can split by itself; the others run inside shard_map.
 PARTITIONABLE = ("dot", "blockwise")
@@ -287,11 +333,18 @@ def flops(q_shape: tuple[int, ...], kv_length: int) -> int:
     return 4 * b * s * h * kv_length * d
 
 
-def resolve(impl: str, *, interpret: bool = False) -> Attention:
+def resolve(impl: str, *, interpret: bool = False, sparse: RadialSpec | None = None) -> Attention:
     """The attention function an implementation name selects: 'dot', 'blockwise' (default
     blocks), 'blockwise:<q_block>:<kv_block>', 'splash:<q>:<kv>:<kv_compute>' (largest block
     sizes), 'triton[:<q>:<kv>]' or 'cudnn'. `interpret`: run Pallas kernels in interpret mode
-    (not on their hardware)."""
+    (not on their hardware); `sparse`: a Radial mask (SPARSE_KERNELS only)."""
+    if sparse is not None:
+        if kernel_name(impl) not in SPARSE_KERNELS:
+            raise ValueError(
+                f"attention {impl!r} has no sparse mask: radial attention runs in "
+                f"{' or '.join(SPARSE_KERNELS)}"
+            )
+        return functools.partial(resolve(impl, interpret=interpret), sparse=sparse)
     if impl == "dot":
         return dot_product_attention
     if impl == "cudnn":
@@ -330,15 +383,17 @@ def attention(
     v: jax.Array,
     impl: str = "dot",
     context_parallel: str = "gather",
+    sparse: RadialSpec | None = None,
 ) -> jax.Array:
     """Multi-head attention by the kernel `impl` names (see `resolve`), laid out on the current
-    mesh by `context_parallel` ('gather' or 'ulysses'; k and v must then be as long as q)."""
+    mesh by `context_parallel` ('gather' or 'ulysses'; k and v must then be as long as q);
+    `sparse`: a Radial mask over the whole sequence."""
     if context_parallel not in CONTEXT_PARALLEL:
         raise ValueError(f"context parallelism {context_parallel!r}: use gather or ulysses")
     mesh = jax.sharding.get_abstract_mesh()
     platform = jax.default_backend() if mesh.empty else mesh.abstract_device.platform
     runs_on = KERNEL_PLATFORM.get(kernel_name(impl))
-    kernel = resolve(impl, interpret=runs_on is not None and platform != runs_on)
+    kernel = resolve(impl, interpret=runs_on is not None and platform != runs_on, sparse=sparse)
     kv_axes = Q_AXES if context_parallel == "ulysses" else KV_AXES
     q_spec = sharding.current_spec(Q_AXES, q.shape)
     kv_spec = sharding.current_spec(kv_axes, k.shape)
@@ -347,6 +402,12 @@ def attention(
     if kernel_name(impl) in PARTITIONABLE and context_parallel == "gather":
         q, k, v = sharding.constrain(q, Q_AXES), *(sharding.constrain(t, kv_axes) for t in (k, v))
         return kernel(q, k, v)
+    if sparse is not None and context_parallel == "gather" and spec_axes(q_spec[1]):
+        # Each device would hold a slice of the queries, and the mask is by position.
+        raise ValueError(
+            f"radial attention in {kernel_name(impl)} with the tokens sharded needs ulysses "
+            "context parallelism (each device then attends whole sequences)"
+        )
     body = kernel if context_parallel == "gather" else _ulysses(kernel, q_spec, q.shape[2])
     return jax.shard_map(
         body, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec, check_vma=False
