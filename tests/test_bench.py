@@ -175,6 +175,18 @@ def test_serve_load_fleet(tmp_path, tiny_weights, serve_builds):
     assert set(row["store_overhead"]) == {"sqlite_ms_per_job", "postgresql_ms_per_job"}
 
 
+def test_radial_attention(tmp_path):
+    """The projection from the recorded dense rows: the splash blocks of the build keep every
+    block at 720p, smaller blocks far fewer, and the bounds fall in the order of the levers."""
+    out = tmp_path / "radial_attention.json"
+    bench("radial_attention.py", "--targets", "tpu-v6e-8", "--blocks", "512:512", "--out", out)
+    ((target,),) = [row["targets"] for row in rows(out)]
+    blocks = target["blocks"]
+    assert blocks["splash"]["density"] == 1.0 and 0.3 < blocks["512:512"]["density"] < 0.6
+    runs = [b["run_s"] for b in blocks["512:512"]["bounds"].values()]
+    assert runs == sorted(runs, reverse=True) and runs[-1] < runs[0] / 2
+
+
 def test_quant(tmp_path, tiny_weights):
     out = tmp_path / "quant.json"
     bench("quant.py", "--model", "tiny", *MIN, "--rounds", "1", "--weights", tiny_weights,

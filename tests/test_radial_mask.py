@@ -284,3 +284,15 @@ def test_splash_exact(spec, kb):
     probs /= probs.sum(-1, keepdims=True)
     want = np.einsum("hqk,hkd->hqd", probs, np.asarray(v, np.float64)[:, :n])
     np.testing.assert_allclose(out, want, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("qb,kvb", [(256, 128), (128, 384)])
+def test_density_of_unequal_blocks_is_splash_count(qb, kvb):
+    """Query and key blocks of different sizes (splash's block_q and block_kv): the fraction
+    of blocks splash's mask info keeps."""
+    spec = RadialSpec(6, 200)
+    q_len, kv_len = -(-spec.tokens // qb) * qb, -(-spec.tokens // kvb) * kvb
+    mask = sm.MultiHeadMask([RadialSplashMask(spec, (q_len, kv_len))])
+    info, _ = smi.process_mask(mask, (qb, kvb))
+    blocks = (q_len // qb) * (kv_len // kvb)
+    assert np.count_nonzero(info.block_mask[0]) == round(density(spec, qb, kvb) * blocks)

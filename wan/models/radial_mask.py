@@ -210,17 +210,18 @@ class RadialSplashMask(splash_mask._ComputableMask):
         return hash((type(self), self.shape, self.spec, self.q_sequence.tobytes()))
 
 
-def density(spec: RadialSpec, kernel_block: int) -> float:
-    """Fraction of (kernel_block x kernel_block) blocks a block-sparse kernel computes: the
-    tokens padded to a multiple of kernel_block as splash needs, of `RadialSplashMask` (pad
-    keys never kept, pad queries dense), i.e. the splash mask info's non-empty blocks."""
-    kb, b, n = kernel_block, spec.block, spec.tokens
-    count = -(-n // kb)
-    table = RadialSplashMask(spec, (count * kb, count * kb))._table.astype(np.int64)
+def density(spec: RadialSpec, kernel_block: int, kv_block: int | None = None) -> float:
+    """Fraction of (kernel_block x kv_block) blocks (kv_block: kernel_block unless given) a
+    block-sparse kernel computes: the tokens padded to a multiple of each block as splash
+    needs, of `RadialSplashMask` (pad keys never kept, pad queries dense), i.e. the splash mask
+    info's non-empty blocks."""
+    qb, kb, b, n = kernel_block, kv_block or kernel_block, spec.block, spec.tokens
+    q_count, kv_count = -(-n // qb), -(-n // kb)
+    table = RadialSplashMask(spec, (q_count * qb, kv_count * kb))._table.astype(np.int64)
     sums = np.pad(table.cumsum(0).cumsum(1), ((1, 0), (1, 0)))  # 2-D prefix sums
-    starts = np.arange(count) * kb
-    r0, r1 = starts // b, (starts + kb - 1) // b + 1
-    c0, c1 = starts // b, (np.minimum(starts + kb, n) - 1) // b + 1  # real keys only
+    q_starts, kv_starts = np.arange(q_count) * qb, np.arange(kv_count) * kb
+    r0, r1 = q_starts // b, (q_starts + qb - 1) // b + 1
+    c0, c1 = kv_starts // b, (np.minimum(kv_starts + kb, n) - 1) // b + 1  # real keys only
     kept = (
         sums[r1[:, None], c1[None, :]]
         - sums[r0[:, None], c1[None, :]]
