@@ -247,6 +247,16 @@ def test_sparse_splash_is_masked_attention():
     np.testing.assert_allclose(got, _masked_reference(q, k, v, RADIAL), atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize("blocks", ["triton", "triton:32:16", "triton:64:64"])
+def test_sparse_triton_is_masked_attention(blocks):
+    """The Triton kernel (interpret mode) with the Radial mask: key blocks the mask drops
+    skipped where its blocks fit in the mask's (32, 16: within the 32-token mask blocks),
+    masked entry by entry otherwise (128 x 64, 64 x 64: larger)."""
+    q, k, v = _qkv(RADIAL.tokens, RADIAL.tokens, heads=2)
+    got = jax.jit(resolve(blocks, interpret=True, sparse=RADIAL))(q, k, v)
+    np.testing.assert_allclose(got, _masked_reference(q, k, v, RADIAL), atol=2e-5, rtol=0)
+
+
 @pytest.mark.parametrize(
     "impl,context_parallel", [("splash:128:128:128", "ulysses"), ("blockwise:64:64", "gather")]
 )
@@ -258,12 +268,41 @@ def test_sparse_attention_on_a_mesh(impl, context_parallel):
     np.testing.assert_allclose(got, _masked_reference(q, k, v, RADIAL), atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize("blocks", [SplashBlocks(512, 512, 512), SplashBlocks(128, 128, 128)])
+def test_sparse_splash_compiles_for_a_deviceless_tpu(blocks, monkeypatch):
+    """The Radial mask inside the splash kernel (its partly kept blocks evaluated in the
+    kernel) compiles for a v6e chip without one: Mosaic takes the mask's integer arithmetic."""
+    from aot import targets
+
+    device = deviceless_tpu_devices(monkeypatch, targets.parse_target("tpu-v6e-8"))[0]
+    spec = RadialSpec(frames=5, tokens_per_frame=600)  # 3,000 tokens: blocks partly kept
+    on_chip = jax.sharding.SingleDeviceSharding(device)
+    q = jax.ShapeDtypeStruct((1, spec.tokens, 2, 128), jnp.bfloat16, sharding=on_chip)
+    kernel = jax.jit(
+        lambda q, k, v: splash_attention(q, k, v, blocks=blocks, interpret=False, sparse=spec)
+    )
+    with jax.default_matmul_precision("default"):
+        kernel.lower(q, q, q).compile()
+
+
+def test_sparse_triton_lowers_for_cuda():
+    """The Triton kernel with the Radial mask (its block skip and entry mask) lowers to Triton
+    for NVIDIA GPUs on this host (a select between two integer constants once did not)."""
+    spec = RadialSpec(frames=5, tokens_per_frame=256, decay=0.5)
+    q = jax.ShapeDtypeStruct((1, spec.tokens, 2, 64), jnp.bfloat16)
+    kernel = jax.jit(resolve("triton", sparse=spec))
+    assert (
+        "wan_triton_flash_attention"
+        in kernel.trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
+    )
+
+
 def test_sparse_attention_refusals():
     q, k, v = _qkv(RADIAL.tokens, RADIAL.tokens, heads=8)
     with pytest.raises(ValueError, match="needs ulysses context parallelism"):
         _on_mesh(lambda q, k, v: attention(q, k, v, "splash:128:128:128", "gather", RADIAL),
                  q, k, v)  # fmt: skip
-    with pytest.raises(ValueError, match="radial attention runs in splash or blockwise"):
-        resolve("triton", sparse=RADIAL)
+    with pytest.raises(ValueError, match="radial attention runs in splash or triton or blockwise"):
+        resolve("cudnn", sparse=RADIAL)
     with pytest.raises(ValueError, match="self-attention over the 260 video tokens"):
         blockwise_attention(*_qkv(RADIAL.tokens, 7), sparse=RADIAL)

@@ -227,25 +227,52 @@ class TritonBlocks:
 TRITON_MIN_BLOCK = 16  # Triton's dot needs every side of a tile >= 16
 
 
-def _triton_kernel(q_ref, k_ref, v_ref, o_ref, *, kv_len: int, block_kv: int, scale: float):
+def _triton_kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    o_ref,
+    *,
+    kv_len: int,
+    block_kv: int,
+    scale: float,
+    sparse: RadialSpec | None,
+):
     """One query block of one (video, head) against every key block: the online softmax of
-    `blockwise_attention`, in base 2 (exp2), keys past `kv_len` (padding) masked out."""
+    `blockwise_attention`, in base 2 (exp2), keys past `kv_len` (padding) masked out. With
+    `sparse`, a Radial mask: entries it drops masked, and where the kernel's blocks fit in the
+    mask's, a key block it drops whole skipped."""
     block_q, d = q_ref.shape
     q = q_ref[...]
+    q_start = None if sparse is None else pl.program_id(0) * block_q
+    # Kernel blocks inside one mask block each: a (query, key) block is kept or dropped whole.
+    skips = sparse is not None and sparse.block % block_q == 0 and sparse.block % block_kv == 0
 
-    def step(i, carry):
+    def attend(start, carry):
         acc, m, denom = carry
-        start = i * block_kv
         k = k_ref[pl.ds(start, block_kv), :]
         v = v_ref[pl.ds(start, block_kv), :]
         s = pl_triton.dot(q, k, trans_b=True) * (scale * math.log2(math.e))  # fp32 accumulation
+        key_ids = start + jnp.arange(block_kv)
         if kv_len % block_kv:  # static: only a padded sequence needs the mask
-            s = jnp.where((start + jnp.arange(block_kv) < kv_len)[None, :], s, -jnp.inf)
+            s = jnp.where((key_ids < kv_len)[None, :], s, -jnp.inf)
+        if sparse is not None:
+            query_ids = q_start + jnp.arange(block_q)
+            s = jnp.where(radial_keep(sparse, query_ids[:, None], key_ids[None, :]), s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(axis=-1))
+        if sparse is not None:  # a row whose keys so far were all dropped: 0, not NaN
+            m_new = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         p = jnp.exp2(s - m_new[:, None])
         correction = jnp.exp2(m - m_new)
         acc = acc * correction[:, None] + pl_triton.dot(p.astype(v.dtype), v)
         return acc, m_new, denom * correction + p.sum(axis=-1)
+
+    def step(i, carry):
+        start = i * block_kv
+        if not skips:
+            return attend(start, carry)
+        kept = radial_keep(sparse, q_start, start)  # the whole block's verdict
+        return jax.lax.cond(kept, lambda c: attend(start, c), lambda c: c, carry)
 
     init = (
         jnp.zeros((block_q, d), jnp.float32),
@@ -262,7 +289,13 @@ def _power_of_two(n: int) -> int:
 
 
 def triton_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, *, blocks: TritonBlocks, interpret: bool
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    blocks: TritonBlocks,
+    interpret: bool,
+    sparse: RadialSpec | None = None,
 ) -> jax.Array:
     """Pallas Triton flash attention (NVIDIA GPUs; `interpret` runs it in plain JAX elsewhere).
 
@@ -278,7 +311,10 @@ def triton_attention(
     def padded(x: jax.Array, length: int) -> jax.Array:
         return jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0), (0, d_pad - d)))
 
-    kernel = functools.partial(_triton_kernel, kv_len=kv_len, block_kv=bkv, scale=d**-0.5)
+    _check_sparse(sparse, q_len, kv_len)
+    kernel = functools.partial(
+        _triton_kernel, kv_len=kv_len, block_kv=bkv, scale=d**-0.5, sparse=sparse
+    )
     kv_spec = pl.BlockSpec((None, kv_pad, None, d_pad), lambda i, j, h: (j, 0, h, 0))
     q_spec = pl.BlockSpec((None, bq, None, d_pad), lambda i, j, h: (j, i, h, 0))
     out = pl.pallas_call(
@@ -308,9 +344,9 @@ def _check_sparse(sparse: RadialSpec | None, q_len: int, kv_len: int) -> None:
         )
 
 
-# The kernels a Radial mask runs in: the TPU kernel skips the blocks it drops, the blockwise
-# kernel (CPU) masks entry by entry.
-SPARSE_KERNELS = ("splash", "blockwise")
+# The kernels a Radial mask runs in: the TPU and GPU kernels skip the blocks it drops, the
+# blockwise kernel (CPU) masks entry by entry.
+SPARSE_KERNELS = ("splash", "triton", "blockwise")
 CONTEXT_PARALLEL = ("gather", "ulysses")
 # Kernels XLA's SPMD partitioner can split by itself; the others run inside shard_map.
 PARTITIONABLE = ("dot", "blockwise")

@@ -82,6 +82,23 @@ def _module(*arrays) -> types.ModuleType:
     return jnp if any(isinstance(a, jax.Array) for a in arrays) else np
 
 
+def _div(xp, a, b: int):
+    """a // b where a >= 0 wherever the result counts. Inside kernels a truncating division:
+    Pallas Triton mislowers jnp's floor division of integers (an i1 in its subtraction)."""
+    if xp is np:
+        return a // b
+    a = jnp.asarray(a)
+    return jax.lax.div(a, jnp.asarray(b, a.dtype))
+
+
+def _rem(xp, a, b: int):
+    """a % b for a >= 0, as `_div`."""
+    if xp is np:
+        return a % b
+    a = jnp.asarray(a)
+    return jax.lax.rem(a, jnp.asarray(b, a.dtype))
+
+
 def _window(spec: RadialSpec, group: int) -> int:
     """Band half-width (inclusive) for frame distances of bit length `group`."""
     t = spec.tokens_per_frame
@@ -97,8 +114,17 @@ def _split_period(spec: RadialSpec, group: int) -> int:
     return 1 if width >= spec.block else int(spec.block / width)
 
 
+def _typed(xp, value):
+    """A Python constant inside kernels as an array of its own type: Pallas Triton mislowers a
+    select between two weak-typed integer constants (an i1 reaches the next subtraction)."""
+    if xp is np or not isinstance(value, (bool, int)):
+        return value
+    return jnp.asarray(value, jnp.bool_ if isinstance(value, bool) else jnp.int32)
+
+
 def _by_group(xp, d, values: list):
     """values[d.bit_length()], elementwise, from comparisons alone (kernel-friendly)."""
+    values = [_typed(xp, v) for v in values]
     out = values[0]
     for group in range(1, len(values)):
         out = xp.where(d >= 1 << (group - 1), values[group], out)
@@ -120,10 +146,12 @@ def _pair_keeps(spec: RadialSpec, xp, i, j, r0, r1, c0, c1):
     groups = range(max(spec.frames - 1, 1).bit_length() + 1)
     sink = j == 0
     width = xp.where(
-        sink, spec.tokens_per_frame, _by_group(xp, d, [_window(spec, g) for g in groups])
+        sink,
+        _typed(xp, spec.tokens_per_frame),
+        _by_group(xp, d, [_window(spec, g) for g in groups]),
     )
     periods = [_split_period(spec, g) for g in groups]
-    split = _by_group(xp, d, [True if p == 1 else d % p == 0 for p in periods])
+    split = _by_group(xp, d, [True if p == 1 else _rem(xp, d, p) == 0 for p in periods])
     dense_cols = spec.block // 3 + 1  # column density > 1/3
     nonzero = _columns_reaching(xp, 1, r0, r1, c0, c1, width)
     dense = _columns_reaching(xp, dense_cols, r0, r1, c0, c1, width)
@@ -135,8 +163,8 @@ def _frames_of(spec: RadialSpec, xp, blk, step: int):
     range inside the block, and whether it does cover it."""
     t, b = spec.tokens_per_frame, spec.block
     span = -(-t // b)  # blocks a pair sees, from its first token's block
-    f = xp.minimum(spec.frames - 1, ((blk + 1) * b - 1) // t) - step
-    covers = (f >= 0) & (blk - f * t // b < span)
+    f = xp.minimum(spec.frames - 1, _div(xp, (blk + 1) * b - 1, t)) - step
+    covers = (f >= 0) & (blk - _div(xp, f * t, b) < span)  # f < 0: not covered, whatever the rest
     lo = xp.maximum(blk * b, f * t) - f * t
     hi = xp.minimum((blk + 1) * b, (f + 1) * t) - f * t
     return f, lo, hi, covers
@@ -165,7 +193,8 @@ def block_mask(spec: RadialSpec) -> np.ndarray:
 def radial_keep(spec: RadialSpec, q_ids, kv_ids):
     """Token-level mask (block_mask expanded), broadcasting numpy or jax int arrays."""
     b = spec.block
-    return _blocks_kept(spec, _module(q_ids, kv_ids), q_ids // b, kv_ids // b)
+    xp = _module(q_ids, kv_ids)
+    return _blocks_kept(spec, xp, _div(xp, q_ids, b), _div(xp, kv_ids, b))
 
 
 class RadialSplashMask(splash_mask._ComputableMask):
