@@ -143,3 +143,34 @@ def test_a_store_the_start_cannot_reach_is_one_line(postgres, tmp_path, url, say
     with pytest.raises(StoreError, match=says) as refused:
         JobStore(tmp_path, timeout=2, url=url.format(port=postgres.port))
     assert "\n" not in str(refused.value) and "s3cret" not in str(refused.value)
+
+
+def test_a_claim_that_lost_its_lease_writes_nothing(postgres, tmp_path):
+    """Replica a's lease runs out while it works: the job goes back to the queue, b claims it
+    (a second attempt); a's progress and completion then change nothing, b's do; a third claim
+    past --max-attempts fails the job with the reason."""
+    url = postgres.new_database("leases")
+    a, b = (JobStore(tmp_path, url=url, replica=name, lease=0.2, max_attempts=2)
+            for name in ("a", "b"))  # fmt: skip
+    job = a.add(Group("g", Settings(steps=2)), {"prompt": "p", "negative_prompt": "", "seed": 1,
+                "size": "64x96", "frames": 5, "steps": 2}, 8)  # fmt: skip
+    [claimed] = a.start([job.id])
+    assert (claimed.owner, claimed.attempts) == ("a", 1)
+    assert b.start([job.id]) == []  # held: not b's to claim
+    time.sleep(0.4)
+    assert b.expire() == 1  # a stopped renewing: back in the queue
+    [again] = b.start([job.id])
+    assert (again.owner, again.attempts) == ("b", 2)
+    a.progress([job.id], 50)
+    assert a.complete(job.id) is False
+    assert b.get(job.id).progress == 0 and b.get(job.id).status == "in_progress"
+    b.progress([job.id], 50)
+    assert b.get(job.id).progress == 50
+    time.sleep(0.4)
+    assert a.expire() == 0  # b's lease ran out too, at its last attempt: failed, not queued
+    failed = a.get(job.id)
+    assert failed.status == "failed" and failed.error["code"] == "lease_expired"
+    assert "2 times" in failed.error["message"]
+    assert b.complete(job.id) is False
+    for store in (a, b):
+        store.close()
