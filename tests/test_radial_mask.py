@@ -144,7 +144,7 @@ BLOCK_MULTIPLES = [  # tokens a multiple of the block: where the official code w
     RadialSpec(17, 128),  # bit lengths up to 5: diagonals split off
     RadialSpec(4, 640, decay=0.5),  # bands narrower than a frame
     RadialSpec(4, 192),  # frames straddle blocks
-    RadialSpec(8, 3600),  # Wan's 720p frame, straddling
+    RadialSpec(8, 400),  # frames straddling blocks, as Wan's 3600-token frames do
     RadialSpec(8, 160, block=32, decay=0.5),
     RadialSpec(12, 96, block=32, decay=1.0),
 ]
