@@ -5,6 +5,7 @@ binaries when it has them (Debian's postgresql package), else those of the pip-i
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import shutil
@@ -31,7 +32,23 @@ def binaries() -> Path:
             return folder
     import pgserver  # the pip-installable server's binaries
 
-    return Path(pgserver.__file__).parent / "pginstall" / "bin"
+    package = Path(pgserver.__file__).parent
+    if os.geteuid() != 0:
+        return package / "pginstall" / "bin"
+    # As root the server runs as nobody, who may not reach into the venv (a checkout under a
+    # private home): a copy where every user can, once a process, of the package and of the
+    # libraries its binaries find beside it ($ORIGIN/../../../pgserver.libs).
+    global _COPY
+    if _COPY is None:
+        _COPY = Path(tempfile.mkdtemp(prefix="wan-pginstall-"))
+        atexit.register(shutil.rmtree, _COPY, True)
+        _COPY.chmod(0o755)
+        for name in ("pgserver", "pgserver.libs"):
+            shutil.copytree(package.parent / name, _COPY / name, symlinks=True)
+    return _COPY / "pgserver" / "pginstall" / "bin"
+
+
+_COPY: Path | None = None  # pgserver's binaries, copied for the unprivileged server user
 
 
 def _as_server_user() -> list[str]:
