@@ -12,7 +12,7 @@ from runtime import cli_options, peers, signing, step_cache
 from runtime.artifact import ArtifactError, BuildKey, Manifest
 from runtime.cli_args import TRUSTED_KEY, CliError
 from runtime.http_guards import API_KEYS_ENV, MAX_BODY_BYTES, HttpLimits, load_api_keys
-from runtime.job_store import LEASE_S, LOCK_TIMEOUT_S, MAX_ATTEMPTS, JobStore, default_replica
+from runtime.job_store import LEASE_S, LOCK_TIMEOUT_S, MAX_ATTEMPTS, JobStore
 from runtime.loader import (
     Present,
     Request,
@@ -199,8 +199,7 @@ def serve_cmd(
     if leader:
         sock = listen(host, port)
         # A store it cannot use fails before anything loads.
-        store = JobStore(out_dir, store_timeout, job_store, replica or default_replica(), lease,
-                         max_attempts)  # fmt: skip
+        store = JobStore(out_dir, store_timeout, job_store, replica, lease, max_attempts)
         requeued = store.recover()
     cli_options.start(
         lambda present: builds(present)[0], coordinator, num_processes, process_id, join_timeout

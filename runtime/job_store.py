@@ -119,7 +119,6 @@ class JobStore:
         fails; `replica`: this server's name in a fleet (the jobs it holds); `lease`: the
         seconds a claim lasts unless renewed."""
         self.out_dir = out_dir
-        self.path = None if url else out_dir / DATABASE  # the SQLite file, when it is one
         self.videos = out_dir / VIDEOS
         self.inputs = out_dir / INPUTS
         self.videos.mkdir(parents=True, exist_ok=True)
@@ -128,7 +127,7 @@ class JobStore:
         self.lease, self.max_attempts = lease, max_attempts
         self._claims: dict[str, int] = {}  # the jobs this store's server holds: their attempt
         self._db: Backend = open_backend(url, out_dir, DATABASE, timeout)
-        self.where, self.shared = self._db.where, self._db.shared
+        self.where, self.shared, self.path = self._db.where, self._db.shared, self._db.path
         self._migrate()
 
     def _migrate(self) -> None:

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from runtime.batching import Settings, Video, generate_batch
 
@@ -38,18 +38,12 @@ EXIT_PEER_LOST = 3  # the exit status of a process whose job lost a process
 _PREFIX = "wan_serve"
 
 
-class PeerLost(Exception):
-    """A process of the job stopped (or process 0's store stopped answering)."""
-
-
 def _client() -> Any:
-    """The jax.distributed job's coordination client (its key-value store)."""
+    """The jax.distributed job's coordination client (its key-value store), which
+    runtime.processes.join started."""
     from jax._src import distributed  # jax exposes no public handle to the job's store
 
-    client = distributed.global_state.client
-    if client is None:
-        raise PeerLost("this process is not part of a jax.distributed job")
-    return client
+    return distributed.global_state.client
 
 
 class JobChannel:
@@ -81,9 +75,7 @@ class JobChannel:
             except Exception as e:  # noqa: BLE001 - jax raises its runtime's error types
                 if "DEADLINE_EXCEEDED" in str(e) or "timed out" in str(e).lower():
                     continue  # nothing yet: the watch thread tells a lost job from an idle one
-                raise PeerLost(
-                    f"process 0's job store stopped answering ({_first_line(e)})"
-                ) from None
+                exit_now(f"process 0 (the job's coordinator) stopped answering ({_first_line(e)})")
             self._received += 1
             return json.loads(text)
 
@@ -170,7 +162,7 @@ def follow(channel: JobChannel, pipelines: dict[str, Pipeline], cache: CacheRequ
                 print(f"process {channel.process_id}: the batch failed: {e}", file=sys.stderr)
 
 
-def exit_now(line: str) -> None:
+def exit_now(line: str) -> NoReturn:
     """The line, then the process ends at once: a thread may be inside a collective whose peer
     is gone, which nothing can interrupt."""
     print(f"Error: {line}", file=sys.stderr, flush=True)

@@ -1,8 +1,8 @@
 """`runtime serve`: a resident video-generation service over HTTP that speaks OpenAI's Videos API
 (runtime.openai_dialect), so the official `openai` SDK works against it unchanged. The builds are
 loaded once (runtime.cli_serve chooses them), the requests are queued in a job store (SQLite, or
-PostgreSQL shared by a fleet: runtime.job_store) and run by the worker (runtime.service.Service); the bounds and the API keys
-wrap the app (runtime.http_guards). This module is the routes, their OpenAPI schema, and the
+PostgreSQL shared by a fleet: runtime.job_store) and run by the worker (runtime.service.Service);
+the bounds and the API keys wrap the app (runtime.http_guards). This module is the routes, their OpenAPI schema, and the
 server's start and drain on SIGTERM."""
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ def make_app(service: Service, limits: HttpLimits, keys: tuple[str, ...] = ()) -
                 f"{store.replica}: every replica must mount the same --out-dir (README: Scaling "
                 "out), or the video was deleted there: submit it again",
             )  # fmt: skip
-        if not video.is_file():
+        if not video.is_file():  # one server's own folder: the file was deleted
             raise ApiError(
                 410, "gone", f"{video.name} is no longer in {store.videos}: submit the video again"
             )
@@ -334,9 +334,10 @@ def serve(
     worker = threading.Thread(target=service.run, name="generation", daemon=True)
     worker.start()
     stop_renewing = threading.Event()
-    threading.Thread(
-        target=service.renew_leases, args=(stop_renewing,), name="leases", daemon=True
-    ).start()
+    if service.store.shared:  # leases matter where other replicas may take the jobs
+        threading.Thread(
+            target=service.renew_leases, args=(stop_renewing,), name="leases", daemon=True
+        ).start()
     config = uvicorn.Config(
         make_app(service, limits, keys),
         log_level="warning",

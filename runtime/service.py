@@ -147,12 +147,13 @@ class Service:
                             build.model if build else None)  # fmt: skip
 
     def runnable(self) -> list[Waiting]:
-        """The queued jobs as the scheduler sees them, once the jobs whose lease ran out are
-        queued again. A shared store's jobs of builds this replica does not load wait for one
+        """The queued jobs as the scheduler sees them, once a shared store's jobs whose lease ran
+        out are queued again. A shared store's jobs of builds this replica does not load wait for one
         that does; otherwise a job this start cannot run fails instead of waiting forever: one
         of a build not loaded (queued by an earlier start), or one whose stored group does not
         read."""
-        self.metrics.requeued += self.store.expire()
+        if self.store.shared:  # a lapsed lease: its replica is gone (one server renews its own)
+            self.metrics.requeued += self.store.expire()
         waiting = []
         served = sorted(self.pipelines) if self.store.shared else None
         for job in self.store.queued(served):

@@ -58,6 +58,7 @@ class Backend(Protocol):
     """Where a job store lives."""
 
     where: str  # the database, as a message names it (no password)
+    path: Path | None  # the database's file, when it is one (SQLite)
     shared: bool  # several servers use it at once (claims and leases matter)
     now: str  # SQL for the database's clock in seconds since the epoch (every replica's one clock)
     serial: str  # the jobs table's `seq` column type: increasing ids
@@ -139,6 +140,7 @@ class Postgres:
     worker retries with backoff) and the next one connects again."""
 
     shared = True
+    path = None
     now = "EXTRACT(EPOCH FROM clock_timestamp())::double precision"
     serial = "BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY"
     real = "DOUBLE PRECISION"
