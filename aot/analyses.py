@@ -9,7 +9,7 @@ from typing import Any
 
 from aot import vae_gathers
 from aot.hlo import Module
-from aot.plan import BuildError, BuildPlan, kernel_flops
+from aot.plan import BuildError, BuildPlan, kernel_flops, self_attention
 from wan.programs import Program
 
 Analysis = Callable[[BuildPlan, Module], dict[str, Any]]
@@ -21,7 +21,23 @@ ANALYSES: dict[str, Analysis] = {
     },
     # The attention kernels' FLOPs, which the HLO holds as opaque custom calls.
     "attention_kernels": lambda plan, module: {"kernel_flops": kernel_flops(plan)},
+    # The video self-attention's density and FLOPs, dense and as built: a dense step's...
+    "self_attention": lambda plan, module: _self_attention(plan, radial=False),
+    # ... and radial_step's, whose kernel FLOPs count the blocks its mask keeps.
+    "radial_attention": lambda plan, module: {
+        "kernel_flops": kernel_flops(plan, radial=True),
+        **_self_attention(plan, radial=True),
+    },
 }
+
+
+def _self_attention(plan: BuildPlan, radial: bool) -> dict[str, Any]:
+    counted = self_attention(plan, radial)
+    return {
+        "attention_density": counted.density,
+        "self_attention_flops_dense": counted.dense_flops,
+        "self_attention_flops": counted.flops,
+    }
 
 
 def check(program: Program) -> None:

@@ -17,11 +17,12 @@ from runtime.artifact import BuildKey, plain_values
 from runtime.build_options import OPTIONS
 from runtime.json_checks import ArtifactError
 from wan import programs as wan_programs
-from wan import quant, sharding
+from wan import quant, sharding, sparse_attention
 from wan.configs import ModelConfig, VideoShape
 from wan.errors import InputError
 from wan.interface import IMAGE_PROGRAMS, PIPELINES
 from wan.models import attention as attention_lib
+from wan.models.radial_mask import RadialSpec
 
 DEVICELESS_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 BLOCKWISE_MIN_TOKENS = 8192  # above this, naive attention's temporaries dominate memory
@@ -90,6 +91,9 @@ def plan_build(
             "and step caching decides for a whole batch whether its blocks run; build one or "
             "the other"
         )
+    radial = sparse_attention.parse(dict(options)["sparse_attention"])
+    if radial is not None:
+        check_radial(radial, config, dict(options))
     default = sharding.default_mesh(
         num_devices, shape.step_batch, transformer_bytes(config, quant_mode), target.hbm_bytes
     )
@@ -109,6 +113,8 @@ def plan_build(
         raise BuildError(str(e)) from None
     attention = choose_attention(attention, target, shape.tokens(config))
     context_parallel = choose_context_parallel(context_parallel, config, shape, mesh)
+    if radial is not None:
+        check_radial_kernel(attention, context_parallel, config, shape, mesh)
     key = BuildKey(
         model=model_name,
         width=shape.width,
@@ -126,6 +132,43 @@ def plan_build(
         options=options,
     )
     return BuildPlan(config, shape, target, layout, attention, key, mesh == default)
+
+
+def check_radial(radial: sparse_attention.Radial, config: ModelConfig, options: dict) -> None:
+    """Radial attention with the other options of a build."""
+    for flag, on in (
+        ("--step-cache", options["step_cache"]),
+        ("--continuous", options["continuous"]),
+    ):
+        if on:
+            raise BuildError(
+                f"--sparse-attention with {flag}: its steps have no sparse variant; build one "
+                "or the other"
+            )
+    if radial.dense_layers > config.transformer.num_layers:
+        raise BuildError(
+            f"--sparse-attention {radial.text()}: {radial.dense_layers} dense layers, the model "
+            f"has {config.transformer.num_layers}: give at most that many"
+        )
+
+
+def check_radial_kernel(
+    attention: str, context_parallel: str, config: ModelConfig, shape: VideoShape, mesh: Any
+) -> None:
+    """A kernel that runs Radial's mask, laid out so each device attends whole sequences."""
+    kernel = attention_lib.kernel_name(attention)
+    if kernel not in attention_lib.SPARSE_KERNELS:
+        raise BuildError(
+            f"--sparse-attention with --attention {attention}: the mask runs in "
+            f"{', '.join(attention_lib.SPARSE_KERNELS)}: choose one of them"
+        )
+    shards, _ = _query_layout(config, shape, mesh)
+    if kernel not in attention_lib.PARTITIONABLE and context_parallel == "gather" and shards > 1:
+        raise BuildError(
+            f"--sparse-attention in {kernel} with the tokens over {shards} devices needs "
+            "--context-parallel ulysses (each device then attends whole sequences) or a mesh "
+            "without context sharding"
+        )
 
 
 def choose_pipeline(requested: str | None, config: ModelConfig, model_name: str) -> str:
@@ -341,21 +384,51 @@ def ulysses_all_to_alls(plan: BuildPlan) -> int:
     return 4 * plan.config.transformer.num_layers if ulysses else 0
 
 
-def kernel_flops(plan: BuildPlan) -> float:
+def kernel_flops(plan: BuildPlan, radial: bool = False) -> float:
     """FLOPs per device per denoise step of the attention kernels that the HLO counts as opaque
-    custom calls (splash, cuDNN): self- and cross-attention of every layer (the image tokens'
-    too, in a build whose steps attend to CLIP features); 0 for XLA kernels."""
+    custom calls (splash, Triton, cuDNN): self- and cross-attention of every layer (the image
+    tokens' too, in a build whose steps attend to CLIP features), self-attention as built
+    (`radial`: radial_step's); 0 for XLA kernels."""
     if attention_lib.kernel_name(plan.attention) in attention_lib.PARTITIONABLE:
         return 0.0
-    tc = plan.config.transformer
-    spec, mesh_shape = _query_spec(plan.config, plan.shape, plan.mesh)
-    q_shape = _query_shape(plan.config, plan.shape)
-    keys = [q_shape[1], plan.config.text_encoder.max_length]
+    keys = [plan.config.text_encoder.max_length]
     if plan.config.image_encoder is not None and plan.key.option("pipeline") == "i2v-clip":
         keys.append(plan.config.image_tokens)
-    per_layer = sum(attention_lib.flops(q_shape, length) for length in keys)
+    cross = sum(_layer_flops(plan, length) for length in keys) * plan.config.transformer.num_layers
+    return cross + self_attention(plan, radial).flops
+
+
+@dataclasses.dataclass(frozen=True)
+class SelfAttention:
+    """A step's video self-attention per device: the fraction of query/key blocks its sparse
+    layers' kernel computes, and its FLOPs with every layer dense and as built."""
+
+    density: float
+    dense_flops: float
+    flops: float
+
+
+def self_attention(plan: BuildPlan, radial: bool) -> SelfAttention:
+    """The self-attention of `plan`'s dense step, or (`radial`) of its radial_step: the first
+    dense layers at full cost, the others at the kernel's density under the mask."""
+    layers = plan.config.transformer.num_layers
+    dense = _layer_flops(plan, plan.shape.tokens(plan.config)) * layers
+    settings = sparse_attention.parse(plan.key.option("sparse_attention")) if radial else None
+    if settings is None:
+        return SelfAttention(1.0, dense, dense)
+    grid = plan.config.transformer.patch_grid(plan.shape.latent_shape(plan.config)[1:4])
+    density = attention_lib.kernel_density(plan.attention, RadialSpec.of(settings, grid))
+    dense_layers = min(settings.dense_layers, layers)
+    built = dense * (dense_layers + (layers - dense_layers) * density) / layers
+    return SelfAttention(density, dense, built)
+
+
+def _layer_flops(plan: BuildPlan, kv_length: int) -> float:
+    """One layer's attention FLOPs per device for the step's queries against `kv_length` keys."""
+    spec, mesh_shape = _query_spec(plan.config, plan.shape, plan.mesh)
+    q_shape = _query_shape(plan.config, plan.shape)
     split = math.prod(mesh_shape[a] for entry in spec for a in attention_lib.spec_axes(entry))
-    return per_layer * tc.num_layers / split
+    return attention_lib.flops(q_shape, kv_length) / split
 
 
 def _query_shape(config: ModelConfig, shape: VideoShape) -> tuple[int, ...]:

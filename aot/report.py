@@ -8,6 +8,8 @@ from typing import Any
 
 from runtime.artifact import Manifest
 from runtime.loader import read_builds
+from wan import sparse_attention
+from wan.interface import RADIAL_STEP
 
 GiB = float(1 << 30)
 
@@ -132,6 +134,25 @@ def list_table(folder: Path) -> str:
     )
 
 
+def _sparse_lines(m: Manifest) -> list[str]:
+    """A --sparse-attention build's settings, its sparse step's self-attention and bound."""
+    settings = sparse_attention.parse(m.key.option("sparse_attention"))
+    if settings is None:
+        return []
+    dense, sparse = m.programs[m.key.step_program], m.programs[RADIAL_STEP]
+    bounds = [m.step_lower_bound(p) for p in (m.key.step_program, RADIAL_STEP)]
+    bound = (
+        f"; step lower bound {bounds[1]:.3f} s against {bounds[0]:.3f} s dense" if bounds[0] else ""
+    )
+    return [
+        f"sparse     {settings.text()}: the first {settings.dense_steps} steps dense, then "
+        f"{RADIAL_STEP} with {settings.dense_layers} dense layer(s)",
+        f"           {RADIAL_STEP}'s self-attention kernel computes {sparse.attention_density:.4f} "
+        f"of its blocks: {sparse.self_attention_flops / 1e12:.4f} of "
+        f"{dense.self_attention_flops_dense / 1e12:.4f} TFLOP per device{bound}",
+    ]
+
+
 def inspect_text(m: Manifest) -> str:
     k = m.key
     head = [
@@ -157,6 +178,7 @@ def inspect_text(m: Manifest) -> str:
             if m.peak_flops
             else []
         ),
+        *_sparse_lines(m),
         f"versions   {', '.join(f'{n} {v}' for n, v in m.versions.items())}",
         *(f"note       {n}" for n in m.notes),
         *(

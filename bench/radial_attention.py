@@ -28,8 +28,9 @@ from record import save
 from aot.targets import parse_target
 from wan.configs import VideoShape
 from wan.models.attention import SPLASH_LANES, balanced_block, flops
-from wan.models.radial_mask import WAN_DENSE_LAYERS, WAN_DENSE_STEPS, RadialSpec, density
+from wan.models.radial_mask import RadialSpec, density
 from wan.presets import resolve_model
+from wan.sparse_attention import WAN_DENSE_LAYERS, WAN_DENSE_STEPS
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"

@@ -221,6 +221,11 @@ class ProgramEntry:
     replicated_param_bytes: int = 0
     program_id: str = ""  # its identity in the program store (aot.store.program_id)
     eight_bit_flops: float = 0.0  # the part of `flops` in dots on 8-bit operands (--quant w8a8)
+    # A step's video self-attention (per device): the fraction of query/key blocks its sparse
+    # layers' kernel computes (1: dense), its FLOPs with every layer dense and as built.
+    attention_density: float | None = None
+    self_attention_flops_dense: float = 0.0
+    self_attention_flops: float = 0.0
 
     @classmethod
     def from_json(cls, raw: Any, where: str = "program") -> ProgramEntry:
@@ -249,6 +254,9 @@ _PROGRAM_FIELDS: dict[str, Check] = {
     "replicated_param_bytes": jc.BYTES,
     "program_id": jc.string,
     "eight_bit_flops": jc.number,
+    "attention_density": jc.optional(jc.fraction),
+    "self_attention_flops_dense": jc.number,
+    "self_attention_flops": jc.number,
 }
 
 
@@ -290,10 +298,11 @@ class Manifest:
     fps: int | None = None  # frames per second of the model's videos (ModelConfig.fps)
     signed_by: str | None = None  # the id of the key that signed it (runtime.signing)
 
-    def step_lower_bound(self) -> float | None:
-        """Seconds a denoise step takes at the device's peak rates (the roofline): its 8-bit
-        dots at the 8-bit rate, the rest at bf16's; a measured step over it is the step's MFU."""
-        step = self.programs.get(self.key.step_program)
+    def step_lower_bound(self, program: str | None = None) -> float | None:
+        """Seconds a denoise step (`program`; default the build's full step) takes at the
+        device's peak rates (the roofline): its 8-bit dots at the 8-bit rate, the rest at
+        bf16's; a measured step over it is the step's MFU."""
+        step = self.programs.get(program or self.key.step_program)
         if step is None or not self.peak_flops:
             return None
         eight_bit = step.eight_bit_flops

@@ -18,10 +18,12 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from runtime import json_checks
+from wan import sparse_attention
 from wan.interface import (
     CONTINUOUS_PROGRAMS,
     DEFAULT_PIPELINE,
     PIPELINES,
+    SPARSE_PROGRAMS,
     replaced,
     with_step_cache,
 )
@@ -74,6 +76,25 @@ def switch(
 
 def _mesh_text(key: Any, separator: str) -> str:
     return separator.join(f"{axis}={size}" for axis, size in key.mesh)
+
+
+def _sparse_token(key: Any) -> str:
+    value = key.option("sparse_attention")
+    if value == sparse_attention.NONE:
+        return ""
+    default = value == sparse_attention.DEFAULT_RADIAL.text()
+    return "_radial" if default else "_" + value.replace(":", "-")
+
+
+def _sparse_check(value: Any, where: str) -> str:
+    """A recorded --sparse-attention value: its canonical spelling."""
+    text = json_checks.string(value, where)
+    try:
+        if sparse_attention.canonical(text) == text:
+            return text
+    except sparse_attention.SparseAttentionError:
+        pass
+    raise json_checks.malformed(where, "must be none or radial:<decay>:<steps>:<layers>:<block>")
 
 
 _DECLARED = (
@@ -152,6 +173,17 @@ _DECLARED = (
         default="none",
         choices=QUANT_MODES,
         check=json_checks.one_of(*QUANT_MODES),
+    ),
+    BuildOption(
+        "sparse_attention", "--sparse-attention", sparse_attention.FLAG_HELP,
+        token=_sparse_token,
+        argv=lambda k: ["--sparse-attention", k.option("sparse_attention")],
+        default=sparse_attention.NONE,
+        check=_sparse_check,
+        parse=sparse_attention.canonical,
+        programs=lambda names, value: (
+            names if value == sparse_attention.NONE else replaced(names, SPARSE_PROGRAMS)
+        ),
     ),
 )  # fmt: skip
 # The registry: a new option is one entry (tests add theirs with monkeypatch.setitem).

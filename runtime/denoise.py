@@ -2,7 +2,8 @@
 (`runtime.step_cache.StepCache`): the build's full step, or with `--step-cache` `cache_step`
 (every block, or the first-block cache's reuse, which it decides itself) or `cached_step` (no
 block: MagCache's skip). The blocks' residuals that `cache_step` returns stay on the devices
-and go back in at the same expert's next step.
+and go back in at the same expert's next step. A `--sparse-attention radial` build runs its
+dense step for the first steps its settings keep dense, then `radial_step`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import numpy as np
 
 from runtime.request import RequestError
 from runtime.step_cache import StepCache
-from wan import interface
+from wan import interface, sparse_attention
 
 RESIDUALS = ("first_residual", "residual")  # cache_step's outputs that go back in
 
@@ -32,8 +33,17 @@ Run = Callable[..., dict[str, Any]]  # (program, **inputs by name) -> outputs by
 class Denoiser:
     """Runs the steps of one generation as `cache` picks their programs."""
 
-    def __init__(self, run: Run, executables: Mapping[str, Any], cache: StepCache, cfg: bool):
-        self.run, self.cache, self.cfg = run, cache, cfg
+    def __init__(
+        self,
+        run: Run,
+        executables: Mapping[str, Any],
+        cache: StepCache,
+        cfg: bool,
+        sparse: sparse_attention.Radial | None = None,
+    ):
+        """`sparse`: the build's Radial settings (None: every step dense)."""
+        self.run, self.cache, self.cfg, self.sparse = run, cache, cfg, sparse
+        self.dense_steps: list[int] = []  # of a sparse build: the steps that ran dense
         step = executables[cache.step_program]
         self.inputs = interface.named(cache.step_program, step.input_shardings[0])
         self.arg_info = interface.named(cache.step_program, step.args_info[0])
@@ -42,6 +52,10 @@ class Denoiser:
     def step(self, i: int, expert: str, inputs: dict[str, Any]) -> dict[str, Any]:
         """Step i by `expert` on `inputs` (the denoise step's) -> its outputs."""
         program, threshold = self.cache.choose(expert)
+        if self.sparse is not None:
+            dense = self.sparse.dense_step(i)
+            self.dense_steps += [i] if dense else []
+            program = program if dense else interface.RADIAL_STEP
         takes = interface.SIGNATURES[program].inputs
         if "residual" in takes:
             inputs = {**inputs, **(self.residuals.get(expert) or self._zero_residuals())}

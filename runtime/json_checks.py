@@ -74,6 +74,13 @@ def number(value: Any, where: str) -> float | int:
     raise malformed(where, "must be a finite non-negative number")
 
 
+def fraction(value: Any, where: str) -> float | int:
+    """A number in [0, 1]."""
+    if number(value, where) > 1:
+        raise malformed(where, "must be a number in [0, 1]")
+    return value
+
+
 def optional(check: Check) -> Check:
     return lambda value, where: None if value is None else check(value, where)
 

@@ -33,7 +33,7 @@ from runtime.request import (
 )
 from runtime.signing import TrustedKey
 from runtime.step_cache import CacheOutcome, CacheRequest, StepCache, resolve
-from wan import checkpoint, interface, lora, schedulers, tokenizer
+from wan import checkpoint, interface, lora, schedulers, sparse_attention, tokenizer
 from wan.configs import ModelConfig, SchedulerConfig
 from wan.errors import InputError
 from wan.presets import model_spec
@@ -124,6 +124,15 @@ class GenerationReport:
     shift: float
     loras: list[lora.AppliedLora]  # merged into the weights at load
     cache: CacheOutcome  # step caching: what it skipped (`cache` None: off)
+    # A --sparse-attention build's settings and the steps that ran dense (the others: its
+    # sparse step); None: every step dense.
+    sparse_attention: SparseOutcome | None = None
+
+
+@dataclasses.dataclass
+class SparseOutcome:
+    settings: str  # wan.sparse_attention's spelling, e.g. radial:0.2:12:1:128
+    dense_steps: list[int]
 
 
 LoraSpecs = Sequence[tuple[str | Path, float]]  # (file, scale) pairs
@@ -312,7 +321,8 @@ class Pipeline:
         experts, expert_at = self.experts(tables, guidance, guidance_2)
         step_experts = [expert_at(i)[0] for i in range(steps)]
         step_cache = StepCache(cache, step, step_experts, self.config.transformer.num_layers)
-        denoiser = Denoiser(self.run, self.exe, step_cache, self.key.cfg)
+        sparse = sparse_attention.parse(self.key.option("sparse_attention"))
+        denoiser = Denoiser(self.run, self.exe, step_cache, self.key.cfg, sparse)
         marks = {}  # phase -> seconds from start to its end
         with no_compilation() as counter:
             emb = self.encode(texts)
@@ -328,7 +338,10 @@ class Pipeline:
             frames = self._decode(x)
             marks["vae_decode"] = time.perf_counter() - start
         report = self._report(counter.count, started_at, marks, steps, scheduler)
-        return frames, dataclasses.replace(report, cache=step_cache.outcome(steps))
+        outcome = None if sparse is None else SparseOutcome(sparse.text(), denoiser.dense_steps)
+        return frames, dataclasses.replace(
+            report, cache=step_cache.outcome(steps), sparse_attention=outcome
+        )
 
     def _report(
         self,

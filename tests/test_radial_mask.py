@@ -22,13 +22,13 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as smi
 
 from wan.models.radial_mask import (
-    WAN_DECAY,
     RadialSpec,
     RadialSplashMask,
     block_mask,
     density,
     radial_keep,
 )
+from wan.sparse_attention import WAN_DECAY
 
 # ---- reference: the official generator (torch, near-verbatim) -------------------------------
 

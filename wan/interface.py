@@ -38,6 +38,11 @@ SIGNATURES: dict[str, Signature] = {
     "denoise_step": Signature(
         ("params", "latents", "kv", "row", "state", "guidance"), ("latents", "state"), "transformer"
     ),
+    # Radial attention (`aot build --sparse-attention radial`): a denoise step whose video
+    # self-attention runs through the static mask after its first dense blocks.
+    "radial_step": Signature(
+        ("params", "latents", "kv", "row", "state", "guidance"), ("latents", "state"), "transformer"
+    ),
     # Step caching (`aot build --step-cache`): a full step that also leaves the blocks'
     # residuals on the devices (and reuses them after the first block when the first-block
     # cache's `threshold` allows), and MagCache's step that runs no block.
@@ -104,8 +109,12 @@ CONTINUOUS_PROGRAMS: dict[str, tuple[str, ...]] = {
     "latents_handoff": (),
     "vae_decode": ("slot_decode",),
 }
+# What a build with sparse attention holds in place of the step: the dense step, which the first
+# steps run, and the sparse one.
+SPARSE_PROGRAMS: dict[str, tuple[str, ...]] = {"denoise_step": ("denoise_step", "radial_step")}
+RADIAL_STEP = SPARSE_PROGRAMS["denoise_step"][1]
 # Every such table; the first program of a replacement has the outputs of the one it replaces.
-REPLACEMENTS = (STEP_CACHE_PROGRAMS, CONTINUOUS_PROGRAMS)
+REPLACEMENTS = (STEP_CACHE_PROGRAMS, CONTINUOUS_PROGRAMS, SPARSE_PROGRAMS)
 
 
 def replaced(programs: Sequence[str], table: Mapping[str, tuple[str, ...]]) -> tuple[str, ...]:

@@ -19,8 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from wan import axes, interface, kinds, schedulers, sharding
+from wan import axes, interface, kinds, schedulers, sharding, sparse_attention
 from wan.configs import ModelConfig, VideoShape
+from wan.models.radial_mask import RadialSpec
 from wan.models.text_encoder import prompt_embeddings
 from wan.models.transformer import HIDDEN, Embedded, WanTransformer
 from wan.models.vae import WanVAE, denormalize_latents, normalize_latents
@@ -407,7 +408,7 @@ def _step_program(
     extra_axes: dict[str, Tree] | None = None,
     extra_out_axes: dict[str, Tree] | None = None,
     donate: tuple[str, ...] = (),
-    analyses: tuple[str, ...] = ("attention_kernels",),
+    analyses: tuple[str, ...] = ("attention_kernels", "self_attention"),
     per_slot: bool = False,
 ) -> Program:
     """A denoise step: the transformer on the latents (both CFG passes at once), guidance and
@@ -482,6 +483,32 @@ def _step_program(
         donate=("latents", "state", *donate),  # a step holds one copy of each
         analyses=analyses,
         vmem_hint="smaller --attention splash blocks (e.g. splash:1024:1024:512)",
+    )  # fmt: skip
+
+
+def _radial_pass(settings: sparse_attention.Radial) -> TransformerPass:
+    """Radial Attention's blocks: the first `dense_layers` dense, the others' video
+    self-attention through the mask of the step's token grid; two loops over the stacked
+    weights (the kernel is a trace-time choice, so one loop body cannot switch it per layer)."""
+
+    def radial_pass(model, embedded, kv, extra):
+        layers = model.config.num_layers
+        dense = min(settings.dense_layers, layers)
+        mask = RadialSpec.of(settings, embedded.grid)
+        x = model.run_block_range(embedded.tokens, embedded, kv, 0, dense)
+        return model.run_block_range(x, embedded, kv, dense, layers, mask), {}
+
+    return radial_pass
+
+
+def radial_step_program(config: ModelConfig, shape: VideoShape, options: ProgramOptions) -> Program:
+    """The denoise step of a `--sparse-attention radial` build after its dense steps."""
+    settings = sparse_attention.parse(options.build["sparse_attention"])
+    if settings is None:
+        raise ValueError("radial_step is the step of a --sparse-attention radial build")
+    return _step_program(
+        "radial_step", config, shape, options, _radial_pass(settings),
+        analyses=("radial_attention",),
     )  # fmt: skip
 
 
@@ -794,6 +821,7 @@ MAKERS: dict[str, Callable[[ModelConfig, VideoShape, ProgramOptions], Program]] 
     "vae_encode": vae_encode_program,
     "image_kv_cache": image_kv_cache_program,
     "denoise_step": denoise_step_program,
+    "radial_step": radial_step_program,
     "cache_step": cache_step_program,
     "cached_step": cached_step_program,
     "latents_handoff": latents_handoff_program,

@@ -32,7 +32,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import (
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
 from wan import axes, sharding
-from wan.models.radial_mask import RadialSpec, RadialSplashMask, radial_keep
+from wan.models.radial_mask import RadialSpec, RadialSplashMask, density, radial_keep
 
 Attention = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -43,9 +43,20 @@ def _scores(q: jax.Array, k: jax.Array) -> jax.Array:
     return jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
 
 
-def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """softmax(q k^T / sqrt(D)) v with an fp32 softmax; (B, Sq, H, D) -> (B, Sq, H, D)."""
-    probs = jax.nn.softmax(_scores(q, k), axis=-1)
+def dot_product_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, sparse: RadialSpec | None = None
+) -> jax.Array:
+    """softmax(q k^T / sqrt(D)) v with an fp32 softmax; (B, Sq, H, D) -> (B, Sq, H, D);
+    with `sparse`, over the entries its Radial mask keeps."""
+    scores = _scores(q, k)
+    if sparse is not None:
+        _check_sparse(sparse, q.shape[1], k.shape[1])
+        ids = jnp.arange(sparse.tokens)
+        keep = radial_keep(sparse, ids[:, None], ids[None, :])
+        scores = jnp.where(keep, scores, jnp.finfo(scores.dtype).min)  # a row it empties: 0
+        probs = jnp.where(keep, jax.nn.softmax(scores, axis=-1), 0.0)
+    else:
+        probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum(
         "bhqk,bkhd->bqhd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32
     )
@@ -155,6 +166,12 @@ class SplashBlocks:
     kv: int
     kv_compute: int
 
+    def balanced(self, q_len: int, kv_len: int) -> tuple[int, int]:
+        """The query and key blocks a call on these lengths runs."""
+        return balanced_block(q_len, self.q, SPLASH_LANES), balanced_block(
+            kv_len, self.kv, SPLASH_LANES
+        )
+
 
 SPLASH_LANES = 128
 
@@ -178,8 +195,7 @@ def splash_attention(
     _check_sparse(sparse, q.shape[1], k.shape[1])
     b, q_len, heads, d = q.shape
     kv_len = k.shape[1]
-    bq = balanced_block(q_len, blocks.q, SPLASH_LANES)
-    bkv = balanced_block(kv_len, blocks.kv, SPLASH_LANES)
+    bq, bkv = blocks.balanced(q_len, kv_len)
     bkv_compute = balanced_block(bkv, min(blocks.kv_compute, bkv), SPLASH_LANES)
     if bkv % bkv_compute:
         bkv_compute = bkv
@@ -223,6 +239,17 @@ class TritonBlocks:
     q: int = 128
     kv: int = 64
 
+    def fitted(self, q_len: int, kv_len: int) -> tuple[int, int]:
+        """The query and key blocks a call on these lengths runs."""
+        return (
+            min(self.q, max(TRITON_MIN_BLOCK, _power_of_two(q_len))),
+            min(self.kv, max(TRITON_MIN_BLOCK, _power_of_two(kv_len))),
+        )
+
+    def skips(self, sparse: RadialSpec, q_len: int, kv_len: int) -> bool:
+        """Whether the kernel skips the key blocks `sparse` drops (its blocks fit the mask's)."""
+        return all(sparse.block % n == 0 for n in self.fitted(q_len, kv_len))
+
 
 TRITON_MIN_BLOCK = 16  # Triton's dot needs every side of a tile >= 16
 
@@ -237,16 +264,15 @@ def _triton_kernel(
     block_kv: int,
     scale: float,
     sparse: RadialSpec | None,
+    skips: bool,
 ):
     """One query block of one (video, head) against every key block: the online softmax of
     `blockwise_attention`, in base 2 (exp2), keys past `kv_len` (padding) masked out. With
-    `sparse`, a Radial mask: entries it drops masked, and where the kernel's blocks fit in the
-    mask's, a key block it drops whole skipped."""
+    `sparse`, a Radial mask: entries it drops masked, and with `skips` (the kernel's blocks fit
+    in the mask's: a (query, key) block is kept or dropped whole) a key block it drops skipped."""
     block_q, d = q_ref.shape
     q = q_ref[...]
     q_start = None if sparse is None else pl.program_id(0) * block_q
-    # Kernel blocks inside one mask block each: a (query, key) block is kept or dropped whole.
-    skips = sparse is not None and sparse.block % block_q == 0 and sparse.block % block_kv == 0
 
     def attend(start, carry):
         acc, m, denom = carry
@@ -304,8 +330,7 @@ def triton_attention(
     (zero columns add nothing to q.k and give zero output columns, sliced off)."""
     b, q_len, heads, d = q.shape
     kv_len = k.shape[1]
-    bq = min(blocks.q, max(TRITON_MIN_BLOCK, _power_of_two(q_len)))
-    bkv = min(blocks.kv, max(TRITON_MIN_BLOCK, _power_of_two(kv_len)))
+    bq, bkv = blocks.fitted(q_len, kv_len)
     q_pad, kv_pad, d_pad = _round_up(q_len, bq), _round_up(kv_len, bkv), _power_of_two(d)
 
     def padded(x: jax.Array, length: int) -> jax.Array:
@@ -313,8 +338,9 @@ def triton_attention(
 
     _check_sparse(sparse, q_len, kv_len)
     kernel = functools.partial(
-        _triton_kernel, kv_len=kv_len, block_kv=bkv, scale=d**-0.5, sparse=sparse
-    )
+        _triton_kernel, kv_len=kv_len, block_kv=bkv, scale=d**-0.5, sparse=sparse,
+        skips=sparse is not None and blocks.skips(sparse, q_len, kv_len),
+    )  # fmt: skip
     kv_spec = pl.BlockSpec((None, kv_pad, None, d_pad), lambda i, j, h: (j, 0, h, 0))
     q_spec = pl.BlockSpec((None, bq, None, d_pad), lambda i, j, h: (j, i, h, 0))
     out = pl.pallas_call(
@@ -345,8 +371,8 @@ def _check_sparse(sparse: RadialSpec | None, q_len: int, kv_len: int) -> None:
 
 
 # The kernels a Radial mask runs in: the TPU and GPU kernels skip the blocks it drops, the
-# blockwise kernel (CPU) masks entry by entry.
-SPARSE_KERNELS = ("splash", "triton", "blockwise")
+# XLA kernels (CPU, short sequences) mask entry by entry.
+SPARSE_KERNELS = ("splash", "triton", "blockwise", "dot")
 CONTEXT_PARALLEL = ("gather", "ulysses")
 # Kernels XLA's SPMD partitioner can split by itself; the others run inside shard_map.
 PARTITIONABLE = ("dot", "blockwise")
@@ -369,6 +395,18 @@ def flops(q_shape: tuple[int, ...], kv_length: int) -> int:
     return 4 * b * s * h * kv_length * d
 
 
+def kernel_density(impl: str, sparse: RadialSpec) -> float:
+    """The fraction of query/key blocks the kernel `impl` computes in self-attention under the
+    mask `sparse` (radial_mask.density at its blocks): splash skips every block the mask drops,
+    Triton those it drops whole where its blocks fit in the mask's, the XLA kernels none."""
+    name, n = kernel_name(impl), sparse.tokens
+    if name == "splash":
+        return density(sparse, *_splash_blocks(impl).balanced(n, n))
+    if name == "triton" and (blocks := _triton_blocks(impl)).skips(sparse, n, n):
+        return density(sparse, *blocks.fitted(n, n))
+    return 1.0
+
+
 def resolve(impl: str, *, interpret: bool = False, sparse: RadialSpec | None = None) -> Attention:
     """The attention function an implementation name selects: 'dot', 'blockwise' (default
     blocks), 'blockwise:<q_block>:<kv_block>', 'splash:<q>:<kv>:<kv_compute>' (largest block
@@ -389,28 +427,44 @@ def resolve(impl: str, *, interpret: bool = False, sparse: RadialSpec | None = N
         return blockwise_attention
     if sizes := re.fullmatch(f"blockwise{_SIZES}{_SIZES}", impl):
         return functools.partial(blockwise_attention, q_block=int(sizes[1]), kv_block=int(sizes[2]))
-    if sizes := re.fullmatch(f"triton(?:{_SIZES}{_SIZES})?", impl):
-        blocks = TritonBlocks(*(int(n) for n in sizes.groups() if n))
-        if any(n & (n - 1) or n < TRITON_MIN_BLOCK for n in (blocks.q, blocks.kv)):
-            raise ValueError(
-                f"attention {impl!r}: triton block sizes must be powers of two >= {TRITON_MIN_BLOCK}"
-            )
-        return functools.partial(triton_attention, blocks=blocks, interpret=interpret)
-    if sizes := re.fullmatch(f"splash{_SIZES}{_SIZES}{_SIZES}", impl):
-        blocks = SplashBlocks(*(int(s) for s in sizes.groups()))
-        if (
-            any(n % SPLASH_LANES for n in (blocks.q, blocks.kv_compute))
-            or blocks.kv % blocks.kv_compute
-        ):
-            raise ValueError(
-                f"attention {impl!r}: splash block sizes q and kv_compute must be multiples of "
-                f"{SPLASH_LANES}, and kv a multiple of kv_compute"
-            )
-        return functools.partial(splash_attention, blocks=blocks, interpret=interpret)
-    raise ValueError(
+    if kernel_name(impl) == "triton":
+        return functools.partial(triton_attention, blocks=_triton_blocks(impl), interpret=interpret)
+    if kernel_name(impl) == "splash":
+        return functools.partial(splash_attention, blocks=_splash_blocks(impl), interpret=interpret)
+    raise _unknown(impl)
+
+
+def _unknown(impl: str) -> ValueError:
+    return ValueError(
         f"unknown attention implementation {impl!r}: use 'dot', 'blockwise[:<q>:<kv>]', "
         "'splash:<q>:<kv>:<kv_compute>', 'triton[:<q>:<kv>]' or 'cudnn'"
     )
+
+
+def _triton_blocks(impl: str) -> TritonBlocks:
+    if not (sizes := re.fullmatch(f"triton(?:{_SIZES}{_SIZES})?", impl)):
+        raise _unknown(impl)
+    blocks = TritonBlocks(*(int(n) for n in sizes.groups() if n))
+    if any(n & (n - 1) or n < TRITON_MIN_BLOCK for n in (blocks.q, blocks.kv)):
+        raise ValueError(
+            f"attention {impl!r}: triton block sizes must be powers of two >= {TRITON_MIN_BLOCK}"
+        )
+    return blocks
+
+
+def _splash_blocks(impl: str) -> SplashBlocks:
+    if not (sizes := re.fullmatch(f"splash{_SIZES}{_SIZES}{_SIZES}", impl)):
+        raise _unknown(impl)
+    blocks = SplashBlocks(*(int(s) for s in sizes.groups()))
+    if (
+        any(n % SPLASH_LANES for n in (blocks.q, blocks.kv_compute))
+        or blocks.kv % blocks.kv_compute
+    ):
+        raise ValueError(
+            f"attention {impl!r}: splash block sizes q and kv_compute must be multiples of "
+            f"{SPLASH_LANES}, and kv a multiple of kv_compute"
+        )
+    return blocks
 
 
 def attention(

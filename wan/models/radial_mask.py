@@ -42,13 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
-# Official Wan 2.1 T2V 14B settings, scripts/wan_t2v_inference.sh at the commit above (and
-# radial_attn/models/wan/attention.py: block_size=128). Dense steps and layers are the
-# caller's business, recorded here only.
-WAN_BLOCK = 128
-WAN_DECAY = 0.2  # --decay_factor 0.2
-WAN_DENSE_STEPS = 12  # --dense_timesteps 12: the first 12 of --num_inference_steps 50
-WAN_DENSE_LAYERS = 1  # --dense_layers 1: transformer block 0 stays dense
+from wan.sparse_attention import WAN_BLOCK, WAN_DECAY, Radial
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +57,11 @@ class RadialSpec:
     def __post_init__(self) -> None:
         if min(self.frames, self.tokens_per_frame, self.block) < 1 or self.decay <= 0:
             raise ValueError(f"invalid {self}")
+
+    @classmethod
+    def of(cls, settings: Radial, grid: tuple[int, int, int]) -> RadialSpec:
+        """The mask of a build's settings over a (frames, rows, cols) token grid."""
+        return cls(grid[0], grid[1] * grid[2], settings.block, settings.decay)
 
     @property
     def tokens(self) -> int:

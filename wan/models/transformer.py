@@ -33,6 +33,7 @@ from wan.models.attention import attention as multi_head_attention
 from wan.models.attention import resolve as resolve_attention
 from wan.models.partitioned import logical_init
 from wan.models.quant_linear import QuantLinear
+from wan.models.radial_mask import RadialSpec
 from wan.quant import Scheme, scheme
 from wan.sharding import constrain
 
@@ -255,12 +256,14 @@ class Attention(nnx.Module):
         v: jax.Array,
         rope: tuple[jax.Array, jax.Array] | None = None,
         image_kv: tuple[jax.Array, jax.Array] | None = None,
+        sparse: RadialSpec | None = None,
     ) -> jax.Array:
+        """`sparse`: self-attention through this Radial mask (radial_step)."""
         q = self._heads(self.norm_q(self.to_q(x)))
         k, v = self._heads(k), self._heads(v)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out = multi_head_attention(q, k, v, self.impl, self.context_parallel)
+        out = multi_head_attention(q, k, v, self.impl, self.context_parallel, sparse)
         if image_kv is not None:
             k_img, v_img = map(self._heads, image_kv)
             out = out + multi_head_attention(q, k_img, v_img, self.impl, self.context_parallel)
@@ -306,10 +309,12 @@ class WanBlock(nnx.Module):
         time6: jax.Array,
         rope: tuple[jax.Array, jax.Array],
         first: tuple[jax.Array, int] | None = None,
+        sparse: RadialSpec | None = None,
     ) -> jax.Array:
         """x (B, S, dim); cross_kv this layer's text keys and values (B, L, dim), then the
         image's when the model takes image features; time6 the timestep projection
-        (B, 6, dim); `first`: another projection for the first tokens, and their count."""
+        (B, 6, dim); `first`: another projection for the first tokens, and their count;
+        `sparse`: the self-attention's Radial mask (cross-attention stays dense)."""
         table = self.scale_shift_table[...]
         mod = table + time6.astype(jnp.float32)
         mod_first, first_tokens = (None, 0) if first is None else (table + first[0], first[1])
@@ -328,7 +333,8 @@ class WanBlock(nnx.Module):
         # instruction comes from.
         with jax.named_scope("self_attention"):
             h = (self.norm1(x32) * (1 + scale) + shift).astype(self.dtype)
-            x = (x32 + self.attn1(h, *self.attn1.key_value(h), rope) * gate).astype(self.dtype)
+            attended = self.attn1(h, *self.attn1.key_value(h), rope, sparse=sparse)
+            x = (x32 + attended * gate).astype(self.dtype)
 
         with jax.named_scope("cross_attention"):
             h = (
@@ -543,10 +549,17 @@ class WanTransformer(nnx.Module):
         return x
 
     def run_block_range(
-        self, x: jax.Array, embedded: Embedded, kv_cache: KVCache, start: int, stop: int
+        self,
+        x: jax.Array,
+        embedded: Embedded,
+        kv_cache: KVCache,
+        start: int,
+        stop: int,
+        sparse: RadialSpec | None = None,
     ) -> jax.Array:
         """`x` after blocks start..stop-1: a loop that reads each layer's slice of the stacked
-        weights in place (slicing the stack for a scan would copy the weights)."""
+        weights in place (slicing the stack for a scan would copy the weights); `sparse`: their
+        self-attention through this Radial mask."""
         graphdef, params = nnx.split(self.blocks)
         first = self._block_first(embedded)
 
@@ -557,7 +570,7 @@ class WanTransformer(nnx.Module):
                 (params, tuple(kv_cache)),
             )
             block = nnx.merge(graphdef, p)
-            x = block(constrain(x, HIDDEN), kv, embedded.time6, embedded.rope, first)
+            x = block(constrain(x, HIDDEN), kv, embedded.time6, embedded.rope, first, sparse)
             return constrain(x, HIDDEN)
 
         return jax.lax.fori_loop(start, stop, layer, x)
