@@ -150,7 +150,11 @@ def _pair_keeps(spec: RadialSpec, xp, i, j, r0, r1, c0, c1):
         _by_group(xp, d, [_window(spec, g) for g in groups]),
     )
     periods = [_split_period(spec, g) for g in groups]
-    split = _by_group(xp, d, [True if p == 1 else _rem(xp, d, p) == 0 for p in periods])
+    # As integers: Mosaic cannot lay out a select between a boolean constant and a vector.
+    split = (
+        _by_group(xp, d, [1 if p == 1 else (_rem(xp, d, p) == 0).astype(xp.int32) for p in periods])
+        == 1
+    )
     dense_cols = spec.block // 3 + 1  # column density > 1/3
     nonzero = _columns_reaching(xp, 1, r0, r1, c0, c1, width)
     dense = _columns_reaching(xp, dense_cols, r0, r1, c0, c1, width)
@@ -238,12 +242,11 @@ class RadialSplashMask(splash_mask._ComputableMask):
         return hash((type(self), self.shape, self.spec, self.q_sequence.tobytes()))
 
 
-def density(spec: RadialSpec, kernel_block: int, kv_block: int | None = None) -> float:
-    """Fraction of (kernel_block x kv_block) blocks (kv_block: kernel_block unless given) a
-    block-sparse kernel computes: the tokens padded to a multiple of each block as splash
-    needs, of `RadialSplashMask` (pad keys never kept, pad queries dense), i.e. the splash mask
-    info's non-empty blocks."""
-    qb, kb, b, n = kernel_block, kv_block or kernel_block, spec.block, spec.tokens
+def kernel_blocks_kept(spec: RadialSpec, q_block: int, kv_block: int) -> np.ndarray:
+    """(query blocks, key blocks) bool over the tokens padded to each kernel block: True where
+    a block holds an entry `RadialSplashMask` keeps (pad keys never kept, pad queries dense),
+    i.e. the blocks a block-sparse kernel computes."""
+    qb, kb, b, n = q_block, kv_block, spec.block, spec.tokens
     q_count, kv_count = -(-n // qb), -(-n // kb)
     table = RadialSplashMask(spec, (q_count * qb, kv_count * kb))._table.astype(np.int64)
     sums = np.pad(table.cumsum(0).cumsum(1), ((1, 0), (1, 0)))  # 2-D prefix sums
@@ -256,4 +259,11 @@ def density(spec: RadialSpec, kernel_block: int, kv_block: int | None = None) ->
         - sums[r1[:, None], c0[None, :]]
         + sums[r0[:, None], c0[None, :]]
     )
-    return float((kept > 0).mean())
+    return kept > 0
+
+
+def density(spec: RadialSpec, kernel_block: int, kv_block: int | None = None) -> float:
+    """Fraction of (kernel_block x kv_block) blocks (kv_block: kernel_block unless given) a
+    block-sparse kernel computes (`kernel_blocks_kept`): the splash mask info's non-empty
+    blocks."""
+    return float(kernel_blocks_kept(spec, kernel_block, kv_block or kernel_block).mean())
