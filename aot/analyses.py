@@ -9,7 +9,7 @@ from typing import Any
 
 from aot import vae_gathers
 from aot.hlo import Module
-from aot.plan import BuildError, BuildPlan, kernel_flops, self_attention
+from aot.plan import BuildError, BuildPlan, eight_bit_kernel_flops, kernel_flops, self_attention
 from wan.programs import Program
 
 Analysis = Callable[[BuildPlan, Module], dict[str, Any]]
@@ -20,12 +20,16 @@ ANALYSES: dict[str, Analysis] = {
         "gathered_bytes_per_latent_frame": vae_gathers.gathers(module).per_latent_frame
     },
     # The attention kernels' FLOPs, which the HLO holds as opaque custom calls.
-    "attention_kernels": lambda plan, module: {"kernel_flops": kernel_flops(plan)},
+    "attention_kernels": lambda plan, module: {
+        "kernel_flops": kernel_flops(plan),
+        "eight_bit_kernel_flops": eight_bit_kernel_flops(plan),
+    },
     # The video self-attention's density and FLOPs, dense and as built: a dense step's...
     "self_attention": lambda plan, module: _self_attention(plan, radial=False),
     # ... and radial_step's, whose kernel FLOPs count the blocks its mask keeps.
     "radial_attention": lambda plan, module: {
         "kernel_flops": kernel_flops(plan, radial=True),
+        "eight_bit_kernel_flops": eight_bit_kernel_flops(plan, radial=True),
         **_self_attention(plan, radial=True),
     },
 }

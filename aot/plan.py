@@ -114,7 +114,16 @@ def plan_build(
     attention = choose_attention(attention, target, shape.tokens(config))
     context_parallel = choose_context_parallel(context_parallel, config, shape, mesh)
     if radial is not None:
-        check_radial_kernel(attention, context_parallel, config, shape, mesh)
+        check_kernel_takes(
+            "--sparse-attention", attention_lib.SPARSE_KERNELS, attention, context_parallel,
+            config, shape, mesh,
+        )  # fmt: skip
+    if (attention_8bit := dict(options)["attention_quant"]) != "none":
+        check_attention_quant(attention_8bit, target)
+        check_kernel_takes(
+            "--attention-quant", attention_lib.QUANT_KERNELS, attention, context_parallel,
+            config, shape, mesh,
+        )  # fmt: skip
     key = BuildKey(
         model=model_name,
         width=shape.width,
@@ -152,22 +161,47 @@ def check_radial(radial: sparse_attention.Radial, config: ModelConfig, options: 
         )
 
 
-def check_radial_kernel(
-    attention: str, context_parallel: str, config: ModelConfig, shape: VideoShape, mesh: Any
+def check_kernel_takes(
+    flag: str,
+    kernels: tuple[str, ...],
+    attention: str,
+    context_parallel: str,
+    config: ModelConfig,
+    shape: VideoShape,
+    mesh: Any,
 ) -> None:
-    """A kernel that runs Radial's mask, laid out so each device attends whole sequences."""
+    """A kernel among `kernels` (those `flag` runs in), laid out so each device attends whole
+    sequences where the kernel cannot be partitioned by XLA (the mask is by position, the
+    keys' smoothing needs them all)."""
     kernel = attention_lib.kernel_name(attention)
-    if kernel not in attention_lib.SPARSE_KERNELS:
+    if kernel not in kernels:
         raise BuildError(
-            f"--sparse-attention with --attention {attention}: the mask runs in "
-            f"{', '.join(attention_lib.SPARSE_KERNELS)}: choose one of them"
+            f"{flag} with --attention {attention}: it runs in {', '.join(kernels)}: choose one "
+            "of them"
         )
     shards, _ = _query_layout(config, shape, mesh)
     if kernel not in attention_lib.PARTITIONABLE and context_parallel == "gather" and shards > 1:
         raise BuildError(
-            f"--sparse-attention in {kernel} with the tokens over {shards} devices needs "
+            f"{flag} in {kernel} with the tokens over {shards} devices needs "
             "--context-parallel ulysses (each device then attends whole sequences) or a mesh "
             "without context sharding"
+        )
+
+
+def check_attention_quant(fmt: str, target: Target) -> None:
+    """8-bit attention on the target's 8-bit matrix unit: int8 on v4-v6e, fp8 on tpu7x; CPU
+    runs either (the reference); GPU targets have no 8-bit kernel here."""
+    platform = target_platform(target)
+    if platform == "gpu":
+        raise BuildError(
+            f"--attention-quant {fmt}: {target.name} has no 8-bit attention kernel here (it runs "
+            "in splash on TPU and blockwise on CPU): leave it out"
+        )
+    chip = target.chip
+    if chip is not None and chip.eight_bit != fmt:
+        raise BuildError(
+            f"--attention-quant {fmt}: {target.name} has no {fmt} matrix unit (its 8-bit format "
+            f"is {chip.eight_bit}): use --attention-quant {chip.eight_bit} or none"
         )
 
 
@@ -401,11 +435,13 @@ def kernel_flops(plan: BuildPlan, radial: bool = False) -> float:
 @dataclasses.dataclass(frozen=True)
 class SelfAttention:
     """A step's video self-attention per device: the fraction of query/key blocks its sparse
-    layers' kernel computes, and its FLOPs with every layer dense and as built."""
+    layers' kernel computes, its FLOPs with every layer dense and as built, and the part of
+    those on 8-bit operands (--attention-quant: Q K^T, and P V in fp8)."""
 
     density: float
     dense_flops: float
     flops: float
+    eight_bit_flops: float = 0.0
 
 
 def self_attention(plan: BuildPlan, radial: bool) -> SelfAttention:
@@ -414,13 +450,23 @@ def self_attention(plan: BuildPlan, radial: bool) -> SelfAttention:
     layers = plan.config.transformer.num_layers
     dense = _layer_flops(plan, plan.shape.tokens(plan.config)) * layers
     settings = sparse_attention.parse(plan.key.option("sparse_attention")) if radial else None
-    if settings is None:
-        return SelfAttention(1.0, dense, dense)
-    grid = plan.config.transformer.patch_grid(plan.shape.latent_shape(plan.config)[1:4])
-    density = attention_lib.kernel_density(plan.attention, RadialSpec.of(settings, grid))
-    dense_layers = min(settings.dense_layers, layers)
-    built = dense * (dense_layers + (layers - dense_layers) * density) / layers
-    return SelfAttention(density, dense, built)
+    density, built = 1.0, dense
+    if settings is not None:
+        grid = plan.config.transformer.patch_grid(plan.shape.latent_shape(plan.config)[1:4])
+        density = attention_lib.kernel_density(plan.attention, RadialSpec.of(settings, grid))
+        dense_layers = min(settings.dense_layers, layers)
+        built = dense * (dense_layers + (layers - dense_layers) * density) / layers
+    fmt = plan.key.option("attention_quant")
+    # Q K^T is half the FLOPs, P V the other half (attention_lib.flops).
+    eight_bit = {"none": 0.0, "int8": built / 2, "fp8": built}[fmt]
+    return SelfAttention(density, dense, built, eight_bit)
+
+
+def eight_bit_kernel_flops(plan: BuildPlan, radial: bool = False) -> float:
+    """The part of `kernel_flops` on 8-bit operands (the HLO counts an XLA kernel's itself)."""
+    if attention_lib.kernel_name(plan.attention) in attention_lib.PARTITIONABLE:
+        return 0.0
+    return self_attention(plan, radial).eight_bit_flops
 
 
 def _layer_flops(plan: BuildPlan, kv_length: int) -> float:

@@ -60,7 +60,8 @@ def _step_flops(manifest: Manifest) -> float:
 
 
 def _eight_bit_flops(manifest: Manifest) -> float:
-    return manifest.programs[manifest.key.step_program].eight_bit_flops
+    step = manifest.programs[manifest.key.step_program]
+    return step.eight_bit_flops + step.eight_bit_kernel_flops
 
 
 def _lower_bound_text(manifest: Manifest) -> str:
@@ -163,6 +164,13 @@ def inspect_text(m: Manifest) -> str:
         f"mesh       {m.mesh_axes}; vae {m.vae_mesh_axes}, spatial axis {k.vae_axis}",
         f"attention  {k.attention}, context parallelism {k.context_parallel}",
         *([f"quant      {k.option('quant')} (wan.quant)"] if k.option("quant") != "none" else []),
+        *(
+            [
+                f"attention  self-attention in {k.option('attention_quant')} (wan.models.attention_quant)"
+            ]
+            if k.option("attention_quant") != "none"
+            else []
+        ),
         *([f"vae vmem   {k.vae_vmem_mib} MiB scoped VMEM (--vae-vmem)"] if k.vae_vmem_mib else []),
         *(
             [

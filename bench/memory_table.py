@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import itertools
 import json
 import subprocess
 import sys
@@ -34,30 +35,44 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import record  # noqa: E402  (bench/record.py, beside this script)
 
+from wan.interface import RADIAL_STEP  # noqa: E402  (jax-free: the environment is set per job)
+
 GiB = float(1 << 30)
 TRANSFORMER_PROGRAMS = ["text_encode", "kv_cache", "denoise_step"]
 
 
+# The plain build options the table sweeps: the attribute of each flag's list of values, its
+# build option, and the row key that records the value asked for.
+SWEPT = {
+    "quants": ("quant", "quant"),
+    "sparse_attentions": ("sparse_attention", "requested_sparse_attention"),
+    "attention_quants": ("attention_quant", "requested_attention_quant"),
+}
+
+
 def compile_one(model: str, target_name: str, batch: int, res: str, frames: int,
-                only: list[str], attention: str, quant: str = "none") -> dict:  # fmt: skip
+                only: list[str], attention: str, plain: dict[str, str]) -> dict:  # fmt: skip
     """Runs in its own process: plan as `aot build` does, compile `only`, measure."""
     from aot import targets
 
     target = targets.parse_target(target_name)
     targets.prepare_environment(target)
-    from aot import check, hlo, hlo_cost
+    from aot import analyses, check, hlo, hlo_cost
     from aot.entries import memory_stats, replicated_param_bytes
     from aot.lower import compile_plan
-    from aot.plan import kernel_flops, plan_build, transformer_bytes, ulysses_all_to_alls
+    from aot.plan import plan_build, transformer_bytes, ulysses_all_to_alls
     from wan.configs import VideoShape
     from wan.presets import resolve_model
+    from wan.sparse_attention import canonical
 
     config = resolve_model(model)
     width, height = (int(v) for v in res.split("x"))
     num_devices = len(targets.devices(target))
     shape = VideoShape(width, height, frames, batch)
     requested = None if attention == "auto" else attention
-    plan = plan_build(model, config, shape, target, num_devices, attention=requested, quant=quant)
+    values = {**plain, "sparse_attention": canonical(plain["sparse_attention"])}
+    plan = plan_build(model, config, shape, target, num_devices, attention=requested, **values)
+    quant = plain["quant"]
     policy = check.load_policy()
     facts = check.BuildFacts(plan.key.target, target.hbm_bytes, ulysses_all_to_alls(plan))
     programs = {}
@@ -66,6 +81,7 @@ def compile_one(model: str, target_name: str, batch: int, res: str, frames: int,
         memory = memory_stats(compiled)
         found = check.ProgramCheck(memory["peak"], tuple(hlo.collectives(module)))
         violations = check.program_violations(Path(), program.name, found, policy, facts)
+        recorded = analyses.recorded(plan, program, module)  # what the manifest records
         programs[program.name] = {
             "peak_gib": round(memory["peak"] / GiB, 3),
             "argument_gib": round(memory["argument"] / GiB, 3),
@@ -75,10 +91,19 @@ def compile_one(model: str, target_name: str, batch: int, res: str, frames: int,
             "tflops": round(hlo_cost.flops(module) / 1e12, 3),
             "eight_bit_tflops": round(hlo_cost.eight_bit_flops(module) / 1e12, 3),
             "replicated_param_gib": round(replicated_param_bytes(program.name, compiled) / GiB, 3),
-            # the custom-call kernels' FLOPs, which the HLO count cannot see (denoise_step)
-            "kernel_tflops": round(
-                (kernel_flops(plan) if program.name == "denoise_step" else 0) / 1e12, 3
-            ),
+            # the custom-call kernels' FLOPs, which the HLO count cannot see (the steps)
+            "kernel_tflops": round(recorded.get("kernel_flops", 0) / 1e12, 3),
+            # a step's video self-attention: the fraction of blocks its kernel computes, its
+            # FLOPs dense and as built (aot.plan.self_attention)
+            **{
+                name: round(recorded[field] / scale, 4)
+                for name, field, scale in [
+                    ("attention_density", "attention_density", 1),
+                    ("self_attention_tflops_dense", "self_attention_flops_dense", 1e12),
+                    ("self_attention_tflops", "self_attention_flops", 1e12),
+                ]
+                if field in recorded
+            },
             "tpu_custom_calls": sum(
                 t == "tpu_custom_call" for t in hlo_cost.cost(module).custom_calls.values()
             ),
@@ -99,25 +124,38 @@ def compile_one(model: str, target_name: str, batch: int, res: str, frames: int,
         "peak_tflops": (targets.peak_flops(target, "") or 0) / 1e12,
         "peak_8bit_tops": target.chip.peak_8bit / 1e12 if target.chip else None,
         "quant": quant,
+        "sparse_attention": plan.key.option("sparse_attention"),
+        "attention_quant": plan.key.option("attention_quant"),
         "transformer_weight_gib": round(transformer_bytes(config, quant) / GiB, 2),
         "hbm_gib": target.hbm_bytes / GiB if target.hbm_bytes else None,
         "programs": programs,
     }
 
 
+def _flags(plain: dict[str, str], defaults_too: bool) -> list[str]:
+    """The sweep flags asking for exactly `plain` (values by build option)."""
+    return [
+        arg
+        for attribute, (option, _) in SWEPT.items()
+        if defaults_too or plain[option] != "none"
+        for arg in ("--" + attribute.replace("_", "-"), plain[option])
+    ]
+
+
 def run_one(model: str, target: str, batch: int, attention: str, args: argparse.Namespace,
-            only: list[str], quant: str = "none") -> dict:  # fmt: skip
+            only: list[str], plain: dict[str, str]) -> dict:  # fmt: skip
     cmd = [sys.executable, __file__, "--one", model, target, str(batch), "--res", args.res,
-           "--frames", str(args.frames), "--attentions", attention, "--quants", quant,
-           "--only", *only]  # fmt: skip
+           "--frames", str(args.frames), "--attentions", attention,
+           *_flags(plain, defaults_too=True), "--only", *only]  # fmt: skip
     start = time.time()
     result = subprocess.run(cmd, capture_output=True, text=True)
     command = (f"python bench/memory_table.py --models {model} --targets {target} --batches "
                f"{batch} --res {args.res} --frames {args.frames} --attentions {attention} "
                f"--programs {' '.join(only)}"
-               + (f" --quants {quant}" if quant != "none" else ""))  # fmt: skip
+               + "".join(f" {arg}" for arg in _flags(plain, defaults_too=False)))  # fmt: skip
     row = {"model": model, "target": target, "batch": batch, "requested_attention": attention,
-           "command": command, "quant": quant}  # fmt: skip
+           "command": command,
+           **{key: plain[option] for option, key in SWEPT.values()}}  # fmt: skip
     if result.returncode != 0:
         return row | {"error": result.stderr.strip().splitlines()[-1:]}
     return row | {"wall_seconds": round(time.time() - start, 1)} | json.loads(result.stdout)
@@ -197,6 +235,16 @@ def main() -> None:
         "--quants", nargs="+", default=["none"], help="aot build --quant values (wan.quant)"
     )
     parser.add_argument(
+        "--sparse-attentions",
+        nargs="+",
+        default=["none"],
+        help="aot build --sparse-attention values (wan.sparse_attention)",
+    )
+    parser.add_argument(
+        "--attention-quants", nargs="+", default=["none"],
+        help="aot build --attention-quant values (wan.models.attention_quant)",
+    )  # fmt: skip
+    parser.add_argument(
         "--out", type=Path, default=ROOT / "bench" / "results" / "memory_table.json"
     )
     parser.add_argument(
@@ -218,7 +266,7 @@ def main() -> None:
             args.frames,
             args.only,
             args.attentions[0],
-            args.quants[0],
+            {option: getattr(args, attribute)[0] for attribute, (option, _) in SWEPT.items()},
         )
         print(json.dumps(row))
         return
@@ -229,23 +277,32 @@ def main() -> None:
     for model in args.models[1:]:
         if resolve_model(model).vae != resolve_model(first).vae:
             parser.error(f"{model} has another VAE than {first}: run it separately")
-    keys = ("model", "target", "batch", "requested_attention", "res", "frames", "quant")
-    absent = {"quant": "none"}  # rows from before --quants
+    keys = ("model", "target", "batch", "requested_attention", "res", "frames",
+            *(key for _, key in SWEPT.values()))  # fmt: skip
+    absent = {key: "none" for _, key in SWEPT.values()}  # rows from before each sweep
     done = {
         tuple(r.get(k, absent.get(k, "auto")) for k in keys)
         for r in record.rows(args.out)
         if "error" not in r
     }
     every = TRANSFORMER_PROGRAMS + ["vae_decode"]
+    sweeps = [
+        dict(zip([option for option, _ in SWEPT.values()], values, strict=True))
+        for values in itertools.product(*(getattr(args, attribute) for attribute in SWEPT))
+    ]
     jobs = [
-        (m, t, b, a, [p for p in every if p in (args.programs or every)
-                      and (p != "vae_decode" or m == first)], q)
+        (m, t, b, a, [p for p in every + ([RADIAL_STEP] if plain["sparse_attention"] != "none" else [])
+                      if p in (args.programs or [*every, RADIAL_STEP])
+                      and (p != "vae_decode" or m == first)],
+         plain)
         for t in args.targets for b in args.batches for m in args.models for a in args.attentions
-        for q in args.quants
-        if (m, t, b, a, args.res, args.frames, q) not in done
+        for plain in sweeps
+        if (m, t, b, a, args.res, args.frames, *plain.values()) not in done
     ]  # fmt: skip
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        futures = [pool.submit(run_one, m, t, b, a, args, only, q) for m, t, b, a, only, q in jobs]
+        futures = [
+            pool.submit(run_one, m, t, b, a, args, only, plain) for m, t, b, a, only, plain in jobs
+        ]
         for future in concurrent.futures.as_completed(futures):
             row = future.result() | {"res": args.res, "frames": args.frames}
             if "programs" in row and "vae_decode" not in row["programs"]:

@@ -224,6 +224,7 @@ class ProgramEntry:
     # A step's video self-attention (per device): the fraction of query/key blocks its sparse
     # layers' kernel computes (1: dense), its FLOPs with every layer dense and as built.
     attention_density: float | None = None
+    eight_bit_kernel_flops: float = 0.0  # the part of `kernel_flops` on 8-bit operands
     self_attention_flops_dense: float = 0.0
     self_attention_flops: float = 0.0
 
@@ -255,6 +256,7 @@ _PROGRAM_FIELDS: dict[str, Check] = {
     "program_id": jc.string,
     "eight_bit_flops": jc.number,
     "attention_density": jc.optional(jc.fraction),
+    "eight_bit_kernel_flops": jc.number,
     "self_attention_flops_dense": jc.number,
     "self_attention_flops": jc.number,
 }
@@ -305,8 +307,8 @@ class Manifest:
         step = self.programs.get(program or self.key.step_program)
         if step is None or not self.peak_flops:
             return None
-        eight_bit = step.eight_bit_flops
-        seconds = (step.flops - eight_bit + step.kernel_flops) / self.peak_flops
+        eight_bit = step.eight_bit_flops + step.eight_bit_kernel_flops
+        seconds = (step.flops + step.kernel_flops - eight_bit) / self.peak_flops
         return seconds + eight_bit / (self.peak_8bit_flops or self.peak_flops)
 
     def to_json(self) -> dict[str, Any]:

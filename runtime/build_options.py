@@ -78,6 +78,9 @@ def _mesh_text(key: Any, separator: str) -> str:
     return separator.join(f"{axis}={size}" for axis, size in key.mesh)
 
 
+ATTENTION_QUANT_MODES = ("none", "int8", "fp8")  # wan.models.attention_quant.FORMATS, or none
+
+
 def _sparse_token(key: Any) -> str:
     value = key.option("sparse_attention")
     if value == sparse_attention.NONE:
@@ -173,6 +176,18 @@ _DECLARED = (
         default="none",
         choices=QUANT_MODES,
         check=json_checks.one_of(*QUANT_MODES),
+    ),
+    BuildOption(
+        "attention_quant", "--attention-quant",
+        "The video self-attention in 8 bits (wan.models.attention_quant, SageAttention's "
+        "scheme: K smoothed, Q and K quantized per block): int8 (Q K^T on the int8 unit, P V in "
+        "bf16: v4, v5e, v5p, v6e) or fp8 (both on fp8: tpu7x), in splash on TPU and blockwise "
+        "(the reference) on CPU; or none.",
+        token=lambda k: "" if k.option("attention_quant") == "none" else f"_attn{k.option('attention_quant')}",
+        argv=lambda k: ["--attention-quant", k.option("attention_quant")],
+        default="none",
+        choices=ATTENTION_QUANT_MODES,
+        check=json_checks.one_of(*ATTENTION_QUANT_MODES),
     ),
     BuildOption(
         "sparse_attention", "--sparse-attention", sparse_attention.FLAG_HELP,

@@ -101,6 +101,30 @@ def test_build_jobs(tmp_path):
     assert row["ratio_to_jobs_1"] == {"1": 1.0}
 
 
+def test_attention_8bit(tmp_path):
+    out = tmp_path / "attention_8bit.json"
+    bench("attention_8bit.py", "--steps", "1", "--out", out)
+    (row,) = rows(out)
+    accuracy = row["accuracy_against_bf16"]
+    assert len(accuracy) == 12 and all(len(heads) == 2 for heads in accuracy.values())
+    psnr = row["pipeline_psnr_db_against_full_precision"]
+    assert set(psnr) == {"int8", "fp8", "another seed"} and psnr["int8"] > psnr["another seed"]
+
+
+def test_build_wall(tmp_path):
+    out = tmp_path / "build_wall.json"
+    bench("build_wall.py", "--rounds", "1", "--variant", "plain=", "--variant",
+          "small vmem=--vae-vmem 2", "--out", out, "--", "--model", "tiny", *MIN,
+          "--batch", "1", "--target", TPU)  # fmt: skip
+    (row,) = rows(out)
+    for name in ("plain", "small vmem"):
+        (run,) = row["runs"][name]
+        assert run["wall_seconds"] > 0 and run["peak_rss_gib"] > 0 and run["host_load"] >= 0
+        assert run["compile_seconds"]["vae_decode"] > 0
+        assert row["summary"][name]["wall_seconds"]["runs"] == 1
+    assert row["wall_ratio_to_plain"]["plain"] == 1.0
+
+
 def test_cold_start(tmp_path, tiny_weights):
     """A (runtime run), B (plain jax.jit: bench/jit_run.py) and C (B with a warm cache)."""
     out = tmp_path / "cold_start.json"

@@ -192,7 +192,7 @@ register(
         config="wan.configs:TransformerConfig",
         module="wan.models.transformer:WanTransformer",
         rule="wan.weights.transformer:rule",
-        module_options=("attention", "context_parallel", "quant"),
+        module_options=("attention", "context_parallel", "quant", "attention_quant"),
         patch=lambda config: tuple(config.patch_size),
     )
 )

@@ -32,6 +32,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import (
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
 from wan import axes, sharding
+from wan.models import attention_quant
 from wan.models.radial_mask import RadialSpec, RadialSplashMask, density, radial_keep
 
 Attention = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
@@ -83,9 +84,12 @@ def blockwise_attention(
     q_block: int = 1024,
     kv_block: int = 1024,
     sparse: RadialSpec | None = None,
+    quant: str | None = None,
 ) -> jax.Array:
     """Same result as `dot_product_attention`, computed flash-style for any lengths; with
-    `sparse`, over the entries its Radial mask keeps (self-attention of its video tokens).
+    `sparse`, over the entries its Radial mask keeps (self-attention of its video tokens); with
+    `quant` ("int8" or "fp8"), in 8 bits (wan.models.attention_quant: one scale per video, head
+    and block of this kernel).
 
     Keys/values are zero-padded to a multiple of `kv_block` and the padded keys masked out;
     queries are padded to a multiple of `q_block` and the padded rows sliced off. The largest
@@ -96,6 +100,11 @@ def blockwise_attention(
     b, q_len, h, d = q.shape
     kv_len = k.shape[1]
     q_block, kv_block = min(q_block, q_len), min(kv_block, kv_len)
+    fmt = None if quant is None else attention_quant.FORMATS[quant]
+    v_scale = None
+    if fmt is not None:
+        k = attention_quant.smooth_keys(k, kv_len)
+        v, v_scale = attention_quant.quantize_values(v, fmt)
     k_blocks = _blocks(_pad_to(k, kv_block), kv_block)
     v_blocks = _blocks(_pad_to(v, kv_block), kv_block)
     # Valid-key mask per block; the last block always holds at least one real key, so every
@@ -107,13 +116,25 @@ def blockwise_attention(
     q_padded = _pad_to(q, q_block)
     n = q_padded.shape[1] // q_block
     q_blocks = q_padded.reshape(b, q_block, n, h, d).transpose(2, 0, 1, 3, 4)
-    # Sparse, each block also needs the indices of its queries and keys (for the mask).
+    # Sparse, each block also needs the indices of its queries and keys (for the mask); in 8
+    # bits, each block its scales.
     q_xs = q_blocks if sparse is None else (q_blocks, jnp.arange(n))
     key_ids = jnp.arange(k_blocks.shape[0] * kv_block).reshape(-1, kv_block)
     kv_xs = (k_blocks, v_blocks, key_valid) + (() if sparse is None else (key_ids,))
+    if fmt is not None:
+        q8, q_scales = attention_quant.quantize_blocked(q_blocks, fmt)
+        k8, k_scales = attention_quant.quantize_blocked(k_blocks, fmt)
+        q_xs = (q8, jnp.arange(n), q_scales)
+        kv_xs = (k8, v_blocks, key_valid, key_ids, k_scales)
 
-    def one_query_block(x: jax.Array | tuple[jax.Array, jax.Array]) -> jax.Array:
-        q_blk, j = (x, None) if sparse is None else x
+    def scores(q_blk: jax.Array, k_blk: jax.Array, q_scale=None, k_scale=None) -> jax.Array:
+        if fmt is None:
+            return _scores(q_blk, k_blk)
+        s = attention_quant.qk_scores(q_blk, k_blk, fmt, "bqhd,bkhd->bhqk")
+        return s * (q_scale * k_scale * d**-0.5)[..., None, None]
+
+    def one_query_block(x: jax.Array | tuple[jax.Array, ...]) -> jax.Array:
+        q_blk, j, *q_scale = (x, None) if sparse is None and fmt is None else x
         init = (
             jnp.full((b, h, q_block), -jnp.inf, jnp.float32),  # running max of the scores
             jnp.zeros((b, h, q_block), jnp.float32),  # running softmax denominator
@@ -126,20 +147,29 @@ def blockwise_attention(
             if sparse is not None:
                 query_ids = j + n * jnp.arange(q_block)
                 valid = valid & radial_keep(sparse, query_ids[:, None], ids[0][None, :])
-            s = jnp.where(valid, _scores(q_blk, k_blk), -jnp.inf)
+            s = jnp.where(valid, scores(q_blk, k_blk, *q_scale, *ids[1:]), -jnp.inf)
             m_new = jnp.maximum(m, s.max(axis=-1))
             if sparse is not None:  # a row whose keys so far were all dropped: 0, not NaN
                 m_new = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
             p = jnp.exp(s - m_new[..., None])
             correction = jnp.exp(m - m_new)
             denom = denom * correction + p.sum(axis=-1)
-            pv = jnp.einsum(
-                "bhqk,bkhd->bhqd", p.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32
-            )
+            if fmt is None:
+                pv = jnp.einsum(
+                    "bhqk,bkhd->bhqd",
+                    p.astype(v_blk.dtype),
+                    v_blk,
+                    preferred_element_type=jnp.float32,
+                )
+            else:
+                pv = attention_quant.pv_product(p, v_blk, fmt, "bhqk,bkhd->bhqd")
             return (m_new, denom, acc * correction[..., None] + pv), None
 
         (_, denom, acc), _ = jax.lax.scan(step, init, kv_xs)
-        return (acc / denom[..., None]).transpose(0, 2, 1, 3).astype(q.dtype)
+        out = acc / denom[..., None]
+        if fmt is not None:
+            out = out * (attention_quant.pv_rescale(fmt) * v_scale[:, :, None, :])
+        return out.transpose(0, 2, 1, 3).astype(q.dtype)
 
     out = jax.lax.map(one_query_block, q_xs)  # (n, B, q_block, H, D)
     return out.transpose(1, 2, 0, 3, 4).reshape(b, -1, h, d)[:, :q_len]
@@ -370,6 +400,26 @@ def _check_sparse(sparse: RadialSpec | None, q_len: int, kv_len: int) -> None:
         )
 
 
+def _quant_splash(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    blocks: SplashBlocks,
+    fmt: str,
+    interpret: bool,
+    sparse: RadialSpec | None,
+) -> jax.Array:
+    """The 8-bit splash kernel at the blocks splash would run these lengths with."""
+    _check_sparse(sparse, q.shape[1], k.shape[1])
+    return attention_quant.quant_splash_attention(
+        q, k, v, blocks=blocks.balanced(q.shape[1], k.shape[1]), fmt=fmt, interpret=interpret,
+        sparse=sparse,
+    )  # fmt: skip
+
+
+# The kernels 8-bit attention runs in: splash's 8-bit variant (TPU), blockwise (the reference).
+QUANT_KERNELS = ("splash", "blockwise")
 # The kernels a Radial mask runs in: the TPU and GPU kernels skip the blocks it drops, the
 # XLA kernels (CPU, short sequences) mask entry by entry.
 SPARSE_KERNELS = ("splash", "triton", "blockwise", "dot")
@@ -407,11 +457,35 @@ def kernel_density(impl: str, sparse: RadialSpec) -> float:
     return 1.0
 
 
-def resolve(impl: str, *, interpret: bool = False, sparse: RadialSpec | None = None) -> Attention:
+def resolve(
+    impl: str,
+    *,
+    interpret: bool = False,
+    sparse: RadialSpec | None = None,
+    quant: str | None = None,
+) -> Attention:
     """The attention function an implementation name selects: 'dot', 'blockwise' (default
     blocks), 'blockwise:<q_block>:<kv_block>', 'splash:<q>:<kv>:<kv_compute>' (largest block
     sizes), 'triton[:<q>:<kv>]' or 'cudnn'. `interpret`: run Pallas kernels in interpret mode
-    (not on their hardware); `sparse`: a Radial mask (SPARSE_KERNELS only)."""
+    (not on their hardware); `sparse`: a Radial mask (SPARSE_KERNELS only); `quant`: 8-bit
+    attention, "int8" or "fp8" (QUANT_KERNELS only; splash's is wan.models.attention_quant's
+    kernel)."""
+    if quant is not None:
+        if kernel_name(impl) not in QUANT_KERNELS:
+            raise ValueError(
+                f"attention {impl!r} has no 8-bit variant: 8-bit attention runs in "
+                f"{' or '.join(QUANT_KERNELS)}"
+            )
+        if quant not in attention_quant.FORMATS:
+            raise ValueError(
+                f"8-bit attention {quant!r}: use {' or '.join(attention_quant.FORMATS)}"
+            )
+        if kernel_name(impl) == "splash":
+            blocks = _splash_blocks(impl)
+            return functools.partial(
+                _quant_splash, blocks=blocks, fmt=quant, interpret=interpret, sparse=sparse
+            )
+        return functools.partial(resolve(impl, sparse=sparse), quant=quant)
     if sparse is not None:
         if kernel_name(impl) not in SPARSE_KERNELS:
             raise ValueError(
@@ -474,16 +548,18 @@ def attention(
     impl: str = "dot",
     context_parallel: str = "gather",
     sparse: RadialSpec | None = None,
+    quant: str | None = None,
 ) -> jax.Array:
     """Multi-head attention by the kernel `impl` names (see `resolve`), laid out on the current
     mesh by `context_parallel` ('gather' or 'ulysses'; k and v must then be as long as q);
-    `sparse`: a Radial mask over the whole sequence."""
+    `sparse`: a Radial mask over the whole sequence; `quant`: in 8 bits (int8 or fp8)."""
     if context_parallel not in CONTEXT_PARALLEL:
         raise ValueError(f"context parallelism {context_parallel!r}: use gather or ulysses")
     mesh = jax.sharding.get_abstract_mesh()
     platform = jax.default_backend() if mesh.empty else mesh.abstract_device.platform
     runs_on = KERNEL_PLATFORM.get(kernel_name(impl))
-    kernel = resolve(impl, interpret=runs_on is not None and platform != runs_on, sparse=sparse)
+    interpret = runs_on is not None and platform != runs_on
+    kernel = resolve(impl, interpret=interpret, sparse=sparse, quant=quant)
     kv_axes = Q_AXES if context_parallel == "ulysses" else KV_AXES
     q_spec = sharding.current_spec(Q_AXES, q.shape)
     kv_spec = sharding.current_spec(kv_axes, k.shape)
@@ -492,11 +568,13 @@ def attention(
     if kernel_name(impl) in PARTITIONABLE and context_parallel == "gather":
         q, k, v = sharding.constrain(q, Q_AXES), *(sharding.constrain(t, kv_axes) for t in (k, v))
         return kernel(q, k, v)
-    if sparse is not None and context_parallel == "gather" and spec_axes(q_spec[1]):
-        # Each device would hold a slice of the queries, and the mask is by position.
+    if (sparse or quant) and context_parallel == "gather" and spec_axes(q_spec[1]):
+        # Each device would hold a slice of the queries: the mask is by position, and the
+        # keys' smoothing needs them all.
         raise ValueError(
-            f"radial attention in {kernel_name(impl)} with the tokens sharded needs ulysses "
-            "context parallelism (each device then attends whole sequences)"
+            f"{'radial' if sparse else '8-bit'} attention in {kernel_name(impl)} with the "
+            "tokens sharded needs ulysses context parallelism (each device then attends whole "
+            "sequences)"
         )
     body = kernel if context_parallel == "gather" else _ulysses(kernel, q_spec, q.shape[2])
     return jax.shard_map(

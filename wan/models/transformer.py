@@ -222,7 +222,9 @@ class Attention(nnx.Module):
         rngs: nnx.Rngs,
         quant: Scheme | None = None,
         image: bool = False,
+        attention_quant: str | None = None,
     ):
+        """`attention_quant`: the attention itself in 8 bits, "int8" or "fp8"."""
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs, quant=quant)
         self.to_q = _linear(dim, dim, (axes.EMBED, axes.HEADS), **kw)
         self.to_k = _linear(dim, dim, (axes.EMBED, axes.HEADS), **kw)
@@ -240,6 +242,7 @@ class Attention(nnx.Module):
         self.heads = heads
         self.impl = impl
         self.context_parallel = context_parallel
+        self.attention_quant = attention_quant
 
     def key_value(self, source: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Normalised keys and values of `source` (B, L, dim), heads not yet split."""
@@ -263,7 +266,9 @@ class Attention(nnx.Module):
         k, v = self._heads(k), self._heads(v)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out = multi_head_attention(q, k, v, self.impl, self.context_parallel, sparse)
+        out = multi_head_attention(
+            q, k, v, self.impl, self.context_parallel, sparse, self.attention_quant
+        )
         if image_kv is not None:
             k_img, v_img = map(self._heads, image_kv)
             out = out + multi_head_attention(q, k_img, v_img, self.impl, self.context_parallel)
@@ -286,12 +291,16 @@ class WanBlock(nnx.Module):
         param_dtype: DTypeLike,
         rngs: nnx.Rngs,
         quant: Scheme | None = None,
+        attention_quant: str | None = None,
     ):
+        """`attention_quant`: the video self-attention in 8 bits (cross-attention is not)."""
         dim, eps = cfg.inner_dim, cfg.eps
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs, quant=quant)
         self.norm1 = _layer_norm(dim, eps, affine=False, rngs=rngs)
         heads = cfg.num_attention_heads
-        self.attn1 = Attention(dim, heads, eps, impl, context_parallel, **kw)
+        self.attn1 = Attention(
+            dim, heads, eps, impl, context_parallel, attention_quant=attention_quant, **kw
+        )
         # The prompt's 512 tokens (and an image's 257) are not sharded: every device's queries
         # see all of them.
         image = cfg.added_kv_proj_dim is not None
@@ -427,12 +436,17 @@ class WanTransformer(nnx.Module):
         attention: str = "dot",
         context_parallel: str = "gather",
         quant: str = "none",
+        attention_quant: str = "none",
         dtype: DTypeLike = jnp.float32,
         param_dtype: DTypeLike = jnp.float32,
         rngs: nnx.Rngs,
     ):
-        """`quant`: the blocks' Linear layers in 8 bits (a wan.quant mode, `aot build --quant`)."""
-        resolve_attention(attention)  # fail at construction on an unknown implementation
+        """`quant`: the blocks' Linear layers in 8 bits (a wan.quant mode, `aot build --quant`);
+        `attention_quant`: their self-attention in 8 bits, "int8" or "fp8"
+        (`aot build --attention-quant`; "none": in `dtype`)."""
+        attention_8bit = None if attention_quant == "none" else attention_quant
+        # fail at construction on an unknown implementation
+        resolve_attention(attention, quant=attention_8bit)
         if context_parallel not in CONTEXT_PARALLEL:
             raise ValueError(f"context parallelism {context_parallel!r}: use gather or ulysses")
         dim = cfg.inner_dim
@@ -457,7 +471,10 @@ class WanTransformer(nnx.Module):
         @nnx.split_rngs(splits=cfg.num_layers)
         @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: axes.LAYERS})
         def stacked_blocks(rngs: nnx.Rngs) -> WanBlock:
-            return WanBlock(cfg, attention, context_parallel, rngs=rngs, quant=scheme(quant), **kw)
+            return WanBlock(
+                cfg, attention, context_parallel, rngs=rngs, quant=scheme(quant),
+                attention_quant=attention_8bit, **kw,
+            )  # fmt: skip
 
         self.blocks = stacked_blocks(rngs)
         self.norm_out = _layer_norm(dim, cfg.eps, affine=False, rngs=rngs)
