@@ -50,6 +50,11 @@ SWEPT = {
 }
 
 
+def _tera(flops: float) -> float:
+    """FLOPs as TFLOP to 6 significant digits (the tiny model's are millionths of one)."""
+    return float(f"{flops / 1e12:.6g}")
+
+
 def compile_one(model: str, target_name: str, batch: int, res: str, frames: int,
                 only: list[str], attention: str, plain: dict[str, str]) -> dict:  # fmt: skip
     """Runs in its own process: plan as `aot build` does, compile `only`, measure."""
@@ -88,22 +93,24 @@ def compile_one(model: str, target_name: str, batch: int, res: str, frames: int,
             "temp_gib": round(memory["temp"] / GiB, 3),
             "compile_seconds": round(seconds, 1),
             "peak_rss_gib": round(rss / GiB, 2),
-            "tflops": round(hlo_cost.flops(module) / 1e12, 3),
-            "eight_bit_tflops": round(hlo_cost.eight_bit_flops(module) / 1e12, 3),
+            "tflops": _tera(hlo_cost.flops(module)),
+            "eight_bit_tflops": _tera(hlo_cost.eight_bit_flops(module)),
             "replicated_param_gib": round(replicated_param_bytes(program.name, compiled) / GiB, 3),
             # the custom-call kernels' FLOPs, which the HLO count cannot see (the steps)
-            "kernel_tflops": round(recorded.get("kernel_flops", 0) / 1e12, 3),
+            "kernel_tflops": _tera(recorded.get("kernel_flops", 0)),
+            # their part on 8-bit operands (--attention-quant), at the 8-bit rate
+            "eight_bit_kernel_tflops": _tera(recorded.get("eight_bit_kernel_flops", 0)),
             # a step's video self-attention: the fraction of blocks its kernel computes, its
             # FLOPs dense and as built (aot.plan.self_attention)
-            **{
-                name: round(recorded[field] / scale, 4)
-                for name, field, scale in [
-                    ("attention_density", "attention_density", 1),
-                    ("self_attention_tflops_dense", "self_attention_flops_dense", 1e12),
-                    ("self_attention_tflops", "self_attention_flops", 1e12),
-                ]
-                if field in recorded
-            },
+            **(
+                {
+                    "attention_density": round(recorded["attention_density"], 4),
+                    "self_attention_tflops_dense": _tera(recorded["self_attention_flops_dense"]),
+                    "self_attention_tflops": _tera(recorded["self_attention_flops"]),
+                }
+                if "attention_density" in recorded
+                else {}
+            ),
             "tpu_custom_calls": sum(
                 t == "tpu_custom_call" for t in hlo_cost.cost(module).custom_calls.values()
             ),

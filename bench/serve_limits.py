@@ -5,7 +5,7 @@ before and after, the answer and its seconds), then N connections that send half
 head (how many the server has closed after `--wait` seconds). The tree before the bounds:
 `git worktree add /tmp/before <commit>`.
 
-    python bench/serve_limits.py --before /tmp/before --after . --heads 3000 \
+    python bench/serve_limits.py --before /tmp/before --after . --heads 3000 --rounds 3 \
         --save bench/results/serve_limits.json
 
 The same tree as --before and --after builds once; `--weights` serves weights already written
@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-from record import save
+from record import host_load, save, spread
 from serve_load import free_port
 
 BIN = Path(sys.executable).parent
@@ -111,6 +111,28 @@ def measure(tree: Path, artifacts: Path, weights: Path, out: Path, heads: int, w
         server.wait()
 
 
+def summary(runs: list[dict]) -> dict:
+    """One tree's rounds: each body's answers, and the median and range of its seconds and of
+    the server's memory growth; the heads closed in each round; the host's load at each."""
+    bodies = {
+        body: {
+            "answers": sorted({run[body]["answer"] for run in runs}),
+            "seconds": spread([run[body]["seconds"] for run in runs], 2),
+            "rss_mib_growth": spread([run[body]["rss_mib_growth"] for run in runs], 0),
+        }
+        for body in ("declared_body", "chunked_body")
+    }
+    heads = runs[0]["half_sent_heads"]
+    return {
+        **bodies,
+        "half_sent_heads": {
+            "sent": heads["sent"], "closed_after_s": heads["closed_after_s"],
+            "closed": [run["half_sent_heads"]["closed"] for run in runs],
+        },
+        "host_load": [run["host_load"] for run in runs],
+    }  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", type=Path, required=True)
@@ -118,10 +140,11 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=3000)
     parser.add_argument("--wait", type=float, default=12.0)
     parser.add_argument("--weights", type=Path, help="the tiny model's (default: random ones)")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--save", type=Path)
     args = parser.parse_args()
     resource.setrlimit(resource.RLIMIT_NOFILE, (args.heads + 1024,) * 2)
-    rows = {}
+    runs: dict[str, list[dict]] = {"before": [], "after": []}
     with tempfile.TemporaryDirectory() as scratch:
         root = Path(scratch)
         weights = args.weights or root / "weights"
@@ -136,10 +159,15 @@ def main() -> None:
                 subprocess.run([str(BIN / "aot"), "build", "--model", "tiny", *SHAPE, "--target",
                                 "cpu-8", "--out", str(root / name)],
                                env=env_of(tree), check=True, capture_output=True)  # fmt: skip
-            rows[name] = measure(
-                tree, built[tree.resolve()], weights, root / f"{name}-jobs", args.heads, args.wait
-            )
-    row = {"command": " ".join(["python bench/serve_limits.py", *sys.argv[1:]]), **rows}
+        for round_ in range(args.rounds):  # the trees alternate: the host's load hits both
+            for name, tree in (("before", args.before), ("after", args.after)):
+                load = host_load()
+                found = measure(tree, built[tree.resolve()], weights,
+                                root / f"{name}-jobs-{round_}", args.heads, args.wait)  # fmt: skip
+                runs[name].append({**found, "host_load": load})
+    rows = {name: summary(found) for name, found in runs.items()}
+    row = {"command": " ".join(["python bench/serve_limits.py", *sys.argv[1:]]), **rows,
+           "runs": runs}  # fmt: skip
     print(json.dumps(row, indent=1))
     if args.save:
         save(args.save, row)

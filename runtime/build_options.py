@@ -74,6 +74,21 @@ def switch(
     )  # fmt: skip
 
 
+def choice(
+    name: str, flag: str, help: str, modes: tuple[str, ...], token_prefix: str = "_"
+) -> BuildOption:
+    """A plain option that is one of `modes`, "none" (the default) among them; its folder-name
+    token is `token_prefix` and the value, none left out."""
+    return BuildOption(
+        name, flag, help,
+        token=lambda k: "" if k.option(name) == "none" else f"{token_prefix}{k.option(name)}",
+        argv=lambda k: [flag, k.option(name)],
+        default="none",
+        choices=modes,
+        check=json_checks.one_of(*modes),
+    )  # fmt: skip
+
+
 def _mesh_text(key: Any, separator: str) -> str:
     return separator.join(f"{axis}={size}" for axis, size in key.mesh)
 
@@ -166,28 +181,21 @@ _DECLARED = (
         "video is decoded alone while the others go on. Not with --step-cache.",
         programs=lambda names: replaced(names, CONTINUOUS_PROGRAMS),
     ),
-    BuildOption(
+    choice(
         "quant", "--quant",
         "The transformer blocks' Linear layers in 8 bits (wan.quant): w8a8-int8 / w8a8-fp8 "
         "(8-bit weights and per-token 8-bit activations, the matmul on the 8-bit path), w8-int8 "
         "/ w8-fp8 (8-bit weights dequantized in the matmul: memory only), or none.",
-        token=lambda k: "" if k.option("quant") == "none" else f"_{k.option('quant')}",
-        argv=lambda k: ["--quant", k.option("quant")],
-        default="none",
-        choices=QUANT_MODES,
-        check=json_checks.one_of(*QUANT_MODES),
+        QUANT_MODES,
     ),
-    BuildOption(
+    choice(
         "attention_quant", "--attention-quant",
         "The video self-attention in 8 bits (wan.models.attention_quant, SageAttention's "
         "scheme: K smoothed, Q and K quantized per block): int8 (Q K^T on the int8 unit, P V in "
         "bf16: v4, v5e, v5p, v6e) or fp8 (both on fp8: tpu7x), in splash on TPU and blockwise "
         "(the reference) on CPU; or none.",
-        token=lambda k: "" if k.option("attention_quant") == "none" else f"_attn{k.option('attention_quant')}",
-        argv=lambda k: ["--attention-quant", k.option("attention_quant")],
-        default="none",
-        choices=ATTENTION_QUANT_MODES,
-        check=json_checks.one_of(*ATTENTION_QUANT_MODES),
+        ATTENTION_QUANT_MODES,
+        token_prefix="_attn",
     ),
     BuildOption(
         "sparse_attention", "--sparse-attention", sparse_attention.FLAG_HELP,

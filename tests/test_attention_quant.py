@@ -182,9 +182,10 @@ def test_a_tiny_8bit_pipeline_is_close_to_full_precision(quant_builds, tiny_weig
             "runtime", "run", "--artifacts", str(quant_builds[fmt].parent),
             "--weights", str(tiny_weights), *SHAPE, "--prompt", "a fox in the snow",
             "--steps", "4", "--seed", str(seed), "--out", str(tmp_path / f"{name}.mp4"),
-            "--save-frames", str(out),
+            "--save-frames", str(out), "--report", str(tmp_path / f"{name}.json"),
         )  # fmt: skip
         frames[name] = np.load(out)
+        assert json.loads((tmp_path / f"{name}.json").read_text())["compile_count"] == 0
     control = psnr(frames["none_other_seed"], frames["none"])
     assert psnr(frames["int8"], frames["none"]) >= 50
     assert psnr(frames["fp8"], frames["none"]) >= 45
