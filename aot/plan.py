@@ -25,6 +25,12 @@ from wan.models import attention as attention_lib
 from wan.models.radial_mask import RadialSpec
 
 DEVICELESS_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+# Splash blocks of a --sparse-attention build (auto): at 720p/81 frames the Radial mask keeps
+# 45.5% of 512-token blocks, 32.4% of 256 (128 overflows splash's scalar memory there), and
+# every block of the dense builds' 2048-3072. Which is fastest per useful FLOP on each
+# generation is unmeasured (no TPU was lent): 512 is the smallest block the dense builds already
+# run (the keys per compute step of v4, v5e and v5p).
+SPARSE_SPLASH_BLOCKS = (512, 512, 512)
 BLOCKWISE_MIN_TOKENS = 8192  # above this, naive attention's temporaries dominate memory
 # Bounds of a request, far above any WAN use (720p, 81 frames: 75,600 tokens a video), so that
 # a mistyped size is a one-line error before anything is traced or allocated.
@@ -111,7 +117,7 @@ def plan_build(
         layout = sharding.ShardingPlan.choose(mesh, shape.latent_shape(config), vae_spatial)
     except ValueError as e:
         raise BuildError(str(e)) from None
-    attention = choose_attention(attention, target, shape.tokens(config))
+    attention = choose_attention(attention, target, shape.tokens(config), sparse=radial is not None)
     context_parallel = choose_context_parallel(context_parallel, config, shape, mesh)
     if radial is not None:
         check_kernel_takes(
@@ -271,10 +277,14 @@ def check_shape(config: ModelConfig, shape: VideoShape) -> None:
         )
 
 
-def choose_attention(requested: str | None, target: Target, tokens: int) -> str:
+def choose_attention(
+    requested: str | None, target: Target, tokens: int, sparse: bool = False
+) -> str:
     """The attention kernel of a build, with its block sizes: `auto` (None) is dot for short
     sequences, else the target's flash kernel (splash on TPU, cuDNN on a GPU present, the Pallas
-    Triton kernel for a deviceless GPU target, blockwise on CPU)."""
+    Triton kernel for a deviceless GPU target, blockwise on CPU). A `sparse` build's splash
+    takes SPARSE_SPLASH_BLOCKS: at the dense builds' blocks every block holds an entry the mask
+    keeps, and the mask would save nothing."""
     platform = target_platform(target)
     if requested is None:
         flash = {"tpu": "splash", "gpu": "cudnn"}.get(platform, "blockwise")
@@ -294,7 +304,8 @@ def choose_attention(requested: str | None, target: Target, tokens: int) -> str:
             "blockwise or dot, or build on the GPU host with --target current"
         )
     if requested == "splash":
-        requested = "splash:" + ":".join(map(str, SPLASH_BLOCKS[target.generation]))
+        blocks = SPARSE_SPLASH_BLOCKS if sparse else SPLASH_BLOCKS[target.generation]
+        requested = "splash:" + ":".join(map(str, blocks))
     try:
         attention_lib.resolve(requested)
     except ValueError as e:

@@ -21,7 +21,7 @@ from wan import sharding
 from wan.configs import VideoShape
 from wan.models.attention import flops
 from wan.models.radial_mask import RadialSpec, density
-from wan.presets import PRESETS
+from wan.presets import PRESETS, resolve_model
 from wan.sparse_attention import SparseAttentionError, canonical, parse
 
 TINY = PRESETS["tiny"]
@@ -143,6 +143,21 @@ def test_a_splash_radial_step_counts_the_blocks_its_mask_keeps():
     assert (
         self_attention(splash_plan("radial", attention="splash:512:512:512"), True).density > kept
     )
+
+
+def test_a_sparse_build_s_auto_splash_blocks_let_the_mask_save():
+    """auto on TPU: the dense builds' splash blocks for a dense build, 512 for a sparse one
+    (at 2048-3072 every block holds a kept entry)."""
+    model = resolve_model("wan2.1-t2v-14b")
+
+    def auto(radial: str) -> str:
+        return plan_build(
+            "wan2.1-t2v-14b", model, VideoShape(1280, 720, 81, 1), parse_target("tpu-v6e-8"), 8,
+            sparse_attention=canonical(radial),
+        ).attention  # fmt: skip
+
+    assert auto("radial") == "splash:512:512:512"
+    assert auto("none") == "splash:3072:2048:1024"
 
 
 @pytest.mark.parametrize(
