@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import record  # bench/record.py, beside this script
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -148,10 +150,11 @@ def main() -> None:
                         if tree != ROOT:  # the old tree may predate this script
                             cmd[1] = str(Path(__file__).resolve())
                         env = {**os.environ, "PYTHONPATH": str(tree), **STAGE_LOGS}
+                        load = record.host_load()
                         out = subprocess.run(cmd, check=True, capture_output=True, text=True,
                                              env=env, cwd=tree)  # fmt: skip
                         result = json.loads(out.stdout.strip().splitlines()[-1])
-                        result.update(stage_seconds(out.stderr))
+                        result.update(stage_seconds(out.stderr), host_load=load)
                         runs.setdefault(res, {}).setdefault(name, []).append(result)
                         print(res, name, result, flush=True)
         finally:
@@ -171,6 +174,13 @@ def main() -> None:
         "preset": args.preset, "target": args.target, "latent_frames": args.latent_frames,
         "batch": args.batch,
         "runs": runs, "median": median,
+        # the compile seconds' median and range over the repeats, with the load at each
+        "compile_seconds": {
+            res: {name: {**record.spread([r["compile_seconds"] for r in rs], 1),
+                         "host_load": [r["host_load"] for r in rs]}
+                  for name, rs in by_tree.items()}
+            for res, by_tree in runs.items()
+        },
     }  # fmt: skip
     if args.against and len(trees) == 2:
         result["compile_ratio_this_over_against"] = {

@@ -317,6 +317,8 @@ def test_vae_compile(tmp_path, tpu):
     measured = result["median"]["16x16"]["this tree, --vae-vmem 4"]
     assert measured["compiler_options"] == {"xla_tpu_scoped_vmem_limit_kib": 4096}
     assert measured["compile_seconds"] > 0 and measured["distinct_convolutions"] > 0
+    spread = result["compile_seconds"]["16x16"]["this tree, --vae-vmem 4"]
+    assert spread["runs"] == 1 and len(spread["host_load"]) == 1
 
 
 def test_vae_encode_vmem(tmp_path, tpu, tiny_i2v):
