@@ -29,7 +29,9 @@ AOT = Path(sys.executable).with_name("aot")
 
 
 def measure(jobs: int, matrix: list[str]) -> dict:
-    """One `aot build` of `matrix` with --jobs `jobs` into a fresh folder."""
+    """One `aot build` of `matrix` with --jobs `jobs` into a fresh folder (and the host's load
+    when it started)."""
+    load = record.host_load()
     with tempfile.TemporaryDirectory(prefix="build_jobs-") as out:
         command = [str(AOT), "build", *matrix, "--jobs", str(jobs), "--json", "--out", out]
         start = time.perf_counter()
@@ -44,6 +46,7 @@ def measure(jobs: int, matrix: list[str]) -> dict:
         "wall_seconds": round(seconds, 2),
         "compiled": statuses["compiled"],
         "reused": statuses["reused"],
+        "host_load": load,
     }
 
 
@@ -65,6 +68,7 @@ def main() -> None:
         "command": shlex.join(["python", "bench/build_jobs.py", *sys.argv[1:]]),
         "runs": runs,
         "median_wall_seconds": median,
+        "wall_seconds": {j: record.spread([r["wall_seconds"] for r in rs], 1) for j, rs in runs.items()},
         f"ratio_to_jobs_{first}": {j: round(s / median[first], 3) for j, s in median.items()},
     })  # fmt: skip
     print(json.dumps(median))

@@ -99,6 +99,7 @@ def test_build_jobs(tmp_path):
     [run] = row["runs"]["1"]
     assert run["compiled"] > 0 and run["reused"] == 0
     assert row["ratio_to_jobs_1"] == {"1": 1.0}
+    assert row["wall_seconds"]["1"]["runs"] == 1 and run["host_load"] >= 0
 
 
 def test_attention_8bit(tmp_path):
