@@ -115,7 +115,7 @@ _GPU_COUNT = r"(?:x(\d{1,3}))?"
 # fusion as large as the scoped VMEM allows (32 MiB by default on v6e) and its emit time follows
 # the tile's code size, with retries after a tile overflows: most of the decode's compile time.
 # Smaller tiles compile several times faster and take no more temporary memory (the 14B decode
-# at 720x1280, batch 8, in a full build: 34 s at 4 MiB, 313 s at the default; docs/benchmarks.md);
+# at 720x1280, batch 8, in full builds: 31 s at 4 MiB, 246 s at the default, medians of 3; docs/benchmarks.md);
 # the transformer's programs, where run time is spent, keep the compiler's default.
 VAE_VMEM_MIB = 4
 # cpu-N and cpu-PxN run here: every device is a thread pool of this machine, every process a
