@@ -445,6 +445,7 @@ def flops(q_shape: tuple[int, ...], kv_length: int) -> int:
     return 4 * b * s * h * kv_length * d
 
 
+@functools.cache  # a build asks once per analysis of each step program
 def kernel_density(impl: str, sparse: RadialSpec) -> float:
     """The fraction of query/key blocks the kernel `impl` computes in self-attention under the
     mask `sparse` (radial_mask.density at its blocks): splash skips every block the mask drops,
