@@ -4,7 +4,8 @@ finished video, for
   (B) the same pipeline under plain jax.jit in a fresh process, no cache (bench/jit_run.py),
   (C) (B) with JAX's persistent compilation cache warm.
 Runs alternate A, B, C, A, B, C, ... so that machine noise hits all three alike; the result is
-medians and the ratios A/B and A/C. First step is counted from the OS's start of each process
+medians [ranges], the ratios A/B and A/C of the medians and the range of each round's own
+ratio, and the host's 1-minute load at each round. First step is counted from the OS's start of each process
 (the report's seconds_from_process_start_to_first_step). The floor of A's first step, measured
 in the same run: a bare `python -c "import jax; jax.devices()"`, `cat` of the weight files, and
 the programs' own seconds to the first step (text_encode + kv_cache, from A's report).
@@ -28,9 +29,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import record  # bench/record.py, beside this script
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-SUMMARY = ("median", "floor", "ratio_first_step", "A_first_step_over_floor", "ratio_total")
+SUMMARY = ("spread", "floor", "ratio_first_step", "A_first_step_over_floor", "ratio_total")
 
 
 def timed(cmd: list[str], report: Path, env: dict | None = None) -> dict[str, float]:
@@ -105,7 +108,9 @@ def main() -> None:
         host = {**os.environ, "JAX_PLATFORMS": "cpu"}
         runs: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
         floor_runs: list[dict[str, float]] = []
+        loads: list[float] = []
         for _ in range(args.repeats):
+            loads.append(record.host_load())
             for name, (cmd, env) in variants.items():
                 runs[name].append(timed(cmd, report, env))
                 print(name, runs[name][-1], flush=True)
@@ -118,6 +123,12 @@ def main() -> None:
         name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()
     }
     floor = {k: statistics.median(r[k] for r in floor_runs) for k in floor_runs[0]}
+    floor_spread = {k: record.spread([r[k] for r in floor_runs]) for k in floor_runs[0]}
+
+    def round_ratios(key: str, other: str) -> dict:
+        a, b = runs["A_runtime"], runs[other]
+        return record.spread([x[key] / y[key] for x, y in zip(a, b, strict=True)])
+
     floor["programs_to_first_step"] = med["A_runtime"]["programs_to_first_step"]
     floor["first_step"] = sum(floor.values())
     result = {
@@ -127,14 +138,24 @@ def main() -> None:
         "model": args.model, "res": args.res, "frames": args.frames, "steps": args.steps,
         "target": args.target, "repeats": args.repeats,
         "aot_build_compile_seconds": round(compile_seconds, 2),
+        "host_load": loads,
         "runs": runs,
         "median": med,
+        "spread": {
+            name: {k: record.spread([r[k] for r in rs], 2) for k in ("first_step", "total")}
+            for name, rs in runs.items()
+        },
+        "ratio_per_round": {
+            f"{key} A/{other[0]}": round_ratios(key, other)
+            for key in ("first_step", "total") for other in ("B_jit", "C_jit_cache")
+        },
         "ratio_first_step": {
             "A/B": med["A_runtime"]["first_step"] / med["B_jit"]["first_step"],
             "A/C": med["A_runtime"]["first_step"] / med["C_jit_cache"]["first_step"],
         },
         "weight_bytes": weight_bytes,
         "floor": floor,
+        "floor_spread": floor_spread,
         "A_first_step_over_floor": med["A_runtime"]["first_step"] / floor["first_step"],
         "ratio_total": {
             "A/B": med["A_runtime"]["total"] / med["B_jit"]["total"],

@@ -1,8 +1,8 @@
 """Cold start of `runtime run`, two source trees side by side: each tree builds the same tiny
 artifacts, then their runs alternate (before, after, before, ...) so that machine noise hits
-both alike. Reports the medians of the seconds from process start to the first denoise step,
-of the load of the executables (the report's `deserialize` phase) and of the whole run, and the
-ratios after/before. For a change to the artifact format or the loader (the pickle-free
+both alike. Reports the median and range of the seconds from process start to the first
+denoise step, of the load of the executables (the report's `deserialize` phase) and of the
+whole run, the ratios of the medians after/before, and the host's load at each round. For a change to the artifact format or the loader (the pickle-free
 executables: `git worktree add /tmp/before <commit>` gives the tree before).
 
     python bench/cold_start_trees.py --before /tmp/before --after . --repeats 5
@@ -16,11 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import record  # bench/record.py, beside this script
 
 BIN = Path(sys.executable).parent
 PHASES = {
@@ -61,7 +62,9 @@ def main() -> None:
                 tool(tree, "aot", "build", "--model", "tiny", *shape, "--target", "cpu-8",
                      "--out", str(root / name))  # fmt: skip
         runs: dict[str, list[dict]] = {name: [] for name in trees}
+        loads = []
         for _ in range(args.repeats):
+            loads.append(record.host_load())
             for name, tree in trees.items():
                 report = root / f"{name}.json"
                 tool(tree, "runtime", "run", "--artifacts", str(artifacts[tree.resolve()]),
@@ -69,16 +72,18 @@ def main() -> None:
                      "--steps", str(args.steps), "--out", str(root / "v.mp4"),
                      "--report", str(report))  # fmt: skip
                 runs[name].append(json.loads(report.read_text()))
-    medians = {
-        name: {phase: statistics.median(read(r) for r in reports) for phase, read in PHASES.items()}
+    seconds = {
+        name: {phase: record.spread([read(r) for r in reports]) for phase, read in PHASES.items()}
         for name, reports in runs.items()
     }
     result = {
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "repeats": args.repeats,
-        "median_seconds": medians,
+        "host_load": loads,
+        "seconds": seconds,
         "ratio_after_over_before": {
-            phase: round(medians["after"][phase] / medians["before"][phase], 3) for phase in PHASES
+            phase: round(seconds["after"][phase]["median"] / seconds["before"][phase]["median"], 3)
+            for phase in PHASES
         },
     }
     text = json.dumps(result, indent=1)

@@ -82,28 +82,25 @@ def summary(manifest: dict) -> dict:
 
 
 def markdown(rows: list[dict]) -> str:
+    """Per program: peak GiB per device (exact from one build); the last build of each (model,
+    res, batch, target). Wall and compile seconds, one build each, stay in the results file:
+    `bench/build_wall.py` times builds over alternating rounds."""
+    latest = {(r["model"], r["res"], r["batch"], r["target"]): r for r in rows}
     names = ["text_encode", "image_encode", "vae_encode", "kv_cache", "image_kv_cache",
              "denoise_step", "vae_decode"]  # fmt: skip
     lines = [
-        "| model | res | B | target | wall s (load) | "
-        + " | ".join(names)
-        + " | step lower bound s | aot check |",
-        "|---|---|---|---|---|" + "---|" * len(names) + "---|---|",
+        "| model | res | B | target | " + " | ".join(names) + " | step lower bound s | aot check |",
+        "|---|---|---|---|" + "---|" * len(names) + "---|---|",
     ]
-    for r in rows:
+    for r in latest.values():
         if "error" in r:
             lines.append(f"| {r['model']} | {r['res']} | {r['batch']} | {r['target']} | "
                          f"error: {r['error']} |")  # fmt: skip
             continue
-        cells = [
-            f"{p['peak_gib']:.2f} / {p['compile_seconds']:.0f}" if (p := r["programs"].get(n))
-            else "-"
-            for n in names
-        ]  # fmt: skip
+        cells = [f"{p['peak_gib']:.2f}" if (p := r["programs"].get(n)) else "-" for n in names]
         bound = r["step_lower_bound_s"]
         lines.append(
             f"| {r['model']} | {r['res']} | {r['batch']} | {r['target']} | "
-            f"{r['wall_seconds']:.0f} ({r['load_average']:.1f}) | "
             + " | ".join(cells)
             + f" | {'-' if bound is None else f'{bound:.2f}'} | {r['aot_check']} |"
         )

@@ -127,9 +127,10 @@ def main() -> None:
     n_params = sum(a.size for a in weights.flatten(abstract).values())
     results = {}
     for name, source in sources.items():
-        without, with_lora, prepare = [], [], []
+        without, with_lora, prepare, loads = [], [], [], []
         timed_load(source, abstract, lora_file)  # warm-up: first-use costs of jax and orbax
         for _ in range(args.repeats):
+            loads.append(record.host_load())
             without.append(timed_load(source, abstract, None)[0])
             seconds, prepared = timed_load(source, abstract, lora_file)
             with_lora.append(seconds)
@@ -138,9 +139,13 @@ def main() -> None:
             "seconds_without": [round(s, 2) for s in without],
             "seconds_with": [round(s, 2) for s in with_lora],
             "seconds_preparing_lora": [round(s, 2) for s in prepare],
-            "median_without": round(statistics.median(without), 2),
-            "median_with": round(statistics.median(with_lora), 2),
+            "host_load": loads,
+            "without": record.spread(without, 2),
+            "with": record.spread(with_lora, 2),
             "ratio": round(statistics.median(with_lora) / statistics.median(without), 2),
+            "ratio_per_round": record.spread(
+                [w / o for w, o in zip(with_lora, without, strict=True)], 2
+            ),
         }
         print(name, results[name], flush=True)
     record.save(

@@ -185,8 +185,10 @@ def _verdict(programs) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    """Per program: peak GiB per device / compile seconds / peak RSS GiB of the compiling
-    process; one row per (model, target, batch)."""
+    """Per program: peak GiB per device (XLA's memory analysis, exact from one build); one row
+    per (model, target, batch). Compile seconds and the compiler's RSS, one build each and
+    swinging with the host's load, stay in the results file: `bench/build_wall.py` times builds
+    over alternating rounds."""
     names = [*TRANSFORMER_PROGRAMS, "vae_decode"]
     vae = {(r["target"], r["batch"]): r["programs"]["vae_decode"]
            for r in rows if "vae_decode" in r.get("programs", {})}  # fmt: skip
@@ -202,10 +204,7 @@ def markdown(rows: list[dict]) -> str:
             continue
         programs = {**r["programs"], "vae_decode": vae.get((r["target"], r["batch"]))}
         cells = [
-            f"{p['peak_gib']:.2f} / {p['compile_seconds']:.0f} / {p['peak_rss_gib']:.1f}"
-            if p
-            else "not run"
-            for p in (programs.get(n) for n in names)
+            f"{p['peak_gib']:.2f}" if p else "not run" for p in (programs.get(n) for n in names)
         ]
         mesh = ",".join(f"{k}={v}" for k, v in r["mesh"].items() if v > 1)
         hbm = f" ({r['hbm_gib']:.0f})" if r["hbm_gib"] else ""

@@ -6,7 +6,7 @@ whose videos join at the next step. Per server and rate: videos per minute (N ov
 the first request to the last video), p50/p95 latency (request to completed, polled every
 0.1 s), p50 time to first step (request to progress > 0), slot fill (/metrics: videos per batch
 slot; continuous: occupied slots per slot-step), and seconds from the server's process start to
-its first video; medians over `--rounds`. Beside them, N `runtime run` processes of the same
+its first video; medians and ranges over `--rounds`, with the host's 1-minute load at each run. Beside them, N `runtime run` processes of the same
 requests one after another on the batch-1 build.
 
     python bench/serve_load.py --model small --res 64x96 --frames 5 --steps 8 --n 12 \
@@ -44,7 +44,7 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
-from record import host_load, save, spread
+from record import host_load, rows, save, spread
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -234,18 +234,26 @@ def fleet(artifacts: Path, weights: Path, build: str, work: Path, args) -> dict:
         for r in range(args.rounds):
             for k in args.replicas if r % 2 == 0 else args.replicas[::-1]:
                 store = server.new_database(f"fleet_{k}_{r}")
-                row = fleet_trace(artifacts, weights, build, k, store, work / f"fleet_{k}_{r}",
+                row = {"host_load": host_load()} | fleet_trace(artifacts, weights, build, k, store, work / f"fleet_{k}_{r}",
                                   arrivals, args)  # fmt: skip
                 runs[str(k)].append(row)
                 print(f"round {r} replicas {k}: {row}", file=sys.stderr)
             store = server.new_database(f"overhead_{r}")
             overhead.append(store_overhead(store, work / f"overhead_{r}", args.store_jobs))
-    medians = {
+    return {"build": build, "rate_per_s": args.rate, "medians": medians(runs),
+            "spread": spreads(runs), "runs": runs,
+            "store_overhead": {f: spread([o[f] for o in overhead], 2) for f in overhead[0]}}  # fmt: skip
+
+
+def medians(runs: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
+    return {
         k: {f: statistics.median(x[f] for x in rows) for f in rows[0]} for k, rows in runs.items()
     }
-    return {"build": build, "rate_per_s": args.rate, "medians": medians, "runs": runs,
-            "store_overhead": {f: spread([o[f] for o in overhead], 2) for f in overhead[0]},
-            "host_load": host_load()}  # fmt: skip
+
+
+def spreads(runs: dict[str, list[dict]]) -> dict[str, dict[str, dict]]:
+    """Each figure's median and range over the rounds, the host's load at each among them."""
+    return {k: {f: spread([x[f] for x in rows], 2) for f in rows[0]} for k, rows in runs.items()}
 
 
 def run_processes(artifacts: Path, weights: Path, work: Path, n: int, args) -> dict:
@@ -262,6 +270,49 @@ def run_processes(artifacts: Path, weights: Path, work: Path, n: int, args) -> d
         )  # fmt: skip
         ends.append(time.time() - start)
     return {"first_video_s": round(ends[0], 2), "all_videos_s": round(ends[-1], 2)}
+
+
+FIGURES = {"videos_per_minute": ("videos/min", ""), "latency_p50_s": ("p50 latency", " s"),
+           "latency_p95_s": ("p95 latency", " s"), "first_step_p50_s": ("first step p50", " s")}  # fmt: skip
+SERVERS = {
+    "serve_b1": "batch-1",
+    "window": "batch-{b}, window",
+    "continuous": "batch-{b}, continuous",
+}
+
+
+def markdown(row: dict) -> str:
+    """The results row as docs/benchmarks.md's table: each figure's median [range] over the
+    rounds, and the host's 1-minute load over them (where the run recorded it)."""
+
+    figures = FIGURES if "rates_per_s" not in row else {**FIGURES, "slot_fill": ("slot fill", "")}
+
+    def cells(rows: list[dict], extra: tuple[str, ...]) -> list[str]:
+        out = []
+        for key, (_, unit) in figures.items():
+            s = spread([r[key] for r in rows], 2)
+            out.append(f"{s['median']:.2f}{unit} [{s['min']:.2f}-{s['max']:.2f}]")
+        out += [f"{max(r[k] for r in rows):g}" for k in extra]
+        loads = [r["host_load"] for r in rows if "host_load" in r]
+        return [*out, f"{min(loads):.1f}-{max(loads):.1f}" if loads else "not recorded"]
+
+    names = [name for name, _ in figures.values()]
+    if "rates_per_s" not in row:  # a fleet
+        extra = ("claims_per_job_max", "compile_count")
+        head = ["replicas", *names, "most claims of a job", "compiles", "load"]
+        body = [[k, *cells(rs, extra)] for k, rs in row["runs"].items()]
+    else:
+        extra = ("compile_count",)
+        head = ["rate", "server", *names, "compiles", "load"]
+        body = [
+            [f"{rate}/s" if i == 0 else "",
+             next(v for k, v in SERVERS.items() if k in server).format(b=row["batch"]),
+             *cells(rs, extra)]
+            for rate, by_server in row["runs"].items()
+            for i, (server, rs) in enumerate(by_server.items())
+        ]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join([*lines, *("| " + " | ".join(map(str, b)) + " |" for b in body)])
 
 
 def main() -> None:
@@ -292,9 +343,15 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, help="default: bench/results/serve_load.json, or "
                         "serve_fleet.json with --replicas")  # fmt: skip
+    parser.add_argument(
+        "--markdown", action="store_true", help="print the last row of --out as a table and exit"
+    )
     args = parser.parse_args()
     default = "serve_fleet.json" if args.replicas else "serve_load.json"
     args.out = args.out or ROOT / "bench" / "results" / default
+    if args.markdown:
+        print(markdown(rows(args.out)[-1]))
+        return
     rates = [float(r) for r in args.rates.split(",")]
     command = "python bench/serve_load.py " + " ".join(sys.argv[1:])
     shape = ["--model", args.model, "--res", args.res, "--frames", str(args.frames),
@@ -331,23 +388,19 @@ def main() -> None:
                 arrivals = trace(args.n, rate)
                 for server, build in builds.items():
                     out = work / f"out_{server}_{rate:g}_{r}"
-                    row = serve_trace(artifacts, weights, build, out, arrivals, args)
+                    row = {"host_load": host_load()} | serve_trace(
+                        artifacts, weights, build, out, arrivals, args
+                    )
                     runs[f"{rate:g}"][server].append(row)
                     print(f"round {r} rate {rate:g} {server}: {row}", file=sys.stderr)
         processes = run_processes(artifacts, weights, work, args.n, args)
-    medians = {
-        rate: {
-            server: {k: statistics.median(x[k] for x in rows) for k in rows[0]}
-            for server, rows in by_server.items()
-        }
-        for rate, by_server in runs.items()
-    }
     row = {"command": command, "model": args.model, "res": args.res, "frames": args.frames,
            "steps": args.steps, "n": args.n, "batch": args.batch, "rates_per_s": rates,
-           "builds": builds, "medians": medians, "runs": runs,
+           "builds": builds, "medians": {rate: medians(by) for rate, by in runs.items()},
+           "spread": {rate: spreads(by) for rate, by in runs.items()}, "runs": runs,
            f"runtime_run_x{args.n}": processes}  # fmt: skip
     save(args.out, row)
-    print(json.dumps(medians, indent=1))
+    print(json.dumps(row["medians"], indent=1))
 
 
 if __name__ == "__main__":

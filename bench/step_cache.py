@@ -80,8 +80,9 @@ def measured(model: str, shape: list[str], repeats: int, steps: int, weights: Pa
         ratios = run(calibrate).cache.mag_ratios
         magcache = CacheRequest(kind=MAGCACHE, threshold=0.06, mag_ratios=ratios)
         run(None)  # warm both paths once before timing
-        uncached, cached, skipped = [], [], None
+        uncached, cached, skipped, loads = [], [], None, []
         for _ in range(repeats):
+            loads.append(record.host_load())
             uncached.append(run(None).phases["denoise"])
             report = run(magcache)
             cached.append(report.phases["denoise"])
@@ -93,7 +94,10 @@ def measured(model: str, shape: list[str], repeats: int, steps: int, weights: Pa
         "calibrated_ratios": list(ratios["transformer"]),
         "skipped_steps": skipped,
         "denoise_seconds_uncached": uncached, "denoise_seconds_magcache": cached,
+        "host_load": loads,
+        "uncached": record.spread(uncached, 2), "magcache": record.spread(cached, 2),
         "speedup_median": round(ratio, 3),
+        "speedup_per_round": record.spread([u / c for u, c in zip(uncached, cached, strict=True)]),
     }  # fmt: skip
 
 

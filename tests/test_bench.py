@@ -89,6 +89,7 @@ def test_lora_merge(tmp_path):
     assert set(row["sources"]) == {"checkpoint", "diffusers"}
     for source in row["sources"].values():
         assert len(source["seconds_with"]) == len(source["seconds_without"]) == 1
+        assert source["with"]["runs"] == 1 and len(source["host_load"]) == 1
 
 
 def test_build_jobs(tmp_path):
@@ -136,6 +137,8 @@ def test_cold_start(tmp_path, tiny_weights):
     assert all(run["first_step"] > 0 for run in result["median"].values())
     assert set(result["ratio_first_step"]) == set(result["ratio_total"]) == {"A/B", "A/C"}
     assert result["floor"]["first_step"] > 0 and result["aot_build_compile_seconds"] > 0
+    assert set(result["spread"]) == set(result["median"]) and len(result["host_load"]) == 1
+    assert result["spread"]["A_runtime"]["first_step"]["runs"] == 1
 
 
 def test_cold_start_trees(tmp_path, tiny_weights):
@@ -145,8 +148,8 @@ def test_cold_start_trees(tmp_path, tiny_weights):
           "--steps", "1", *MIN, "--weights", tiny_weights, "--save", out)  # fmt: skip
     result = json.loads(out.read_text())
     phases = {"first_step", "deserialize", "total"}
-    assert set(result["median_seconds"]) == {"before", "after"}
-    assert all(set(m) == phases for m in result["median_seconds"].values())
+    assert set(result["seconds"]) == {"before", "after"} and len(result["host_load"]) == 1
+    assert all(set(m) == phases for m in result["seconds"].values())
     assert set(result["ratio_after_over_before"]) == phases
 
 
@@ -182,7 +185,11 @@ def test_serve_load(tmp_path, tiny_weights, serve_builds):
     assert set(row["builds"]) == servers
     assert set(row["medians"]["1"]) == servers
     assert all(m["compile_count"] == 0 for m in row["medians"]["1"].values())
+    assert all(f["host_load"]["runs"] == 1 for f in row["spread"]["1"].values())
     assert row["runtime_run_x1"]["all_videos_s"] > 0
+    table = bench("serve_load.py", "--markdown", "--out", out).stdout.splitlines()
+    assert len(table) == 2 + 3 and table[2].startswith("| 1/s | batch-1 | ")
+    assert "not recorded" not in "".join(table)
 
 
 def test_serve_load_fleet(tmp_path, tiny_weights, serve_builds):
@@ -197,10 +204,13 @@ def test_serve_load_fleet(tmp_path, tiny_weights, serve_builds):
           "--store-jobs", "3", "--weights", tiny_weights, "--artifacts", artifacts, "--out", out)  # fmt: skip
     (row,) = rows(out)
     assert set(row["medians"]) == {"1", "2"}
+    assert set(row["spread"]) == {"1", "2"} and row["spread"]["1"]["host_load"]["runs"] == 1
     for figures in row["medians"].values():
         assert figures["claims_per_job_max"] == 1 and figures["compile_count"] == 0
         assert figures["videos_per_minute"] > 0
     assert set(row["store_overhead"]) == {"sqlite_ms_per_job", "postgresql_ms_per_job"}
+    table = bench("serve_load.py", "--markdown", "--replicas", "1", "--out", out).stdout
+    assert table.splitlines()[3].startswith("| 2 | ") and "not recorded" not in table
 
 
 def test_radial_attention(tmp_path, tpu):
@@ -240,6 +250,7 @@ def test_step_cache_measured(tmp_path, tiny_weights):
     (row,) = rows(out)
     assert row["model"] == "tiny" and len(row["calibrated_ratios"]) == 4
     assert len(row["denoise_seconds_uncached"]) == len(row["denoise_seconds_magcache"]) == 1
+    assert row["magcache"]["runs"] == row["speedup_per_round"]["runs"] == len(row["host_load"]) == 1
 
 
 def test_step_cache_deviceless(tmp_path, tpu):
