@@ -245,7 +245,11 @@ def serve_cmd(
     if requeued:
         click.echo(f"{requeued} video(s) queued from the last run", err=True)
     limits = HttpLimits(max_body_bytes, max_prompt_chars, header_timeout, body_timeout)
-    serve(service, sock, drain_timeout, limits, lambda line: click.echo(line, err=True), keys)
+    try:
+        serve(service, sock, drain_timeout, limits, lambda line: click.echo(line, err=True), keys)
+    finally:
+        if service.peers:
+            service.peers.close()
 
 
 def _serving_builds(

@@ -57,7 +57,16 @@ class JobChannel:
         self._on_lost = on_lost
         self._sent = self._received = 0  # batches published / taken
         self._seen: dict[int, tuple[str, float]] = {}  # peer -> (its last beat, when it changed)
-        threading.Thread(target=self._watch, name="peers", daemon=True).start()
+        self._closed = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="peers", daemon=True)
+        self._watcher.start()
+
+    def close(self) -> None:
+        """Stop beating and watching, before the process exits: a daemon thread still inside
+        the store's C++ client when Python finalizes aborts the process ("terminate called",
+        SIGABRT) instead of letting it exit 0."""
+        self._closed.set()
+        self._watcher.join(timeout=5 * BEAT_S)
 
     def publish(self, message: dict[str, Any]) -> None:
         """Process 0: the next message for every other process (they take them in order)."""
@@ -87,7 +96,7 @@ class JobChannel:
 
     def _watch(self) -> None:
         beat = 0
-        while True:
+        while not self._closed.is_set():
             try:
                 self._client.key_value_set(
                     f"{_PREFIX}/alive/{self.process_id}", str(beat), allow_overwrite=True
@@ -95,11 +104,11 @@ class JobChannel:
                 lost = self._silent_peers()
             except Exception as e:  # noqa: BLE001 - the store itself is gone: process 0 is
                 lost = f"process 0 (the job's coordinator) stopped answering ({_first_line(e)})"
-            if lost:
+            if lost and not self._closed.is_set():
                 self._on_lost(lost)
                 return
             beat += 1
-            time.sleep(BEAT_S)
+            self._closed.wait(BEAT_S)
 
     def _silent_peers(self) -> str | None:
         now = time.monotonic()
@@ -147,6 +156,7 @@ def follow(channel: JobChannel, pipelines: dict[str, Pipeline], cache: CacheRequ
         while True:
             message = channel.receive()
             if "stop" in message:
+                channel.close()
                 return
             videos = []
             for i, v in enumerate(message["videos"]):
