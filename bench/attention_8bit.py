@@ -46,9 +46,9 @@ def dit_like(seed: int = 0, tokens: int = TOKENS) -> tuple[np.ndarray, ...]:
     return tuple(x.astype(np.float32) for x in (q, k, rng.normal(size=shape)))
 
 
-def gaussian(seed: int = 5) -> tuple[np.ndarray, ...]:
+def gaussian(seed: int = 5, tokens: int = TOKENS) -> tuple[np.ndarray, ...]:
     rng = np.random.default_rng(seed)
-    return tuple(rng.normal(size=(1, TOKENS, HEADS, DIM)).astype(np.float32) for _ in range(3))
+    return tuple(rng.normal(size=(1, tokens, HEADS, DIM)).astype(np.float32) for _ in range(3))
 
 
 def per_head(out, ref) -> list[dict]:
@@ -79,10 +79,10 @@ def unsmoothed(q, k, v, fmt: str):
     return dot_product_attention(dequantized(q), dequantized(k), v.astype(jnp.float32))
 
 
-def accuracy() -> dict:
+def accuracy(tokens: int) -> dict:
     found = {}
     for inputs_name, make in (("dit_like", dit_like), ("gaussian", gaussian)):
-        q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in make())
+        q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in make(tokens=tokens))
         ref = dot_product_attention(q, k, v)
         for fmt in FORMATS:
             kernels = {
@@ -132,11 +132,12 @@ def pipelines(steps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=4, help="the pipelines' steps")
+    parser.add_argument("--tokens", type=int, default=TOKENS, help="the attention inputs' tokens")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/attention_8bit.json")
     args = parser.parse_args()
     row = {
         "command": shlex.join(["python", "bench/attention_8bit.py", *sys.argv[1:]]),
-        "accuracy_against_bf16": accuracy(),
+        "accuracy_against_bf16": accuracy(args.tokens),
         "pipeline_psnr_db_against_full_precision": pipelines(args.steps),
     }
     record.save(args.out, row)

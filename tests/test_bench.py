@@ -105,7 +105,7 @@ def test_build_jobs(tmp_path):
 
 def test_attention_8bit(tmp_path):
     out = tmp_path / "attention_8bit.json"
-    bench("attention_8bit.py", "--steps", "1", "--out", out)
+    bench("attention_8bit.py", "--steps", "1", "--tokens", "256", "--out", out)
     (row,) = rows(out)
     accuracy = row["accuracy_against_bf16"]
     assert len(accuracy) == 12 and all(len(heads) == 2 for heads in accuracy.values())
