@@ -5,8 +5,8 @@ finished video, for
   (C) (B) with JAX's persistent compilation cache warm.
 Runs alternate A, B, C, A, B, C, ... so that machine noise hits all three alike; the result is
 medians [ranges], the ratios A/B and A/C of the medians and the range of each round's own
-ratio, and the host's 1-minute load at each round. First step is counted from the OS's start of each process
-(the report's seconds_from_process_start_to_first_step). The floor of A's first step, measured
+ratio, and the host's 1-minute load at each round. First step is counted from the OS's start
+of each process (the report's seconds_from_process_start_to_first_step). The floor of A's first step, measured
 in the same run: a bare `python -c "import jax; jax.devices()"`, `cat` of the weight files, and
 the programs' own seconds to the first step (text_encode + kv_cache, from A's report).
 

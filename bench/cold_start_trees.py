@@ -2,8 +2,9 @@
 artifacts, then their runs alternate (before, after, before, ...) so that machine noise hits
 both alike. Reports the median and range of the seconds from process start to the first
 denoise step, of the load of the executables (the report's `deserialize` phase) and of the
-whole run, the ratios of the medians after/before, and the host's load at each round. For a change to the artifact format or the loader (the pickle-free
-executables: `git worktree add /tmp/before <commit>` gives the tree before).
+whole run, the ratios of the medians after/before, and the host's load at each round. For a
+change to the artifact format or the loader (the pickle-free executables: `git worktree add
+/tmp/before <commit>` gives the tree before).
 
     python bench/cold_start_trees.py --before /tmp/before --after . --repeats 5
 

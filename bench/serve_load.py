@@ -6,8 +6,9 @@ whose videos join at the next step. Per server and rate: videos per minute (N ov
 the first request to the last video), p50/p95 latency (request to completed, polled every
 0.1 s), p50 time to first step (request to progress > 0), slot fill (/metrics: videos per batch
 slot; continuous: occupied slots per slot-step), and seconds from the server's process start to
-its first video; medians and ranges over `--rounds`, with the host's 1-minute load at each run. Beside them, N `runtime run` processes of the same
-requests one after another on the batch-1 build.
+its first video; medians and ranges over `--rounds`, with the host's 1-minute load at each
+run. Beside them, N `runtime run` processes of the same requests one after another on the
+batch-1 build.
 
     python bench/serve_load.py --model small --res 64x96 --frames 5 --steps 8 --n 12 \
         --batch 4 --rates 0.1,0.25,0.5 --rounds 3
@@ -234,8 +235,9 @@ def fleet(artifacts: Path, weights: Path, build: str, work: Path, args) -> dict:
         for r in range(args.rounds):
             for k in args.replicas if r % 2 == 0 else args.replicas[::-1]:
                 store = server.new_database(f"fleet_{k}_{r}")
-                row = {"host_load": host_load()} | fleet_trace(artifacts, weights, build, k, store, work / f"fleet_{k}_{r}",
-                                  arrivals, args)  # fmt: skip
+                row = {"host_load": host_load()} | fleet_trace(
+                    artifacts, weights, build, k, store, work / f"fleet_{k}_{r}", arrivals, args
+                )
                 runs[str(k)].append(row)
                 print(f"round {r} replicas {k}: {row}", file=sys.stderr)
             store = server.new_database(f"overhead_{r}")
@@ -284,8 +286,8 @@ SERVERS = {
 def markdown(row: dict) -> str:
     """The results row as docs/benchmarks.md's table: each figure's median [range] over the
     rounds, and the host's 1-minute load over them (where the run recorded it)."""
-
-    figures = FIGURES if "rates_per_s" not in row else {**FIGURES, "slot_fill": ("slot fill", "")}
+    fleet = "rates_per_s" not in row
+    figures = FIGURES if fleet else {**FIGURES, "slot_fill": ("slot fill", "")}
 
     def cells(rows: list[dict], extra: tuple[str, ...]) -> list[str]:
         out = []
@@ -297,7 +299,7 @@ def markdown(row: dict) -> str:
         return [*out, f"{min(loads):.1f}-{max(loads):.1f}" if loads else "not recorded"]
 
     names = [name for name, _ in figures.values()]
-    if "rates_per_s" not in row:  # a fleet
+    if fleet:
         extra = ("claims_per_job_max", "compile_count")
         head = ["replicas", *names, "most claims of a job", "compiles", "load"]
         body = [[k, *cells(rs, extra)] for k, rs in row["runs"].items()]
