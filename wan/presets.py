@@ -144,6 +144,46 @@ PRESETS: dict[str, ModelConfig] = {
     ),
 }
 
+# Tiny image-to-video models of each kind, the shapes of the tests' diffusers folders
+# (tests/conftest.py): random weights without torch (`python -m wan.random_weights --model
+# tiny-i2v`) and builds that compile in seconds on a CPU host.
+_TINY = PRESETS["tiny"]
+PRESETS |= {
+    # Wan 2.1 I2V: a CLIP vision tower of 2x2 patches (28 pixels), its features in every
+    # cross-attention; the image's latents and mask beside the noise (36 channels).
+    "tiny-i2v": dataclasses.replace(
+        _TINY,
+        name="tiny-i2v",
+        transformer=dataclasses.replace(
+            _TINY.transformer, in_channels=36, image_dim=24, added_kv_proj_dim=32
+        ),
+        image_encoder=ImageEncoderConfig(
+            hidden_size=24,
+            intermediate_size=48,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            image_size=28,
+            projection_dim=16,
+        ),  # fmt: skip
+    ).validate(),
+    # Wan 2.2 I2V-A14B: the image through its latents only, two experts.
+    "tiny-i2v-a14b": dataclasses.replace(
+        _TINY,
+        name="tiny-i2v-a14b",
+        transformer=dataclasses.replace(_TINY.transformer, in_channels=36),
+        boundary_ratio=0.9,
+    ).validate(),
+    # Wan 2.2 TI2V-5B: the Wan 2.2 VAE's 48 channels; text to video, and image to video with
+    # --pipeline i2v.
+    "tiny-ti2v": dataclasses.replace(
+        _TINY,
+        name="tiny-ti2v",
+        transformer=dataclasses.replace(_TINY.transformer, in_channels=48, out_channels=48),
+        vae=VAE22Config(base_dim=8, decoder_base_dim=16, dim_mult=(1, 2, 2, 2), num_res_blocks=1),
+        scheduler=SchedulerConfig(flow_shift=5.0),
+    ).validate(),
+}
+
 
 def model_spec(config: ModelConfig, folder: str | Path) -> str:
     """What to pass as `--model` for weights with this config: the preset it equals, else the
