@@ -48,6 +48,16 @@ FRAME_SLACK = 0.01
 MEDIA_TYPES = {"video": "video/mp4", "thumbnail": "image/webp", "spritesheet": "image/jpeg",
                "frames": "application/octet-stream"}  # fmt: skip
 
+# OpenAI's video operations this server does not do (the SDK's call at each method and path):
+# answered with the error object saying so (400), not a bare 404 or 405.
+UNSUPPORTED = {
+    ("POST", "/v1/videos/{video_id}/remix"): "videos.remix",
+    ("POST", "/v1/videos/edits"): "videos.edit",
+    ("POST", "/v1/videos/extensions"): "videos.extend",
+    ("POST", "/v1/videos/characters"): "videos.create_character",
+    ("GET", "/v1/videos/characters/{character_id}"): "videos.get_character",
+}
+
 # Why the server answers each error status (the OpenAPI schema's descriptions).
 ERRORS = {
     400: "The request does not hold what the operation takes.",
@@ -107,7 +117,9 @@ class VideoRequest(BaseModel):
     prompt: str = Field(min_length=1)
     negative_prompt: str = ""
     model: str | None = Field(None, description="A served model (GET /v1/models).")
-    size: str = Field(pattern=r"^[1-9][0-9]{0,4}x[1-9][0-9]{0,4}$", description="WxH")
+    size: Annotated[str, Field(pattern=r"^[1-9][0-9]{0,4}x[1-9][0-9]{0,4}$")] | None = Field(
+        None, description="WxH; omitted: the one size the model is served at for the length."
+    )
     seconds: (
         Annotated[str, Field(pattern=DECIMAL)] | Annotated[float, Field(ge=0, le=1e6)] | None
     ) = Field(None, description="The length: seconds x fps + 1 frames (81: 5 s at 16 fps).")
@@ -194,11 +206,12 @@ def lengths(builds: list[ServedBuild]) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Resolved:
-    """A request placed: the build that serves it, its model and frames."""
+    """A request placed: the build that serves it, its model, frames and size ("WxH")."""
 
     build: str
     model: str
     frames: int
+    size: str
 
 
 def resolve(
@@ -221,7 +234,8 @@ def resolve(
         )  # fmt: skip
     own = [b for b in builds.values() if b.model == model]
     frames = _frames(body, own, model)
-    width, height = map(int, body.size.split("x"))
+    size = body.size or _only_size(own, model, frames)
+    width, height = map(int, size.split("x"))
     cfg = body.guidance > CFG_ABOVE
 
     def serving(kind: bool) -> str | None:
@@ -230,7 +244,7 @@ def resolve(
 
     name = serving(image)
     if name is None and serving(not image) is not None:
-        made = f"this server makes {model} {body.size} videos of {frames} frames"
+        made = f"this server makes {model} {size} videos of {frames} frames"
         why = (
             f"{made} from text only: leave {IMAGE_FIELD} out (an image needs an image-to-video "
             "build)"
@@ -243,11 +257,32 @@ def resolve(
         raise ApiError(
             400,
             "unsupported_shape",
-            f"no loaded build of {model} makes size {body.size} with {frames} frames "
+            f"no loaded build of {model} makes size {size} with {frames} frames "
             f"{'with' if cfg else 'without'} CFG; served: {describe_kinds(own)}",
             "size",
         )
-    return Resolved(name, model, frames)
+    return Resolved(name, model, frames, size)
+
+
+def served_sizes(builds: Iterable[ServedBuild], frames: int) -> list[str]:
+    """The sizes ("WxH") `builds` make videos of `frames` frames at."""
+    return sorted({f"{b.route[0]}x{b.route[1]}" for b in builds if b.route[2] == frames})
+
+
+def _only_size(own: list[ServedBuild], model: str, frames: int) -> str:
+    """A request without `size`: the one size the model is served at for its length."""
+    sizes = served_sizes(own, frames)
+    if not sizes:
+        raise ApiError(
+            400, "unsupported_length",
+            f"no loaded build of {model} makes {frames} frames; served: {lengths(own)}", "frames",
+        )  # fmt: skip
+    if len(sizes) > 1:
+        raise ApiError(
+            400, "invalid_request",
+            f"give size: {model} is served at {', '.join(sizes)} for {frames} frames", "size",
+        )  # fmt: skip
+    return sizes[0]
 
 
 def check_image(data: bytes, size: str) -> None:
@@ -272,24 +307,24 @@ def _frames(body: VideoRequest, own: list[ServedBuild], model: str) -> int:
     fps = own[0].fps  # one model, one frame rate
     exact = Fraction(body.seconds) * fps + 1
     frames = round(exact)
-    served = {b.route[2] for b in own}
     whole = abs(exact - frames) <= FRAME_SLACK
-    if not whole or frames not in served:
-        count = f"{frames} frames" if whole else "not a whole number of frames"
+    count = f"{frames} frames" if whole else "not a whole number of frames"
+    # A contradiction first: which length is served matters only once the two agree.
+    if body.frames is not None and (not whole or body.frames != frames):
+        raise ApiError(
+            400,
+            "invalid_request",
+            f"frames {body.frames} and seconds {body.seconds} ({count} at {fps} fps) "
+            "disagree: give one of them",
+            "frames",
+        )
+    if not whole or frames not in {b.route[2] for b in own}:
         raise ApiError(
             400,
             "unsupported_length",
             f"no loaded build of {model} makes {body.seconds} s ({count} at {fps} fps); "
             f"served: {lengths(own)}",
             "seconds",
-        )
-    if body.frames is not None and body.frames != frames:
-        raise ApiError(
-            400,
-            "invalid_request",
-            f"frames {body.frames} and seconds {body.seconds} ({frames} frames at {fps} fps) "
-            "disagree: give one of them",
-            "frames",
         )
     return frames
 
@@ -399,8 +434,9 @@ def validation_message(errors: list[Any]) -> tuple[str, str | None]:
 
 def video_object(job: Job, fps: int, model: str | None) -> dict[str, Any]:
     """A job as OpenAI's video object and this server's fields (`build`, `frames`, `seed`,
-    `steps`); `fps` and `model`: its build's, for a request stored without its model. A request
-    that does not read (the row damaged while serving) shows as nulls."""
+    `steps`, `negative_prompt`, `guidance`, `input_reference`: whether an image was given);
+    `fps` and `model`: its build's, for a request stored without its model. A request that does
+    not read (the row damaged while serving) shows as nulls."""
     r = job.request or {}
     frames = r.get("frames")
     return {
@@ -421,6 +457,9 @@ def video_object(job: Job, fps: int, model: str | None) -> dict[str, Any]:
         "frames": frames,
         "seed": r.get("seed"),
         "steps": r.get("steps"),
+        "negative_prompt": r.get("negative_prompt"),
+        "guidance": r.get("guidance"),
+        "input_reference": r.get(IMAGE_FIELD) is True if job.request else None,
     }
 
 
@@ -435,8 +474,18 @@ def list_page(data: list[dict[str, Any]], more: bool) -> dict[str, Any]:
     }
 
 
-def model_object(name: str, created: int) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": created, "owned_by": "wan-aot"}
+def model_object(name: str, created: int, builds: Iterable[ServedBuild]) -> dict[str, Any]:
+    """OpenAI's model object, and this server's `served`: what a request of the model may ask,
+    one entry per loaded build of it (its size, length, whether its guidance is above
+    CFG_ABOVE, whether it takes an `input_reference` image)."""
+    served = [
+        {"size": f"{width}x{height}", "frames": frames, "seconds": seconds_text(frames, b.fps),
+         "cfg": cfg, "image": image}
+        for b in sorted(builds, key=_by_route) if b.model == name
+        for width, height, frames, cfg, image in [b.route]
+    ]  # fmt: skip
+    return {"id": name, "object": "model", "created": created, "owned_by": "wan-aot",
+            "served": served}  # fmt: skip
 
 
 def form_schema(schema: dict[str, Any], image: bool = False) -> dict[str, Any]:

@@ -40,6 +40,7 @@ from runtime.openai_dialect import (
     ERRORS,
     IMAGE_FIELD,
     MEDIA_TYPES,
+    UNSUPPORTED,
     ApiError,
     ErrorBody,
     VideoRequest,
@@ -49,6 +50,7 @@ from runtime.openai_dialect import (
     model_object,
     read_video_request,
     seconds_text,
+    served_sizes,
     validation_message,
 )
 from runtime.service import Service
@@ -68,7 +70,9 @@ def _responses(*statuses: int, ok: dict[str, Any] | None = None) -> dict[int | s
 # Longer than most: the API's routes, read top to bottom as the API.
 def make_app(service: Service, limits: HttpLimits, keys: tuple[str, ...] = ()) -> FastAPI:
     """The app; with `keys`, every /v1/ route takes `Authorization: Bearer KEY` of one of them."""
-    app = FastAPI(title="wan-aot runtime serve")
+    # No /docs or /redoc: FastAPI's pages load their scripts from a CDN (nothing on an offline
+    # host); the playground at / is the page, /openapi.json the schema.
+    app = FastAPI(title="wan-aot runtime serve", docs_url=None, redoc_url=None)
     store = service.store
 
     @app.exception_handler(ApiError)
@@ -92,6 +96,7 @@ def make_app(service: Service, limits: HttpLimits, keys: tuple[str, ...] = ()) -
     @app.exception_handler(StoreError)
     def _store_error(request: Request, e: StoreError) -> JSONResponse:
         service.store_problem = str(e)
+        service.metrics.store_errors += 1
         return error_response(503, "store_unavailable", f"{e}; retry later")
 
     def get(path: str, **kwargs: Any) -> Callable[[Callable[..., T]], Callable[..., T]]:
@@ -183,14 +188,27 @@ def make_app(service: Service, limits: HttpLimits, keys: tuple[str, ...] = ()) -
     @get("/v1/models", responses=_responses(503))
     def models() -> dict[str, Any]:
         """The served models (the `model` of POST /v1/videos)."""
-        data = [model_object(m, service.started) for m in service.models()]
+        data = [model_object(m, service.started, service.builds.values()) for m in service.models()]
         return {"object": "list", "data": data}
 
     @get("/v1/models/{model}", responses=_responses(404, 503))
     def get_model(model: str) -> dict[str, Any]:
         if model not in service.models():
             raise ApiError(404, "model_not_found", f"model {model} is not served")
-        return model_object(model, service.started)
+        return model_object(model, service.started, service.builds.values())
+
+    def unsupported(call: str) -> Callable[[], dict[str, Any]]:
+        def refuse() -> dict[str, Any]:
+            raise ApiError(
+                400, "unsupported_operation",
+                f"{call} is not supported by this server: it makes videos from a prompt (and an "
+                "image) only, POST /v1/videos",
+            )  # fmt: skip
+
+        return refuse
+
+    for (method, path), call in UNSUPPORTED.items():
+        app.add_api_route(path, unsupported(call), methods=[method], include_in_schema=False)
 
     @get("/healthz", responses=_responses(503))
     def healthz() -> dict[str, Any]:
@@ -258,6 +276,8 @@ def _document(schema: dict[str, Any], service: Service, limits: HttpLimits, keye
                       "model": {"const": build.model}}  # fmt: skip
         properties |= {name: {"enum": [*values, None]} for name, values in lengths.items()}
         required = ([] if cfg else ["guidance"]) + (["model"] if several else [])
+        own = [b for b in service.builds.values() if b.model == build.model]
+        required += ["size"] if len(served_sizes(own, frames)) > 1 else []  # else it is implied
         required += [IMAGE_FIELD] if image else []
         # Either length given (not null); both given, they agree.
         length = [{"required": [name], "properties": {name: {"enum": values}}}

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from runtime.batching import Group, Video, Waiting, generate_batch, next_batch
 from runtime.job_store import Job, JobStore, QueueFull, StoreError
 from runtime.loader import route, serving_routes
+from runtime.metrics import ServiceMetrics
 from runtime.openai_dialect import (
     ApiError,
     ServedBuild,
@@ -57,6 +58,7 @@ class Metrics:
     empty_slot_steps: int = 0  # and slots that did not (computed, masked, discarded)
     requeued: int = 0  # jobs whose lease ran out, queued again by this replica
     claims_lost: int = 0  # videos finished here after the lease ran out (another claim's now)
+    store_errors: int = 0  # job-store operations that failed (retried, or answered 503)
 
 
 class Service:
@@ -81,6 +83,7 @@ class Service:
             compile_count,
         )
         self.metrics = Metrics()
+        self.exported = ServiceMetrics(self)  # /metrics: these counts and the latencies
         self.wake = threading.Event()  # a request arrived, or the drain began
         self.idle = threading.Event()  # no batch in flight
         self.idle.set()
@@ -124,9 +127,9 @@ class Service:
             raise ApiError(503, "store_unavailable", f"{self.store_problem}; retry later")
         placed = resolve(body, self.builds, self.shapes, image is not None)
         if image is not None:
-            check_image(image, body.size)
+            check_image(image, placed.size)
         request = body.model_dump(exclude={"seconds"})
-        request |= {"model": placed.model, "frames": placed.frames}
+        request |= {"model": placed.model, "frames": placed.frames, "size": placed.size}
         if request["seed"] is None:
             request["seed"] = secrets.randbelow(2**31)
         # A build makes videos with an image or without (its route says which): jobs with and
@@ -209,6 +212,7 @@ class Service:
                 self.store.renew()
             except StoreError as e:
                 self.store_problem = str(e)
+                self.metrics.store_errors += 1
 
     def lose_job(self, why: str) -> None:
         """A process of this multi-process job is lost (runtime.peers): the batch in flight can
@@ -236,6 +240,7 @@ class Service:
                 result = call()
             except StoreError as e:
                 self.store_problem = str(e)
+                self.metrics.store_errors += 1
             else:
                 self.store_problem = None
                 return result
@@ -251,6 +256,7 @@ class Service:
             self.store.progress(ids, percent)
         except StoreError as e:
             self.store_problem = str(e)
+            self.metrics.store_errors += 1
             self._progress_due = time.monotonic() + RETRY_MAX_S
         else:
             self.store_problem = None
@@ -278,8 +284,15 @@ class Service:
         videos = [Video(j.request["prompt"], j.request["negative_prompt"], j.request["seed"],
                         self.store.image_of(j)) for j in jobs]  # fmt: skip
 
+        step_seconds = self.exported.step_seconds.labels(group.build)
+        step_started = time.perf_counter()
+
         def on_step(done: int, total: int) -> None:
+            nonlocal step_started
+            if done > 1:  # the first step's time holds the prompts' encoding
+                step_seconds.observe(time.perf_counter() - step_started)
             self._progress(ids, 100 * done // total)
+            step_started = time.perf_counter()  # the store's write is not the step's
 
         if self.peers:  # the other processes run the same batch with this one
             self.peers.publish(batch_message(group.build, videos, group.settings))
@@ -295,7 +308,7 @@ class Service:
         m.slots_filled, m.slots = m.slots_filled + len(ids), m.slots + pipe.key.batch
         m.step_seconds, m.steps = m.step_seconds + report.seconds_denoising, m.steps + report.steps
         for job_id, video in zip(ids, frames, strict=True):
-            self._write(job_id, video, pipe.config.fps)
+            self._write(job_id, video, group.build)
 
     def _advance_slots(self, waiting: list[Waiting]) -> bool:
         """The continuous builds' turn (runtime.continuous): the queued videos of each join its
@@ -339,7 +352,9 @@ class Service:
             self._fail(list(slots.progress()), "generation_failed", str(e) or type(e).__name__)
             self.slot_batches[name] = type(slots)(pipe)  # empty slots
             return
-        m.step_seconds, m.steps = m.step_seconds + time.perf_counter() - start, m.steps + 1
+        seconds = time.perf_counter() - start
+        self.exported.step_seconds.labels(name).observe(seconds)
+        m.step_seconds, m.steps = m.step_seconds + seconds, m.steps + 1
         m.slot_steps += occupied
         m.empty_slot_steps += pipe.key.batch - occupied
         for job_id, (done, steps) in slots.progress().items():
@@ -348,66 +363,30 @@ class Service:
             if video.frames is None:
                 self._fail([video.id], "generation_failed", video.error)
             else:
-                self._write(video.id, video.frames, pipe.config.fps)
+                self._write(video.id, video.frames, name)
 
-    def _write(self, job_id: str, video: np.ndarray, fps: int) -> None:
-        """A video's MP4 with its previews (and frames, with --save-frames) written, then its
-        job completed."""
+    def _write(self, job_id: str, video: np.ndarray, build: str) -> None:
+        """A video of `build` written, its MP4 with its previews (and frames, with
+        --save-frames), then its job completed."""
         path = functools.partial(self.store.content_path, job_id)
         extra = previews(video, path("thumbnail"), path("spritesheet"))
         if self.save_frames:
             extra[path("frames")] = functools.partial(write_npy, array=video)
         try:
-            write_videos([video], [path("video")], fps, extra)
+            write_videos([video], [path("video")], self.pipelines[build].config.fps, extra)
         except OSError as e:  # a WriteError naming the file
             self._fail([job_id], "write_failed", str(e))
             return
         if self._stored(functools.partial(self.store.complete, job_id)):
             self.metrics.completed += 1
+            done = self._stored(functools.partial(self.store.get, job_id))
+            if done is not None and done.completed_at is not None:
+                self.exported.video_seconds.labels(build).observe(
+                    done.completed_at - done.created_at
+                )
         else:  # the files are the same video as the other claim's: same request, same seed
             self.metrics.claims_lost += 1
 
     def metrics_text(self) -> str:
-        """The metrics in Prometheus' text format."""
-        m, counts = self.metrics, self.store.counts()
-        rows = [
-            ("queue_depth", "gauge", "Videos queued, not started, in the whole store (a fleet's "
-             "shared queue).", counts["queued"]),
-            ("videos_in_progress", "gauge", "Videos in progress in the whole store (every "
-             "replica's batches).", counts["in_progress"]),
-            ("videos_completed_total", "counter", "Videos completed.", m.completed),
-            ("videos_failed_total", "counter", "Videos failed.", m.failed),
-            ("batches_total", "counter", "Batches run.", m.batches),
-            ("batch_fill_ratio", "gauge", "Videos per batch slot, all batches.",
-             m.slots_filled / m.slots if m.slots else 0.0),
-            ("seconds_per_step", "gauge", "Mean seconds per denoising step.",
-             m.step_seconds / m.steps if m.steps else 0.0),
-            ("slot_steps_total", "counter", "Continuous builds: slots that held a video at a step.",
-             m.slot_steps),
-            ("empty_slot_steps_total", "counter",
-             "Continuous builds: slots computed empty at a step (masked, discarded).",
-             m.empty_slot_steps),
-            ("compile_count", "counter", "Compilations since the builds loaded.",
-             self.compile_count()),
-            ("leases_expired_total", "counter", "Jobs whose lease ran out, queued again by this "
-             "replica.", m.requeued),
-            ("claims_lost_total", "counter", "Videos this replica finished after its lease ran "
-             "out (completed by another claim).", m.claims_lost),
-        ]  # fmt: skip
-        labels = f'replica="{_label(self.store.replica)}",store="{_label(self.store.where)}"'
-        lines = [
-            "# HELP wan_replica_info This server: its --replica name and its job store.",
-            "# TYPE wan_replica_info gauge",
-            f"wan_replica_info{{{labels}}} 1",
-        ]
-        for name, kind, help_text, value in rows:
-            lines += [f"# HELP wan_{name} {help_text}", f"# TYPE wan_{name} {kind}"]
-            lines.append(
-                f"wan_{name} {value:g}" if isinstance(value, float) else f"wan_{name} {value}"
-            )
-        return "\n".join(lines) + "\n"
-
-
-def _label(value: str) -> str:
-    """`value` as a Prometheus label value (backslash, quote and newline escaped)."""
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+        """The metrics in Prometheus' text format (runtime.metrics)."""
+        return self.exported.text()

@@ -17,6 +17,7 @@ import openai
 import pytest
 from click.testing import CliRunner
 from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
 from test_server import decode, serving
 
 # The SDK marks its video calls deprecated (the hosted service's end), not their shape.
@@ -26,6 +27,8 @@ KEY_FILE, KEY_ENV = "file-key-0123456789abcdef", "env-key-0123456789abcdef"
 SECONDS = "0.25"  # the serving builds' 5 frames at the tiny model's 16 fps: 4 / 16 s
 SIZE = "64x96"
 SETTINGS = {"steps": 2, "negative_prompt": "blur"}
+# What a server with keys serves without one: the probes and the schema.
+OPEN = ("/healthz", "/metrics", "/openapi.json")
 
 
 @pytest.fixture(scope="module")
@@ -156,8 +159,10 @@ def test_keys_and_errors(server):
     with pytest.raises(openai.AuthenticationError):  # no Authorization header at all
         sdk(server).models.list(extra_headers={"Authorization": openai.Omit()})
     plain = httpx.Client(base_url=server.url)
-    for path in ("/healthz", "/metrics"):
-        assert plain.get(path).status_code == 200
+    for path in OPEN:
+        assert plain.get(path).status_code == 200, path
+    for path in ("/docs", "/redoc"):  # FastAPI's pages, off: they load from a CDN
+        assert plain.get(path).status_code == 404, path
     answer = plain.get("/v1/videos")
     assert answer.status_code == 401 and set(answer.json()["error"]) == {
         "message", "type", "param", "code"
@@ -174,6 +179,10 @@ def test_keys_and_errors(server):
                              "colour", "colour"),
         "frames against seconds": ({"size": SIZE, "seconds": SECONDS, "extra_body": {"frames": 9}},
                                    "frames", "disagree"),
+        "frames against unserved seconds": ({"seconds": "4", "extra_body": {"frames": 5}},
+                                            "frames", "(65 frames at 16 fps) disagree"),
+        "frames none serves, no size": ({"extra_body": {"frames": 9}}, "frames",
+                                        "makes 9 frames; served: 0.25 s (5 frames)"),
     }  # fmt: skip
     for what, (kwargs, param, named) in refusals.items():
         with pytest.raises(openai.BadRequestError) as refused:
@@ -221,6 +230,55 @@ def test_a_json_request_with_curl(server):
                              f"{server.url}/v1/videos/{video['id']}"],
                             capture_output=True, text=True, timeout=30)  # fmt: skip
     assert no_key.stdout == "401"
+
+
+def test_size_is_optional_and_remix_is_refused(server):
+    """Without `size`, the one size served for the length; remix, which this server does not
+    do, is BadRequestError saying so."""
+    client = sdk(server)
+    video = client.videos.create_and_poll(prompt="a red cat", seconds=SECONDS,
+                                          poll_interval_ms=100, extra_body=SETTINGS)  # fmt: skip
+    assert (video.status, video.size) == ("completed", SIZE)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.videos.remix(video.id, prompt="a blue cat")
+    assert refused.value.code == "unsupported_operation"
+    assert refused.value.body["message"].startswith("videos.remix is not supported by this")
+
+
+def test_the_metrics_read_with_prometheus_clients_parser(server):
+    """/metrics in Prometheus' text format as prometheus_client reads it: the types, the videos
+    by status, and latency histograms whose counts are the videos and steps run."""
+    client = sdk(server)
+    client.videos.create_and_poll(prompt="a red cat", size=SIZE, seconds=SECONDS,
+                                  poll_interval_ms=100, extra_body=SETTINGS)  # fmt: skip
+    text = httpx.get(f"{server.url}/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    kinds = {name: f.type for name, f in families.items()}
+    assert kinds | {
+        "wan_queue_depth": "gauge", "wan_videos": "gauge", "wan_videos_completed": "counter",
+        "wan_videos_failed": "counter", "wan_store_errors": "counter",
+        "wan_compile_count": "gauge", "wan_slots_occupied": "gauge",
+        "wan_step_seconds": "histogram", "wan_video_seconds": "histogram",
+    } == kinds  # fmt: skip
+
+    def value(family: str, sample: str, **labels: str) -> float:
+        (found,) = [s.value for s in families[family].samples
+                    if s.name == sample and labels.items() <= s.labels.items()]  # fmt: skip
+        return found
+
+    completed = value("wan_videos_completed", "wan_videos_completed_total")
+    assert value("wan_videos", "wan_videos", status="completed") >= 1 and completed >= 1
+    queued = value("wan_videos", "wan_videos", status="queued")
+    assert queued == value("wan_queue_depth", "wan_queue_depth")
+    assert value("wan_compile_count", "wan_compile_count") == 0
+    assert value("wan_store_errors", "wan_store_errors_total") == 0
+    (build,) = {s.labels["build"] for s in families["wan_video_seconds"].samples}
+    videos = value("wan_video_seconds", "wan_video_seconds_count", build=build)
+    assert videos == completed == value("wan_video_seconds", "wan_video_seconds_bucket", le="+Inf")
+    assert value("wan_video_seconds", "wan_video_seconds_sum") > 0
+    # Every step of a batch but its first (which holds the prompts' encoding) is timed.
+    batches = value("wan_batches", "wan_batches_total")
+    assert value("wan_step_seconds", "wan_step_seconds_count", build=build) >= batches >= 1
 
 
 def test_keys_are_checked_at_the_start(tmp_path):

@@ -472,7 +472,32 @@ def test_failed_batch_fails_its_videos_and_serving_goes_on(tmp_path):
         {"code": "generation_failed", "message": "device lost"}
     ] * 2
     assert service.metrics.failed == 2 and service.metrics.completed == 1
-    assert "wan_videos_failed_total 2" in service.metrics_text()
+    assert "wan_videos_failed_total 2.0" in service.metrics_text()
+
+
+def test_a_request_without_size_takes_the_one_size_served():
+    """`size` omitted: the one size the model is served at for the length; two sizes are a 400
+    naming both, a length none serves a 400 naming the lengths served."""
+    from runtime.openai_dialect import ApiError, Resolved, ServedBuild, VideoRequest, resolve
+
+    shapes = {"a": (64, 96, 5), "b": (96, 64, 5), "c": (64, 96, 9)}
+    builds = {n: ServedBuild(n, "tiny", 16, (w, h, f, True, False), 1)
+              for n, (w, h, f) in shapes.items()}  # fmt: skip
+    routes = {b.route: name for name, b in builds.items()}
+
+    def placed(**body) -> Resolved:
+        return resolve(VideoRequest.model_validate({"prompt": "p", **body}), builds, routes)
+
+    assert placed(frames=9) == Resolved("c", "tiny", 9, "64x96")
+    assert placed(seconds="0.25", size="96x64") == Resolved("b", "tiny", 5, "96x64")
+    for body, param, says in [
+        ({"frames": 5}, "size", "give size: tiny is served at 64x96, 96x64 for 5 frames"),
+        ({"frames": 17}, "frames", "makes 17 frames; served: 0.25 s (5 frames), 0.5 s (9 frames)"),
+    ]:
+        with pytest.raises(ApiError) as refused:
+            placed(**body)
+        assert (refused.value.status, refused.value.param) == (400, param)
+        assert says in refused.value.message, refused.value.message
 
 
 def test_the_image_picks_the_build_and_never_shares_a_batch(tmp_path):
