@@ -20,7 +20,15 @@ $(VENV)/.test-installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e ".[tpu,gpu,test]"
 	touch $@ $(VENV)/.demo-installed
 
-setup: $(VENV)/.test-installed
+# tests/test_playground.py drives Debian's chromium headless (through Playwright's client, from
+# the test extra): installed with apt where it is missing (CI runs as root; elsewhere, sudo).
+CHROMIUM := /usr/bin/chromium
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+$(CHROMIUM):
+	$(SUDO) apt-get update -q
+	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q chromium
+
+setup: $(VENV)/.test-installed $(CHROMIUM)
 
 # The demo: tiny random weights, a build for 8 CPU host devices (portrait), a run, an MP4.
 DEMO := demo
@@ -39,5 +47,5 @@ lint: $(VENV)/.test-installed
 
 # --dist loadscope: a module's tests share one worker, so its module-scoped builds are made
 # once, not once per worker.
-test: lint
+test: lint $(CHROMIUM)
 	$(BIN)/pytest -n 2 --dist loadscope -q

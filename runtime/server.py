@@ -53,6 +53,7 @@ from runtime.openai_dialect import (
     served_sizes,
     validation_message,
 )
+from runtime.pages import add_playground
 from runtime.service import Service
 
 T = TypeVar("T")
@@ -233,6 +234,7 @@ def make_app(service: Service, limits: HttpLimits, keys: tuple[str, ...] = ()) -
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+    add_playground(app)
     app.add_middleware(BoundedBody, limit=limits.max_body_bytes, timeout=limits.body_timeout)
     app.add_middleware(ApiKeys, keys=keys)  # outside the body's read: no key, nothing read
     app.add_middleware(JsonErrors)  # the outermost: whatever raises below

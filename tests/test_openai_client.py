@@ -27,8 +27,8 @@ KEY_FILE, KEY_ENV = "file-key-0123456789abcdef", "env-key-0123456789abcdef"
 SECONDS = "0.25"  # the serving builds' 5 frames at the tiny model's 16 fps: 4 / 16 s
 SIZE = "64x96"
 SETTINGS = {"steps": 2, "negative_prompt": "blur"}
-# What a server with keys serves without one: the probes and the schema.
-OPEN = ("/healthz", "/metrics", "/openapi.json")
+# What a server with keys serves without one: the probes, the schema and the playground.
+OPEN = ("/healthz", "/metrics", "/openapi.json", "/", "/playground/playground.js")
 
 
 @pytest.fixture(scope="module")
