@@ -11,7 +11,13 @@ import click
 from runtime import cli_options, peers, signing, step_cache
 from runtime.artifact import ArtifactError, BuildKey, Manifest
 from runtime.cli_args import TRUSTED_KEY, CliError
-from runtime.http_guards import API_KEYS_ENV, MAX_BODY_BYTES, HttpLimits, load_api_keys
+from runtime.http_guards import (
+    API_KEYS_ENV,
+    MAX_BODY_BYTES,
+    HttpLimits,
+    check_open,
+    load_api_keys,
+)
 from runtime.job_store import LEASE_S, LOCK_TIMEOUT_S, MAX_ATTEMPTS, JobStore
 from runtime.loader import (
     Present,
@@ -41,7 +47,13 @@ from wan.presets import model_spec
     "or image to video; default: of the builds that serve the weights' model on these devices, "
     "the largest batch of each).",
 )
-@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    help="The address to serve on; any but loopback takes API keys (--api-key-file, "
+    "$WAN_API_KEYS, --api-key).",
+)
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
 @click.option(
     "--out-dir",
@@ -145,12 +157,14 @@ from wan.presets import model_spec
     help="Require `Authorization: Bearer KEY` on every /v1/ route (repeatable; 16 to 512 "
     "characters). A key on the command line shows in `ps`: prefer --api-key-file or "
     "$WAN_API_KEYS (comma-separated keys), which are read too. /healthz and /metrics stay open "
-    "for probes and scrapers. Without any key the server is open to whoever reaches the port.",
+    "for probes and scrapers. Without any key the server is open to whoever reaches the port, so "
+    "it then serves only on a loopback --host.",
 )
 @click.option(
     "--api-key-file",
     type=click.Path(path_type=Path, dir_okay=False),
-    help="A file of API keys, one a line (blank lines and # comments skipped), as --api-key.",
+    help="A file of API keys, one a line (blank lines and # comments skipped), as --api-key; "
+    "one without a key is refused.",
 )
 @cli_options.cache_options
 @cli_options.job_options
@@ -198,6 +212,7 @@ def serve_cmd(
     leader = process_id == 0  # the process that listens and keeps the jobs
     if leader:
         sock = listen(host, port)
+        check_open(host, sock.getsockname()[0], keys)  # where it is bound, not what --host says
         # A store it cannot use fails before anything loads.
         store = JobStore(out_dir, store_timeout, job_store, replica, lease, max_attempts)
         requeued = store.recover()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
+import ipaddress
 import logging
 import re
 from pathlib import Path
@@ -49,7 +50,9 @@ class ApiKeyError(InputError):
 
 def load_api_keys(given: tuple[str, ...], file: Path | None, env: str | None) -> tuple[str, ...]:
     """The server's keys: those of --api-key, of --api-key-file (one a line; blank lines and
-    lines starting with # skipped) and of $WAN_API_KEYS (comma-separated), each checked."""
+    lines starting with # skipped) and of $WAN_API_KEYS (comma-separated; `env` None when it is
+    unset), each checked. A source given that yields no key is refused: whoever gave it meant
+    the server to take keys, and an open server is what they would get."""
 
     def refuse(reason: str) -> ApiKeyError:
         return ApiKeyError(f"--api-key-file {file} {reason}: give a file of keys, one a line")
@@ -57,8 +60,18 @@ def load_api_keys(given: tuple[str, ...], file: Path | None, env: str | None) ->
     keys = [*given]
     if file is not None:
         lines = read_text(file, MAX_KEY_FILE_BYTES, refuse).splitlines()
-        keys += [k.strip() for k in lines if k.strip() and not k.lstrip().startswith("#")]
-    keys += [k.strip() for k in (env or "").split(",") if k.strip()]
+        from_file = [k.strip() for k in lines if k.strip() and not k.lstrip().startswith("#")]
+        if not from_file:
+            raise refuse("holds no key (only blank lines or # comments)")
+        keys += from_file
+    if env is not None:
+        from_env = [k.strip() for k in env.split(",") if k.strip()]
+        if not from_env:
+            raise ApiKeyError(
+                f"${API_KEYS_ENV} is set but holds no key: give comma-separated keys, or unset it "
+                "(a server without keys is open to whoever reaches it)"
+            )
+        keys += from_env
     for i, key in enumerate(keys, 1):
         if not KEY.fullmatch(key):
             raise ApiKeyError(
@@ -67,6 +80,20 @@ def load_api_keys(given: tuple[str, ...], file: Path | None, env: str | None) ->
                 "`openssl rand -hex 32`)"
             )
     return tuple(dict.fromkeys(keys))
+
+
+def check_open(host: str, address: str, keys: tuple[str, ...]) -> None:
+    """A server without keys only on loopback (`address`: the IP its socket is bound to, for
+    --host `host`): anywhere else anyone who reaches the port could queue videos and read
+    everyone's."""
+    ip = ipaddress.ip_address(address.partition("%")[0])  # an IPv6 scope id is no part of it
+    if keys or (getattr(ip, "ipv4_mapped", None) or ip).is_loopback:
+        return
+    raise ApiKeyError(
+        f"--host {host or repr(host)} ({address}) without an API key would serve /v1/ to anyone "
+        f"who reaches it: give --api-key-file FILE or ${API_KEYS_ENV}, or serve on 127.0.0.1 "
+        "behind a proxy that authenticates"
+    )
 
 
 class ApiKeys:

@@ -37,6 +37,8 @@ CFG_ABOVE = 1.0  # a guidance above it runs a CFG build (the route's `cfg`)
 # A form may hold each field of VideoRequest once, and one file: IMAGE_FIELD.
 MAX_FORM_FIELDS = 32
 MAX_FORM_FILES = 1
+# A form's number field, in characters: a seed (2^53 - 1) is 16 digits, a float's repr 24.
+MAX_NUMBER_CHARS = 64
 # OpenAI's field for a reference image, which the SDK uploads as a file part of its form: the
 # first frame of an image-to-video video (not taken as a `file_id` or an `image_url`).
 IMAGE_FIELD = "input_reference"
@@ -415,6 +417,11 @@ def _form_value(name: str, text: str) -> Any:
         return None
     if not kinds - {types.NoneType} <= {int, float}:
         return text
+    if len(text) > MAX_NUMBER_CHARS:  # before int(), which refuses 4,300 digits with a ValueError
+        raise ApiError(
+            400, "invalid_request",
+            f"{name}: a number of {len(text)} characters: give at most {MAX_NUMBER_CHARS}", name,
+        )  # fmt: skip
     if re.fullmatch(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?", text):
         value = float(text) if re.search(r"[.eE]", text) else int(text)
         if not isinstance(value, float) or math.isfinite(value):

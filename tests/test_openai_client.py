@@ -299,3 +299,57 @@ def test_keys_are_checked_at_the_start(tmp_path):
         result = CliRunner().invoke(cli, [*base, *args], env=env)
         assert result.exit_code == 2 and expected in result.output, result.output
         assert len(result.output.strip().splitlines()) == 1, result.output
+
+
+@pytest.mark.parametrize(
+    ("file", "env", "expected"),
+    [
+        ("", None, "holds no key"),
+        ("# the keys go here\n\n   \n", None, "holds no key"),
+        (None, " , ,", "$WAN_API_KEYS is set but holds no key"),
+        (None, "", "$WAN_API_KEYS is set but holds no key"),
+    ],
+)
+def test_a_key_source_without_a_key_is_refused(tmp_path, file, env, expected):
+    """A key file with no key (empty, or comments only) or a $WAN_API_KEYS of no key: one line
+    at the start, not a server open to all (issue 53)."""
+    from runtime.cli import cli
+
+    args = ["serve", "--weights", str(tmp_path), "--out-dir", str(tmp_path / "out")]
+    if file is not None:
+        (tmp_path / "keys").write_text(file)
+        args += ["--api-key-file", str(tmp_path / "keys")]
+    result = CliRunner().invoke(cli, args, env={"WAN_API_KEYS": env})
+    assert result.exit_code == 2 and expected in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output
+
+
+def test_a_server_without_keys_serves_only_loopback(tiny_weights, tmp_path):
+    """No key and --host 0.0.0.0: one line at the start; with a key, or on 127.0.0.1, the start
+    goes on (here to the empty artifacts folder's refusal)."""
+    from runtime.cli import cli
+
+    (tmp_path / "empty").mkdir()
+    args = ["serve", "--artifacts", str(tmp_path / "empty"), "--weights", str(tiny_weights),
+            "--port", "0"]  # fmt: skip
+    for i, (host, env, refusal) in enumerate([
+        ("0.0.0.0", None, "--host 0.0.0.0 (0.0.0.0) without an API key would serve /v1/"),
+        ("0.0.0.0", KEY_ENV, "no build in"),
+        ("127.0.0.1", None, "no build in"),
+    ]):  # fmt: skip
+        out = ["--out-dir", str(tmp_path / f"out{i}")]  # each its own: the store stays open here
+        result = CliRunner().invoke(cli, [*args, *out, "--host", host], env={"WAN_API_KEYS": env})
+        assert result.exit_code == 2 and refusal in result.output, result.output
+        assert len(result.output.strip().splitlines()) == 1, result.output
+
+
+def test_numbers_of_thousands_of_digits_in_a_form_are_400(server):
+    """A form's seed, steps, frames or guidance of 5,000 digits: BadRequestError naming the
+    field (Python's int() refuses 4,300 digits: it was a 500)."""
+    client = sdk(server)
+    for name in ("seed", "steps", "frames", "guidance"):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.videos.create(prompt="a cat", size=SIZE, seconds=SECONDS,
+                                 extra_body={name: "9" * 5000})  # fmt: skip
+        assert refused.value.param == name, refused.value
+        assert "a number of 5000 characters: give at most 64" in refused.value.message
