@@ -128,6 +128,13 @@ class PromptLine:
 
     video: Video
     out: Path
+    where: str = "a --prompts line"  # its file and number, as a message names it
+
+    def inputs(self) -> list[tuple[Path, str]]:
+        """The files the line reads, each with its name in a message: no line's `out` may be
+        one of them (runtime.outputs.check_not_inputs)."""
+        given = (("image", self.video.image), ("last_image", self.video.last_image))
+        return [(path, f"{self.where}'s {key}") for key, path in given if path is not None]
 
 
 PROMPT_FIELDS = {
@@ -200,6 +207,7 @@ def _prompt_line(
     return PromptLine(
         Video(item["prompt"], item.get("negative_prompt", ""), seed, **pictures),
         _out_path(where, item["out"], base),
+        where,
     )
 
 

@@ -192,7 +192,8 @@ def run_cmd(
               (init_noise, "--init-noise"), (mag_ratios, "--mag-ratios"), (image_path, "--image"),
               (last_image_path, "--last-image"),
               *((path, "--lora") for path, _ in loras),
-              *((path, "--lora-2") for path, _ in loras_2)]  # fmt: skip
+              *((path, "--lora-2") for path, _ in loras_2),
+              *(given for line in lines or () for given in line.inputs())]  # fmt: skip
     check_not_inputs(outputs, [(path, option) for path, option in inputs if path is not None])
     if lines is not None and (image_path or last_image_path):
         raise CliError(

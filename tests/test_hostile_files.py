@@ -166,6 +166,37 @@ def test_a_line_never_replaces_an_input_of_the_run(tiny_weights, tmp_path, out, 
     assert digests(folder) == before
 
 
+@pytest.mark.parametrize(
+    ("lines", "phrase"),
+    [
+        ([{"image": "cat.png", "out": "cat.png"}], "line 1's image"),
+        ([{"image": "cat.png", "out": "a.mp4"}, {"image": "dog.png", "out": "cat.png"}],
+         "line 1's image"),
+        ([{"image": "cat.png", "out": "a.mp4"},
+          {"image": "dog.png", "last_image": "end.png", "out": "end.png"}],
+         "line 2's last_image"),
+    ],
+)  # fmt: skip
+def test_a_line_never_writes_over_an_image_a_line_reads(tiny_weights, tmp_path, lines, phrase):
+    """A line's `out` that is its own image, or another line's image or last image: refused
+    before anything loads, the pictures as they were (issue 53)."""
+    from PIL import Image
+
+    folder = tmp_path / "in"
+    path = prompts(folder, *(json.dumps({"prompt": "a", **line}) for line in lines))
+    for name in ("cat.png", "dog.png", "end.png"):
+        Image.new("RGB", (64, 128), (200, 30, 30)).save(folder / name)
+    (tmp_path / "artifacts").mkdir()
+    before = digests(folder)
+    result = CliRunner().invoke(
+        runtime_cli,
+        ["run", "--artifacts", str(tmp_path / "artifacts"), "--weights", str(tiny_weights),
+         *TINY_SHAPE, "--prompts", str(path)],
+    )  # fmt: skip
+    one_line(result, phrase, "an input of this run")
+    assert digests(folder) == before
+
+
 def test_out_dir_is_for_prompts_files(tiny_weights, tmp_path):
     result = CliRunner().invoke(
         runtime_cli,
