@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +20,15 @@ from wan.errors import InputError
 from wan.strict_config import ConfigKeyError, WeightError, check_value, excerpt, is_int, is_number
 
 # An image file is a few MiB and a video frame under a megapixel: far larger input is a mistake
-# or an attack, refused before it costs memory (decoded, 8192x8192 RGB is 192 MiB).
+# or an attack, refused from its header before it costs memory. A decode costs about 15 bytes a
+# pixel of the canvas at its peak (WebP: libwebp's canvases and Pillow's image): 16.8 MP (a
+# 12 MP photo fits) is about 250 MiB, and at most MAX_DECODES run at once in a process (the
+# server's requests and its batches together), the others waiting their turn.
 MAX_IMAGE_BYTES = 64 << 20
-MAX_IMAGE_PIXELS = 8192 * 8192
+MAX_IMAGE_PIXELS = 4096 * 4096
+MAX_IMAGE_SIDE = 8192
+MAX_DECODES = 2
+_DECODES = threading.BoundedSemaphore(MAX_DECODES)
 # The most of an image `condition_pixels` crops away to fit the build's aspect ratio: a 4:3 or
 # square photo fits a 16:9 build (23%, 42% cropped); a portrait photo (57%) is refused.
 MAX_CROP = 0.5
@@ -30,8 +37,6 @@ _FORMATS = ("PNG", "JPEG", "WEBP")
 _REMEDY = f"give a PNG, JPEG or WebP image of at most {MAX_IMAGE_BYTES >> 20} MiB"
 # Modes whose convert("RGB") is what diffusers' load_image gives and a faithful 8-bit picture.
 _RGB_MODES = frozenset({"1", "L", "LA", "P", "RGB", "RGBA", "CMYK"})
-# Whatever Pillow raises on a truncated or corrupt file while opening or decoding it.
-_CORRUPT = (OSError, SyntaxError, ValueError, EOFError)
 
 
 def read_image(source: str | Path | bytes, *, what: str = "the image") -> Image.Image:
@@ -39,8 +44,11 @@ def read_image(source: str | Path | bytes, *, what: str = "the image") -> Image.
     diffusers' `load_image` gives it: EXIF orientation applied, then `convert("RGB")`.
 
     Refused, with one line naming `what` (and the path): a file over MAX_IMAGE_BYTES or that is
-    no regular file; anything but PNG, JPEG or WebP; more than MAX_IMAGE_PIXELS (from the header,
-    before any pixel is decoded); truncated or corrupt data (the first frame is fully decoded).
+    no regular file; anything but PNG, JPEG or WebP; a canvas over MAX_IMAGE_SIDE a side or
+    MAX_IMAGE_PIXELS (from the header, before any pixel is decoded; Pillow and libwebp refuse
+    an animation's frame outside its canvas); anything Pillow cannot read (truncated or
+    corrupt data, the first frame fully decoded; a palette's transparency longer than the
+    palette). At most MAX_DECODES decode at once in a process.
 
     Policies:
     - alpha (RGBA, LA, a palette's transparency) is dropped, not composited: the colours stored
@@ -62,26 +70,35 @@ def read_image(source: str | Path | bytes, *, what: str = "the image") -> Image.
         data = bounded_read.read_bytes(
             Path(source), MAX_IMAGE_BYTES, lambda reason: InputError(f"{name} {reason}: {_REMEDY}")
         )
-    try:
-        image = Image.open(io.BytesIO(data), formats=_FORMATS)
-    except Image.UnidentifiedImageError:
-        raise InputError(f"{name} is not a PNG, JPEG or WebP image: {_REMEDY}") from None
-    except Image.DecompressionBombError:  # Pillow's own bound, far above ours
-        raise InputError(
-            f"{name} has over {MAX_IMAGE_PIXELS} pixels: give a smaller image"
-        ) from None
-    except _CORRUPT as e:
-        raise _corrupt(name, e) from None
-    width, height = image.size
+    with _DECODES:
+        try:
+            return _decode(data, name)
+        except InputError:
+            raise
+        except Image.UnidentifiedImageError:
+            raise InputError(f"{name} is not a PNG, JPEG or WebP image: {_REMEDY}") from None
+        except Image.DecompressionBombError:  # Pillow's own bound, far above ours
+            raise InputError(
+                f"{name} has over {MAX_IMAGE_PIXELS} pixels: give a smaller image"
+            ) from None
+        except Exception as e:  # whatever else Pillow raises on data it cannot read
+            raise _corrupt(name, e) from None
+
+
+def _decode(data: bytes, name: str) -> Image.Image:
+    """read_image's decode, once the file is read: Pillow's errors are the caller's to word."""
+    image = Image.open(io.BytesIO(data), formats=_FORMATS)
+    width, height = image.size  # the canvas, from the header
     if width * height > MAX_IMAGE_PIXELS:
-        raise InputError(
-            f"{name} is {width}x{height}, over {MAX_IMAGE_PIXELS} pixels: give a smaller image"
-        )
-    try:
-        image.load()
-        image = ImageOps.exif_transpose(image)
-    except _CORRUPT as e:
-        raise _corrupt(name, e) from None
+        over = f"{MAX_IMAGE_PIXELS} pixels"
+    elif max(width, height) > MAX_IMAGE_SIDE:
+        over = f"{MAX_IMAGE_SIDE} pixels a side"
+    else:
+        over = None
+    if over:
+        raise InputError(f"{name} is {width}x{height}, over {over}: give a smaller image")
+    image.load()
+    ImageOps.exif_transpose(image, in_place=True)  # no copy: memory is the bound's
     if image.mode == "I;16":
         return Image.fromarray((np.asarray(image) >> 8).astype(np.uint8)).convert("RGB")
     if image.mode not in _RGB_MODES:
@@ -91,7 +108,7 @@ def read_image(source: str | Path | bytes, *, what: str = "the image") -> Image.
     if image.mode == "P" and isinstance(image.info.get("transparency"), bytes):
         # The same colours, without the warning Pillow gives converting such a palette to RGB.
         image = image.convert("RGBA")
-    return image.convert("RGB")
+    return image if image.mode == "RGB" else image.convert("RGB")
 
 
 def _corrupt(name: str, e: Exception) -> InputError:

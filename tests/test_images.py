@@ -8,6 +8,8 @@ import io
 import json
 import os
 import struct
+import subprocess
+import sys
 import warnings
 import zlib
 from pathlib import Path
@@ -21,6 +23,7 @@ from PIL import Image
 
 from runtime.images import (
     MAX_IMAGE_BYTES,
+    MAX_IMAGE_PIXELS,
     ClipProcessor,
     clip_pixels,
     condition_pixels,
@@ -92,7 +95,7 @@ def test_a_decompression_bomb_is_refused_from_its_header(tmp_path, side):
     path = tmp_path / "bomb.png"
     path.write_bytes(_with_size(_png_bytes(_rgb(4, 4)), side, side))
     message = _refused(path, "pixels: give a smaller image")
-    assert side == 100_000 or f"is {side}x{side}, over 67108864 pixels" in message
+    assert side == 100_000 or f"is {side}x{side}, over {MAX_IMAGE_PIXELS} pixels" in message
 
 
 def test_a_file_over_the_limit_is_refused_unread(tmp_path):
@@ -135,6 +138,142 @@ def test_corrupt_data_is_refused(tmp_path):
     data = bytearray(_saved(_rgb(64, 64), tmp_path / "whole", "PNG").read_bytes())
     data[60:80] = bytes(20)  # inside the compressed pixels
     _refused(bytes(data), "is truncated or corrupt")
+
+
+# Third round (issue 53): what a decode costs, and Pillow's errors the first rounds missed.
+
+# What a fresh process's memory grows by at its peak while `grown()` runs, in MiB: its peak
+# reset first (Linux's clear_refs), the imports' own peak not counted.
+_GROWTH = """
+import re, sys, threading
+from runtime.images import read_image
+from wan.errors import InputError
+
+def status(field):
+    return int(re.search(field + r":\\s+(\\d+) kB", open("/proc/self/status").read())[1]) >> 10
+
+def grown(call):
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = status("VmRSS")
+    call()
+    return status("VmHWM") - before
+"""
+# A fresh process reads the file argv[1] as bytes: the line (or "accepted") and the growth.
+_PEAK = (
+    _GROWTH
+    + """
+data = open(sys.argv[1], "rb").read()
+def read():
+    try:
+        read_image(data)
+        print("accepted")
+    except InputError as e:
+        print(e)
+print(grown(read))
+"""
+)
+
+
+def _animated_webp(canvas: int) -> bytes:
+    """A two-frame animated WebP of 16x16 frames whose header (VP8X) declares a canvas of
+    canvas x canvas: a few hundred bytes."""
+    out = io.BytesIO()
+    first, second = Image.new("RGB", (16, 16), "red"), Image.new("RGB", (16, 16), "blue")
+    first.save(out, "WEBP", save_all=True, append_images=[second])
+    data = bytearray(out.getvalue())
+    assert data[12:16] == b"VP8X"
+    data[24:30] = (canvas - 1).to_bytes(3, "little") * 2  # its width - 1, height - 1
+    return bytes(data)
+
+
+@pytest.mark.parametrize(
+    "image",
+    [
+        _with_size(_png_bytes(_rgb(4, 4)), 1, 67_108_864),  # was 514 MiB before its 400
+        _animated_webp(8000),  # was 980 MiB, and accepted
+    ],
+    ids=["a 1 x 67,108,864 PNG", "an animated WebP on an 8000 x 8000 canvas"],
+)
+def test_a_canvas_past_the_bound_costs_nothing(tmp_path, image):
+    """A few hundred bytes declaring a huge canvas: refused from the header, in a process whose
+    memory grows by less than 32 MiB."""
+    assert len(image) < 400
+    (tmp_path / "image").write_bytes(image)
+    result = subprocess.run(
+        [sys.executable, "-c", _PEAK, str(tmp_path / "image")],
+        capture_output=True, text=True, check=True, timeout=120,
+    )  # fmt: skip
+    line, grown = result.stdout.splitlines()
+    assert f"over {MAX_IMAGE_PIXELS} pixels: give a smaller image" in line, line
+    assert int(grown) < 32, grown
+
+
+def test_decodes_at_once_are_bounded(tmp_path):
+    """Eight threads read a 16 MP PNG (under the bound) at once: the process's memory grows by
+    at most as many decodes as MAX_DECODES (and one returning), not eight."""
+    from runtime.images import MAX_DECODES  # new with the bound: the file runs on older trees
+
+    path = _saved(Image.new("RGB", (4000, 4000), (10, 200, 30)), tmp_path / "large.png")
+    probe = (
+        _GROWTH
+        + """
+def eight():
+    threads = [threading.Thread(target=read_image, args=(sys.argv[1],)) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+print(grown(lambda: read_image(sys.argv[1])), grown(eight))
+"""
+    )
+    result = subprocess.run([sys.executable, "-c", probe, str(path)], capture_output=True,
+                            text=True, check=True, timeout=120)  # fmt: skip
+    one, eight = map(int, result.stdout.split())
+    assert one > 30 and eight <= (MAX_DECODES + 1) * one, (one, eight)
+
+
+def _palette_png(colours: int, transparent: int) -> bytes:
+    """A palette PNG of `colours` colours with `transparent` tRNS entries, by hand (Pillow
+    writes no more entries than colours)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        crc = zlib.crc32(kind + data)
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
+
+    rows = b"".join(b"\0" + bytes(range(8)) for _ in range(8))
+    return b"".join([
+        b"\x89PNG\r\n\x1a\n",
+        chunk(b"IHDR", struct.pack(">IIBBBBB", 8, 8, 8, 3, 0, 0, 0)),
+        chunk(b"PLTE", bytes(range(3 * colours))),
+        chunk(b"tRNS", b"\x80" * transparent),
+        chunk(b"IDAT", zlib.compress(rows)),
+        chunk(b"IEND", b""),
+    ])  # fmt: skip
+
+
+def test_a_palette_with_more_transparency_than_colours_is_one_line(tiny_weights, tmp_path):
+    """300 transparency entries for an 8-colour palette (Pillow's ValueError escaped): one line
+    from read_image, a 400 from the server's check of an input_reference, exit 2 from
+    `runtime run --image`."""
+    from click.testing import CliRunner
+
+    from runtime.cli import cli
+    from runtime.openai_dialect import ApiError, check_image
+
+    data = _palette_png(8, 300)
+    _refused(data, "is truncated or corrupt")
+    with pytest.raises(ApiError) as refused:
+        check_image(data, "64x96")
+    assert refused.value.status == 400 and refused.value.param == "input_reference"
+    path = tmp_path / "palette.png"
+    path.write_bytes(data)
+    result = CliRunner().invoke(cli, [
+        "run", "--weights", str(tiny_weights), "--res", "64x96", "--frames", "5", "--prompt",
+        "a", "--image", str(path), "--out", str(tmp_path / "v.mp4")])  # fmt: skip
+    assert result.exit_code == 2, result.output
+    [line] = result.output.strip().splitlines()
+    assert line.startswith("Error: --image") and str(path) in line, line
 
 
 # --- read as diffusers reads them ------------------------------------------------------------
