@@ -146,6 +146,7 @@ def test_serve_joins_mid_run_and_a_kill_9_loses_nothing(
         metrics = server.metrics()
         assert metrics["wan_compile_count"] == 0 and metrics["wan_videos_completed_total"] == 1
         assert metrics["wan_slot_steps_total"] > metrics["wan_empty_slot_steps_total"] > 0
+        assert metrics[f'wan_slots_occupied{{build="{served}"}}'] == 1  # the long video's
         os.kill(server.proc.pid, signal.SIGKILL)
         server.proc.wait()
     with serving(continuous_build, tiny_weights, out, "--save-frames") as server:
