@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import re
 import secrets
 import socket
 import time
@@ -29,6 +31,7 @@ from typing import Any
 from runtime.batching import Group, Settings
 from runtime.outputs import write_files
 from runtime.store_backends import Backend, Executor, StoreError, open_backend
+from wan.bounded_read import parse_json
 
 __all__ = ["Job", "JobStore", "QueueFull", "StoreError"]
 
@@ -38,6 +41,15 @@ VIDEOS = "videos"
 # again by its batch), at INPUTS/<job id>INPUT; its stored request says it has one.
 INPUTS, INPUT = "inputs", ".image"
 STATUSES = ("queued", "in_progress", "completed", "failed")
+# A job's id, as `add` makes it: the only ids a file's name is made of (content_path).
+JOB_ID = re.compile(r"video_[0-9a-f]{24}")
+# What a row's text columns may hold: a stored request (two prompts of --max-prompt-chars,
+# escaped), and the others (an error message is cut to this when written).
+MAX_REQUEST_CHARS = 32 << 20
+MAX_TEXT_CHARS = 64 << 10
+# The columns every read names (a column dropped by hand is the store's fault, not a KeyError).
+COLUMNS = ("seq, id, grp, request, status, progress, created_at, completed_at, error_code, "
+           "error_message, attempts, owner")  # fmt: skip
 # The stored request's fields the server reads back (runtime.openai_dialect.VideoRequest's, the
 # seed and frames filled in) and their JSON types; a row without them is refused at the start.
 REQUEST_FIELDS = {"prompt": str, "negative_prompt": str, "size": str, "frames": int,
@@ -84,9 +96,13 @@ class QueueFull(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class Job:
-    id: str
-    group: Group | None  # None: the stored group does not read (the server fails the job)
-    request: dict[str, Any] | None  # None: the stored request does not read (likewise)
+    """A row of the jobs table read into typed values (`_job`, the row's one schema). A column
+    that does not read (a row edited by hand, damaged) is `damage`, that column's name, and
+    holds a neutral value instead (None, 0, "failed"): the server fails the job, never itself."""
+
+    id: str  # JOB_ID unless `damage` is "id"
+    group: Group | None  # None: the stored group does not read
+    request: dict[str, Any] | None  # None: the stored request does not read
     status: str
     progress: int
     created_at: float
@@ -94,6 +110,13 @@ class Job:
     error: dict[str, str] | None
     attempts: int = 0  # times a server claimed it
     owner: str | None = None  # the replica that holds it, or held it last
+    seq: int = 0  # its row's key, whatever else does not read
+    damage: str | None = None  # the first column that does not read
+
+    @property
+    def unreadable(self) -> str:
+        """Why a damaged job fails."""
+        return f"its stored {self.damage} does not read: submit the video again"
 
 
 def default_replica() -> str:
@@ -168,13 +191,14 @@ class JobStore:
             problem = self._db.integrity_problem(db)
             if problem:
                 raise StoreError(problem)
-            for row in db.execute("SELECT id, request FROM jobs"):
-                job_id = row["id"]
-                ids.add(job_id)
+            for row in db.execute("SELECT seq, id, request FROM jobs"):
+                ids.add(row["id"])
                 if _read_request(row["request"]) is None:
-                    fix = self._db.shell(f"DELETE FROM jobs WHERE id='{job_id}'")
+                    job_id = row["id"]  # shown only as a valid id: a message stays one line
+                    which = job_id if _is_id(job_id) else f"#{row['seq']}"
+                    fix = self._db.shell(f"DELETE FROM jobs WHERE seq={int(row['seq'])}")
                     raise StoreError(
-                        f"job store {self.where}: job {job_id}'s request does not read (a JSON "
+                        f"job store {self.where}: job {which}'s request does not read (a JSON "
                         f"object with {', '.join(REQUEST_FIELDS)}): delete it ({fix}) or give "
                         "another store"
                     )
@@ -219,14 +243,15 @@ class JobStore:
                     (job_id, _group_text(group), group.build, json.dumps(request), "queued",
                      time.time()),
                 )  # fmt: skip
-                return _job(db.execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone())
+                row = db.execute(f"SELECT {COLUMNS} FROM jobs WHERE id=?", (job_id,)).fetchone()
+                return _job(row)
         except BaseException:
             self.input_path(job_id).unlink(missing_ok=True)
             raise
 
     def get(self, job_id: str) -> Job | None:
         with self._db.transaction() as db:
-            row = db.execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone()
+            row = db.execute(f"SELECT {COLUMNS} FROM jobs WHERE id=?", (job_id,)).fetchone()
         return None if row is None else _job(row)
 
     def page(
@@ -239,21 +264,22 @@ class JobStore:
         """The newest jobs first (the oldest if `ascending`), from the one after `after` (an id)
         when given: at most `limit` of them and `max_bytes` of their stored requests (one at
         least), and whether more follow."""
-        rows, size = [], 0
+        jobs, size = [], 0
         query = (
-            "SELECT * FROM jobs WHERE seq > COALESCE((SELECT seq FROM jobs WHERE id=?), 0) "
-            "ORDER BY seq"
+            f"SELECT {COLUMNS} FROM jobs WHERE seq > COALESCE((SELECT seq FROM jobs WHERE id=?), "
+            "0) ORDER BY seq"
             if ascending
-            else "SELECT * FROM jobs WHERE seq < COALESCE((SELECT seq FROM jobs WHERE id=?), "
-            "9223372036854775807) ORDER BY seq DESC"
+            else f"SELECT {COLUMNS} FROM jobs WHERE seq < COALESCE((SELECT seq FROM jobs WHERE "
+            "id=?), 9223372036854775807) ORDER BY seq DESC"
         )
         with self._db.transaction() as db:
             for row in db.execute(f"{query} LIMIT ?", (after, limit + 1)):
-                size += len(row["request"])
-                if len(rows) == limit or (rows and size > max_bytes):
-                    return [_job(r) for r in rows], True
-                rows.append(row)
-        return [_job(r) for r in rows], False
+                request = row["request"]
+                size += len(request) if isinstance(request, str) else 0
+                if len(jobs) == limit or (jobs and size > max_bytes):
+                    return jobs, True
+                jobs.append(_job(row))
+        return jobs, False
 
     def queued(self, builds: list[str] | None = None) -> list[Job]:
         """The queued jobs, oldest first; with `builds`, only those of these builds (a replica's:
@@ -263,7 +289,9 @@ class JobStore:
             where += f" AND build IN ({_marks(builds)})"
             params = builds
         with self._db.transaction() as db:
-            rows = db.execute(f"SELECT * FROM jobs WHERE {where} ORDER BY seq", params).fetchall()
+            rows = db.execute(
+                f"SELECT {COLUMNS} FROM jobs WHERE {where} ORDER BY seq", params
+            ).fetchall()
         return [_job(r) for r in rows]
 
     def counts(self) -> dict[str, int]:
@@ -280,6 +308,8 @@ class JobStore:
             cursor = db.execute("DELETE FROM jobs WHERE id=? AND status!='in_progress'", (job_id,))
         if cursor.rowcount != 1:
             return False
+        if not _is_id(job_id):  # a row whose id was edited: no file is named after it
+            return True
         for variant in CONTENT:  # after the row: a kill between them leaves files, not a row
             self.content_path(job_id, variant).unlink(missing_ok=True)
         self.input_path(job_id).unlink(missing_ok=True)
@@ -307,7 +337,7 @@ class JobStore:
                 (self.replica, self.lease, *claimed),
             )
             rows = db.execute(
-                f"SELECT * FROM jobs WHERE id IN ({_marks(claimed)}) ORDER BY seq", claimed
+                f"SELECT {COLUMNS} FROM jobs WHERE id IN ({_marks(claimed)}) ORDER BY seq", claimed
             ).fetchall()
         jobs = [_job(r) for r in rows]
         self._claims |= {j.id: j.attempts for j in jobs}
@@ -365,7 +395,7 @@ class JobStore:
         """The jobs this server holds, or queued ones (their stored group does not read), failed
         with a reason."""
         assignments = "status='failed', completed_at=?, error_code=?, error_message=?"
-        values = (time.time(), code, message)
+        values = (time.time(), code, message[:MAX_TEXT_CHARS])  # what a read takes back
         self._held([i for i in job_ids if i in self._claims], assignments, *values)
         queued = [i for i in job_ids if i not in self._claims]
         if queued:
@@ -377,6 +407,16 @@ class JobStore:
                 )
         for job_id in job_ids:
             self._claims.pop(job_id, None)
+
+    def fail_unreadable(self, job: Job) -> None:
+        """A queued job whose row does not read (`job.damage`) failed with the reason, found by
+        its row's key (its id may be what does not read)."""
+        with self._db.transaction() as db:
+            db.execute(
+                "UPDATE jobs SET status='failed', completed_at=?, error_code='unreadable_job', "
+                "error_message=? WHERE seq=? AND status='queued'",
+                (time.time(), job.unreadable, job.seq),
+            )
 
     def requeue_in_progress(self) -> None:
         """At shutdown: the jobs of this server's unfinished batch wait again for a server."""
@@ -393,14 +433,14 @@ class JobStore:
     def content_path(self, job_id: str, variant: str) -> Path:
         """Where a job's `variant` of CONTENT is kept: its MP4, thumbnail (WebP), spritesheet
         (JPEG), or uint8 frames as .npy (a server run with --save-frames)."""
-        return self.videos / f"{job_id}{CONTENT[variant]}"
+        return self.videos / f"{_checked_id(job_id)}{CONTENT[variant]}"
 
     def video_path(self, job_id: str) -> Path:
         return self.content_path(job_id, "video")
 
     def input_path(self, job_id: str) -> Path:
         """Where an image-to-video job's input_reference file is kept."""
-        return self.inputs / f"{job_id}{INPUT}"
+        return self.inputs / f"{_checked_id(job_id)}{INPUT}"
 
     def image_of(self, job: Job) -> Path | None:
         """The job's input_reference file (image to video; its batch reads it), else None."""
@@ -438,48 +478,113 @@ def _unlink_older(path: Path, before: float) -> None:
         pass
 
 
+def _is_id(value: Any) -> bool:
+    return isinstance(value, str) and JOB_ID.fullmatch(value) is not None
+
+
+def _checked_id(job_id: str) -> str:
+    """`job_id`, which a file's name is made of: a JOB_ID, never a path of its own."""
+    if not _is_id(job_id):
+        raise ValueError(f"{job_id[:80]!r} is not a job id (a file's name is made of it)")
+    return job_id
+
+
+def _is_int(value: Any, low: int, high: int = 2**63 - 1) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _is_time(value: Any) -> bool:
+    """Seconds since the epoch, finite (a database may hold text, NaN or Infinity there)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_text(value: Any, limit: int = MAX_TEXT_CHARS) -> bool:
+    """A string of at most `limit` characters that UTF-8 can carry (no lone surrogate: a byte
+    that is not UTF-8 reads as one, runtime.store_backends)."""
+    if not isinstance(value, str) or len(value) > limit:
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _job(row: Any) -> Job:
-    """A row (by column name) as a Job."""
-    error = None
-    if row["error_code"] is not None:
-        error = {"code": row["error_code"], "message": row["error_message"]}
+    """A row (read by COLUMNS) as a Job: each column checked for its type and range; one that
+    does not read is named in `damage` (the first) and replaced by a neutral value."""
+    damage: list[str] = []
+
+    def read(what: str, valid: bool, value: Any, neutral: Any = None) -> Any:
+        if not valid:
+            damage.append(what)
+        return value if valid else neutral
+
+    seq, job_id, code, message = row["seq"], row["id"], row["error_code"], row["error_message"]
+    group, request = _read_group(row["grp"]), _read_request(row["request"])
+    no_error = code is None and message is None
+    created_at, completed_at = row["created_at"], row["completed_at"]
     return Job(
-        id=row["id"],
-        group=_read_group(row["grp"]),
-        request=_read_request(row["request"]),
-        status=row["status"],
-        progress=row["progress"],
-        created_at=row["created_at"],
-        completed_at=row["completed_at"],
-        error=error,
-        attempts=row["attempts"],
-        owner=row["owner"],
+        # An id that is not one is still shown (and found) when it is short text.
+        id=read("id", _is_id(job_id), job_id, job_id if _is_text(job_id, 256) else f"#{seq}"),
+        group=read("batch group", group is not None, group),
+        request=read("request", request is not None, request),
+        status=read("status", row["status"] in STATUSES, row["status"], "failed"),
+        progress=read("progress", _is_int(row["progress"], 0, 100), row["progress"], 0),
+        created_at=float(read("created_at", _is_time(created_at), created_at, 0.0)),
+        completed_at=read(
+            "completed_at", completed_at is None or _is_time(completed_at), completed_at
+        ),
+        error=read(
+            "error",
+            no_error or (_is_text(code) and _is_text(message)),
+            None if no_error else {"code": code, "message": message},
+        ),
+        attempts=read("attempts", _is_int(row["attempts"], 0), row["attempts"], 0),
+        owner=read("owner", row["owner"] is None or _is_text(row["owner"]), row["owner"]),
+        seq=seq,
+        damage=damage[0] if damage else None,
     )
 
 
-def _read_request(text: str) -> dict[str, Any] | None:
-    """A stored request; None where the row holds none (edited by hand, damaged)."""
-    try:
-        request = json.loads(text)
-    except (ValueError, TypeError, RecursionError):
+def _read_request(text: Any) -> dict[str, Any] | None:
+    """A stored request; None where the row holds none (edited by hand, damaged): not bounded
+    text, not strict JSON (NaN, deep nesting, huge integers), not an object with
+    REQUEST_FIELDS of their types (the integers not negative, the text UTF-8)."""
+    request = _parse(text, MAX_REQUEST_CHARS)
+    if not isinstance(request, dict):
         return None
-    if not isinstance(request, dict) or any(
-        type(request.get(k)) is not kind for k, kind in REQUEST_FIELDS.items()
-    ):
+    for key, kind in REQUEST_FIELDS.items():
+        value = request.get(key)
+        if type(value) is not kind or (kind is int and value < 0):
+            return None
+        if kind is str and not _is_text(value, MAX_REQUEST_CHARS):
+            return None
+    if "model" in request and not _is_text(request["model"]):
         return None
     return request
+
+
+def _parse(text: Any, limit: int) -> Any:
+    """The strict JSON value of a stored text column, or None."""
+    if not _is_text(text, limit):
+        return None
+    try:
+        return parse_json(text.encode("utf-8"), ValueError)
+    except ValueError:
+        return None
 
 
 def _group_text(group: Group) -> str:
     return json.dumps([group.build, dataclasses.asdict(group.settings)], sort_keys=True)
 
 
-def _read_group(text: str) -> Group | None:
+def _read_group(text: Any) -> Group | None:
     """A stored group (_group_text); None where the row holds none (edited by hand, damaged)."""
     try:
-        build, settings = json.loads(text)
+        build, settings = _parse(text, MAX_TEXT_CHARS)
         group = Group(build, Settings(**settings))
         hash(group)  # every setting a JSON scalar
-    except (ValueError, TypeError, RecursionError):
+    except (ValueError, TypeError):
         return None
-    return group if isinstance(build, str) else None
+    return group if _is_text(build) else None

@@ -446,13 +446,15 @@ def video_object(job: Job, fps: int, model: str | None) -> dict[str, Any]:
     not read (the row damaged while serving) shows as nulls."""
     r = job.request or {}
     frames = r.get("frames")
+    # A row that does not read shows why as its error (the worker fails it with that error).
+    unreadable = {"code": "unreadable_job", "message": job.unreadable} if job.damage else None
     return {
         "id": job.id,
         "object": "video",
         "created_at": int(job.created_at),
         "completed_at": None if job.completed_at is None else int(job.completed_at),
         "expires_at": None,  # kept until deleted
-        "error": job.error,
+        "error": job.error or unreadable,
         "model": r.get("model", model),
         "progress": job.progress,
         "prompt": r.get("prompt"),

@@ -157,6 +157,8 @@ def make_app(service: Service, limits: HttpLimits, keys: tuple[str, ...] = ()) -
         (`spritesheet`, JPEG); or (`frames`, a server run with --save-frames) the uint8 frames
         (F, H, W, 3) as .npy."""
         job = found(video_id)
+        if job.damage:  # its files are never named after a row that does not read
+            raise ApiError(409, "not_ready", f"video {video_id}: {job.unreadable}")
         if job.status != "completed":
             raise ApiError(409, "not_ready", f"video {video_id} is {job.status}, not completed")
         video, path = store.video_path(job.id), store.content_path(job.id, variant)
@@ -213,12 +215,12 @@ def make_app(service: Service, limits: HttpLimits, keys: tuple[str, ...] = ()) -
 
     @get("/healthz", responses=_responses(503))
     def healthz() -> dict[str, Any]:
-        """200 while serving; 503 while draining or while the job store is unusable. Open
+        """200 while serving; 503 while draining, while the generation worker is stopped or
+        failing, or while the job store is unusable (runtime.service.Service.health). Open
         without a key, for probes."""
-        if service.draining:
-            raise ApiError(503, "shutting_down", "the server is shutting down")
-        if service.store_problem:
-            raise ApiError(503, "store_unavailable", service.store_problem)
+        problem = service.health()
+        if problem:
+            raise ApiError(503, *problem)
         return {"status": "ok", "builds": sorted(service.pipelines)}
 
     text = {"content": {"text/plain": {"schema": {"type": "string"}}}}
@@ -353,8 +355,7 @@ def serve(
 ) -> None:
     """Serve until SIGTERM (drained) or SIGINT; the jobs of an unfinished batch stay queued.
     With `keys`, /v1/ takes one of them; without, the start says the server is open."""
-    worker = threading.Thread(target=service.run, name="generation", daemon=True)
-    worker.start()
+    service.start_worker()
     stop_renewing = threading.Event()
     if service.store.shared:  # leases matter where other replicas may take the jobs
         threading.Thread(

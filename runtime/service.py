@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import secrets
 import threading
 import time
@@ -41,6 +42,12 @@ if TYPE_CHECKING:  # jax: imported by runtime.cli_serve once the port is bound
 IDLE_POLL_S = 1.0  # the worker looks at the queue at least this often
 RETRY_FIRST_S, RETRY_MAX_S = 0.1, 2.0  # the worker's backoff while the job store fails
 T = TypeVar("T")
+_LOG = logging.getLogger("uvicorn.error")  # beside uvicorn's own lines, on stderr
+
+
+def _one_line(e: Exception) -> str:
+    """An exception as one short line: its type and message."""
+    return " ".join(f"{type(e).__name__}: {e}".split())[:500]
 
 
 @dataclasses.dataclass
@@ -90,6 +97,10 @@ class Service:
         self.draining = False
         # Why the job store is unusable, while it is (the last attempt failed): /healthz 503.
         self.store_problem: str | None = None
+        # Why the worker's last turn failed (a bug), while it does; and the worker's thread.
+        self.worker_problem: str | None = None
+        self.worker: threading.Thread | None = None
+        self._probe_lock, self._probe_due = threading.Lock(), 0.0  # health's store probe
         # A multi-process build's other processes (runtime.peers), which run each batch too.
         self.peers: JobChannel | None = None
         self._progress_due = 0.0  # while the store fails, progress is tried again from then
@@ -153,19 +164,15 @@ class Service:
         """The queued jobs as the scheduler sees them, once a shared store's jobs whose lease ran
         out are queued again. A shared store's jobs of builds this replica does not load wait for one
         that does; otherwise a job this start cannot run fails instead of waiting forever: one
-        of a build not loaded (queued by an earlier start), or one whose stored group does not
-        read."""
+        of a build not loaded (queued by an earlier start), or one whose row does not read
+        (runtime.job_store.Job.damage)."""
         if self.store.shared:  # a lapsed lease: its replica is gone (one server renews its own)
             self.metrics.requeued += self.store.expire()
         waiting = []
         served = sorted(self.pipelines) if self.store.shared else None
         for job in self.store.queued(served):
-            if job.group is None:
-                self.store.fail(
-                    [job.id],
-                    "unreadable_job",
-                    "its stored batch group does not read: submit the video again",
-                )
+            if job.damage:  # a row that does not read: that job fails, reported in its error
+                self.store.fail_unreadable(job)
             elif job.group.build not in self.pipelines:
                 self.store.fail(
                     [job.id], "unsupported_shape", f"build {job.group.build} is not served"
@@ -174,35 +181,90 @@ class Service:
                 waiting.append(Waiting(job.id, job.group, job.created_at))
         return waiting
 
+    def start_worker(self) -> threading.Thread:
+        """The worker (`run`) in its thread, which /healthz watches."""
+        self.worker = threading.Thread(target=self.run, name="generation", daemon=True)
+        self.worker.start()
+        return self.worker
+
     def run(self) -> None:
         """The worker loop: the next batch (runtime.batching.next_batch), until the drain. A job
-        store that fails is retried, never the end of the loop."""
+        store that fails is retried, an exception of a batch fails that batch's videos, and any
+        other exception (a bug) is logged and its turn tried again with backoff, /healthz 503
+        meanwhile: none is the end of the loop."""
+        delay = RETRY_FIRST_S
         while True:
-            self._stored(self.store.check)  # idle too: /healthz says when another holds its lock
-            waiting = self._stored(self.runnable)
-            if self._advance_slots(waiting):
-                continue
-            batch, wait = next_batch(
-                [w for w in waiting if w.group.build not in self.slot_batches],
-                lambda g: self.pipelines[g.build].key.batch,
-                time.time(),
-                self.batch_window,
-            )
-            with self._lock:
-                if self.draining:
-                    if self.peers:  # the other processes end with this one
-                        self.peers.publish({"stop": "drained"})
-                    return
-                if batch:
-                    self.idle.clear()
-            if not batch:
-                self.wake.wait(min(wait, IDLE_POLL_S))
-                self.wake.clear()
-                continue
             try:
-                self._run_batch([w.id for w in batch], batch[0].group)
-            finally:
-                self.idle.set()
+                if self._turn():
+                    return
+            except Exception as e:
+                self.worker_problem = f"the generation worker failed ({_one_line(e)}): retrying"
+                _LOG.error("%s", self.worker_problem)
+                time.sleep(delay)
+                delay = min(2 * delay, RETRY_MAX_S)
+            else:
+                self.worker_problem, delay = None, RETRY_FIRST_S
+
+    def _turn(self) -> bool:
+        """One look at the queue: a batch run, slots stepped or a wait; True once drained."""
+        self._stored(self.store.check)  # idle too: /healthz says when another holds its lock
+        waiting = self._stored(self.runnable)
+        if self._advance_slots(waiting):
+            return False
+        batch, wait = next_batch(
+            [w for w in waiting if w.group.build not in self.slot_batches],
+            lambda g: self.pipelines[g.build].key.batch,
+            time.time(),
+            self.batch_window,
+        )
+        with self._lock:
+            if self.draining:
+                if self.peers:  # the other processes end with this one
+                    self.peers.publish({"stop": "drained"})
+                return True
+            if batch:
+                self.idle.clear()
+        if not batch:
+            self.wake.wait(min(wait, IDLE_POLL_S))
+            self.wake.clear()
+            return False
+        ids = [w.id for w in batch]
+        try:
+            self._run_batch(ids, batch[0].group)
+        except Exception as e:  # a bug in one batch fails its videos, not the worker
+            _LOG.error("a batch failed: %s", _one_line(e))
+            self._fail(ids, "internal_error", f"the server failed: {_one_line(e)}")
+        finally:
+            self.idle.set()
+        return False
+
+    def health(self) -> tuple[str, str] | None:
+        """Why the server cannot take videos now, as an error code and a line, or None:
+        draining; the worker stopped or failing; the job store unusable (the last operation on
+        it failed, or a probe of it now does: at most one a second, each bounded by
+        --store-timeout, so a store that hangs while a batch runs shows too)."""
+        if self.draining:
+            return "shutting_down", "the server is shutting down"
+        if self.worker is not None and not self.worker.is_alive():
+            return "worker_stopped", "the generation worker stopped: restart the server"
+        if self.worker_problem:
+            return "worker_failing", self.worker_problem
+        if self.store_problem is None:
+            self._probe()
+        if self.store_problem:
+            return "store_unavailable", self.store_problem
+        return None
+
+    def _probe(self) -> None:
+        now = time.monotonic()
+        with self._probe_lock:
+            if now < self._probe_due:
+                return
+            self._probe_due = now + IDLE_POLL_S
+        try:
+            self.store.check()
+        except StoreError as e:  # cleared by the worker's next operation that succeeds
+            self.store_problem = str(e)
 
     def renew_leases(self, stop: threading.Event) -> None:
         """Until `stop`: the leases of the jobs this replica runs renewed every third of the
@@ -262,14 +324,14 @@ class Service:
             self.store_problem = None
 
     def _start(self, ids: list[str]) -> list[Job]:
-        """The jobs `ids` started (those not cancelled since), a job whose request does not
-        read failed instead."""
+        """The jobs `ids` started (those not cancelled since), a job whose row does not read
+        (damaged since it was queued) failed instead."""
         started = self._stored(functools.partial(self.store.start, ids))
-        damaged = [j.id for j in started if j.request is None]
-        if damaged:
-            why = "its stored request does not read: submit the video again"
-            self._stored(functools.partial(self.store.fail, damaged, "unreadable_job", why))
-        return [j for j in started if j.request is not None]
+        for job in started:
+            if job.damage:
+                fail = functools.partial(self.store.fail, [job.id], "unreadable_job")
+                self._stored(functools.partial(fail, job.unreadable))
+        return [j for j in started if not j.damage]
 
     def _fail(self, ids: list[str], code: str, why: str) -> None:
         self._stored(functools.partial(self.store.fail, ids, code, why))

@@ -7,11 +7,19 @@ runtime.job_store writes the queries once, with `?` placeholders."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import math
+import os
+import re
+import shlex
+import socket
 import sqlite3
 import threading
+import time
+import urllib.parse
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import IO, Any, Protocol
 
 from wan.errors import InputError
 
@@ -80,8 +88,10 @@ class Backend(Protocol):
 
 
 class Sqlite:
-    """SQLite in WAL mode, every change committed before it is answered: one file the server
-    owns (a second server on the folder waits for its lock, --store-timeout)."""
+    """SQLite in WAL mode, every change committed before it is answered: one file one server
+    owns. The server holds a lock beside it (`server_lock`: a second server on the folder is
+    refused), and every transaction first checks that the file at the path is still the one it
+    opened (moved, deleted or replaced while serving: a store fault, not a fresh start)."""
 
     shared = False
     now = "((julianday('now') - 2440587.5) * 86400.0)"
@@ -92,24 +102,53 @@ class Sqlite:
     def __init__(self, path: Path, timeout: float):
         self.path, self.where = path, str(path)
         self._lock = threading.Lock()
+        self._owner = server_lock(path)  # before the file is touched: a running server's own
         try:
             self._db = sqlite3.connect(path, timeout=timeout, check_same_thread=False)
         except sqlite3.Error as e:
+            self._owner.close()
             raise StoreError(self._explain(e)) from None
         self._db.row_factory = sqlite3.Row
-        with self.transaction() as db:
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=FULL")
+        # Bytes that are not UTF-8 in a row read as lone surrogates, which the row's checks
+        # refuse (runtime.job_store): that job fails, not every query that reads the row.
+        self._db.text_factory = _surrogates
+        self._identity: tuple[int, int] | None = None  # the file's, once it exists
+        try:
+            with self.transaction() as db:
+                db.execute("PRAGMA journal_mode=WAL")
+                db.execute("PRAGMA synchronous=FULL")
+            self._identity = _identity(path)
+        except (StoreError, OSError):
+            self.close()
+            raise
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[Executor]:
         """The connection under the lock, in one transaction; a SQLite failure a StoreError."""
         with self._lock:
+            self._check_identity()
             try:
                 with self._db:
                     yield self._db
             except sqlite3.Error as e:
                 raise StoreError(self._explain(e)) from None
+
+    def _check_identity(self) -> None:
+        """The file at the path is the one opened: SQLite keeps writing to a moved or deleted
+        file (and a file put in its place is not this server's), so the jobs would vanish at
+        the next start while their videos stay."""
+        if self._identity is None:
+            return
+        try:
+            found = _identity(self.path)
+        except OSError:
+            found = None
+        if found != self._identity:
+            raise StoreError(
+                f"job store {self.where} was moved, deleted or replaced while the server ran: "
+                "put the server's file back at that path (the jobs are in it), or restart the "
+                "server to use the file now there"
+            )
 
     def serialize(self, db: Executor) -> None:
         db.execute("BEGIN IMMEDIATE")
@@ -121,11 +160,12 @@ class Sqlite:
         return self._explain(problem, sqlite3.SQLITE_CORRUPT)
 
     def shell(self, sql: str) -> str:
-        return f'sqlite3 {self.path} "{sql}"'
+        return f"sqlite3 {shlex.quote(str(self.path))} {shlex.quote(sql)}"
 
     def close(self) -> None:
         with self._lock:
             self._db.close()
+            self._owner.close()  # the folder free for the next server
 
     def _explain(self, e: sqlite3.Error | str, code: int | None = None) -> str:
         if isinstance(e, sqlite3.Error):
@@ -134,10 +174,57 @@ class Sqlite:
         return f"job store {self.where}: {' '.join(str(e).split())}: {advice}"  # one line
 
 
+def _surrogates(data: bytes) -> str:
+    return data.decode("utf-8", "surrogateescape")
+
+
+def _identity(path: Path) -> tuple[int, int]:
+    stat = os.stat(path)
+    return stat.st_dev, stat.st_ino
+
+
+def server_lock(database: Path) -> IO[bytes]:
+    """The lock one server holds on a SQLite store while it runs (an flock on DATABASE.lock
+    beside it, freed by the kernel when the server's process ends, however it ends; NFS
+    carries it to other hosts), recording who holds it; a second server is refused in one line
+    naming the first. Open: the lock held until it is closed."""
+    path = database.with_name(f"{database.name}.lock")
+    try:
+        # Unbuffered: nothing left to write at close (a full disk fails the line, not the close).
+        held = open(path, "a+b", buffering=0)  # noqa: SIM115 (held for the server's lifetime)
+    except OSError as e:
+        raise StoreError(
+            f"job store {database}: its lock file {path} cannot be opened ({e.strerror}): give a "
+            "writable --out-dir"
+        ) from None
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        held.seek(0)
+        text = held.read(200).decode(errors="replace")  # a file anyone could have written
+        holder = " ".join("".join(c if c.isprintable() else " " for c in text).split())
+        holder = holder or "its pid unknown"
+        held.close()
+        raise StoreError(
+            f"job store {database} is in use by another runtime serve ({holder}): stop it, or "
+            "give this one another --out-dir (servers share one queue through --job-store "
+            "postgresql://...)"
+        ) from None
+    with contextlib.suppress(OSError):  # who holds it: for the refusal above, not the lock
+        held.truncate(0)
+        held.write(f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+    return held
+
+
 class Postgres:
     """PostgreSQL through psycopg 3, one connection under a lock (the server's few statements a
     second do not need a pool). A lost connection fails the statement (StoreError, which the
-    worker retries with backoff) and the next one connects again."""
+    worker retries with backoff) and the next one connects again. Every transaction ends within
+    `timeout` seconds, its wait for the lock included: the server bounds each statement
+    (statement_timeout, lock_timeout) and, for a server that answers nothing (stopped, its host
+    hung), the connection is cut at the deadline (`_Cutoff`). Connecting again waits what is
+    left of it, at least 2 s (libpq's least connect_timeout). While the server answers nothing,
+    a transaction that finds another one running fails at once."""
 
     shared = True
     path = None
@@ -155,8 +242,12 @@ class Postgres:
             parts = psycopg.conninfo.conninfo_to_dict(url)
         except psycopg.ProgrammingError as e:
             raise StoreError(
-                f"--job-store {url!r} is not a PostgreSQL URL ({' '.join(str(e).split())}): "
-                "give postgresql://USER[:PASSWORD]@HOST[:PORT]/DATABASE"
+                redact(
+                    f"--job-store {redact(url, url)!r} is not a PostgreSQL URL "
+                    f"({' '.join(str(e).split())}): give "
+                    "postgresql://USER[:PASSWORD]@HOST[:PORT]/DATABASE",
+                    url,
+                )
             ) from None
         self.where = "postgresql://{}@{}:{}/{}".format(  # no password in messages
             parts.get("user", ""), parts.get("host", "localhost"), parts.get("port", 5432),
@@ -164,36 +255,51 @@ class Postgres:
         )  # fmt: skip
         self._lock = threading.Lock()
         self._db: Any = None
+        self._unanswered = False  # the last transaction got no answer in time
         with self.transaction():  # a store the start cannot reach fails the start
             pass
 
-    def _connection(self) -> Any:
+    def _connection(self, seconds: float) -> Any:
+        """The connection, connected again if it was lost, within `seconds` (at least 2)."""
         if self._db is None or self._db.closed or self._db.broken:
             psycopg = self._psycopg
-            lock_ms = max(1, int(self.timeout * 1000))
+            ms = max(1, int(self.timeout * 1000))
             self._db = psycopg.connect(
                 self.url,
                 autocommit=True,  # transactions are explicit: transaction()
                 row_factory=psycopg.rows.dict_row,
-                connect_timeout=max(1, round(self.timeout)),
+                connect_timeout=max(2, math.ceil(seconds)),
                 # A server that vanishes without closing the socket is noticed in seconds.
                 keepalives=1, keepalives_idle=5, keepalives_interval=2, keepalives_count=3,
-                options=f"-c lock_timeout={lock_ms}",
+                options=f"-c lock_timeout={ms} -c statement_timeout={ms}",
             )  # fmt: skip
         return self._db
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[Executor]:
         psycopg = self._psycopg
-        with self._lock:
-            try:
-                db = self._connection()
-                with db.transaction():
-                    yield _Percent(db)
-            except psycopg.Error as e:
-                if self._db is not None and self._db.broken:
-                    self._db.close()
-                raise StoreError(self._explain(e)) from None
+        deadline = time.monotonic() + self.timeout
+        # The holder is cut at its deadline; while the server answers nothing, a transaction
+        # waits for no other's (each would add its own timeout): one at a time finds out.
+        if not self._lock.acquire(timeout=0 if self._unanswered else self.timeout):
+            raise StoreError(self._no_answer())
+        cutoff = None
+        try:
+            db = self._connection(deadline - time.monotonic())
+            cutoff = _Cutoff(db, deadline - time.monotonic())
+            with db.transaction():
+                yield _Percent(db)
+            self._unanswered = False
+        except psycopg.Error as e:
+            if self._db is not None and self._db.broken:
+                self._db.close()
+            hung = (cutoff and cutoff.fired) or isinstance(e, psycopg.errors.ConnectionTimeout)
+            self._unanswered = bool(hung)
+            raise StoreError(self._no_answer() if hung else self._explain(e)) from None
+        finally:
+            if cutoff is not None and cutoff.stop():  # cut after the end: useless now
+                self._db.close()
+            self._lock.release()
 
     def serialize(self, db: Executor) -> None:
         # One lock number for the whole store, held to the transaction's end.
@@ -203,17 +309,70 @@ class Postgres:
         return None  # the server checks its own pages (data checksums) and keeps them
 
     def shell(self, sql: str) -> str:
-        return f'psql {self.where} -c "{sql}"'
+        return f"psql {shlex.quote(self.where)} -c {shlex.quote(sql)}"
 
     def close(self) -> None:
         with self._lock:
             if self._db is not None:
                 self._db.close()
 
+    def _no_answer(self) -> str:
+        return (
+            f"job store {self.where}: no answer within {self.timeout:g} s (--store-timeout): "
+            "check that PostgreSQL runs and answers (a stopped or hung server, a lost network?)"
+        )
+
     def _explain(self, e: Exception) -> str:
         state = getattr(e, "sqlstate", None) or _connect_state(str(e))
         advice = _POSTGRES_ADVICE.get(state[:2], "see the server's log")
-        return f"job store {self.where}: {' '.join(str(e).split())}: {advice}"  # one line
+        message = f"job store {self.where}: {' '.join(str(e).split())}: {advice}"  # one line
+        return redact(message, self.url)
+
+
+class _Cutoff:
+    """A transaction's deadline on a psycopg connection: past it the connection's socket is
+    shut down, which ends whatever libpq waits for (a server that answers nothing: stopped,
+    its host hung) with an error, and the connection is broken."""
+
+    def __init__(self, db: Any, seconds: float):
+        self._db, self.fired, self._done = db, False, False
+        self._guard = threading.Lock()
+        self._timer = threading.Timer(max(0.0, seconds), self._cut)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _cut(self) -> None:
+        with self._guard:
+            if self._done:
+                return
+            self.fired = True
+            # A connection closed meanwhile has nothing to cut.
+            with (
+                contextlib.suppress(Exception),
+                socket.socket(fileno=os.dup(self._db.pgconn.socket)) as s,
+            ):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def stop(self) -> bool:
+        """No cut from now on; whether the connection was cut."""
+        with self._guard:
+            self._done = True
+        self._timer.cancel()
+        return self.fired
+
+
+def redact(text: str, url: str) -> str:
+    """`text` without the password `url` holds (in its user info or a password= parameter,
+    as written and percent-decoded): a message may quote the URL, or a parser's view of it."""
+    rest = url.partition("://")[2]
+    # The user info ends at an `@`: the last one or, as libpq may read it, the first.
+    userinfos = (rest.rpartition("@")[0], rest.partition("@")[0] if "@" in rest else "")
+    secrets = [u.partition(":")[2] for u in userinfos]
+    secrets += re.findall(r"[?&]password=([^&]*)", url)
+    for secret in sorted({*secrets, *map(urllib.parse.unquote, secrets)}, key=len, reverse=True):
+        if secret:
+            text = text.replace(secret, "***")
+    return text
 
 
 def _connect_state(message: str) -> str:
@@ -242,7 +401,8 @@ def open_backend(url: str | None, out_dir: Path, database: str, timeout: float) 
         return Sqlite(out_dir / database, timeout)
     if not url.startswith(("postgresql://", "postgres://")):
         raise StoreError(
-            f"--job-store {url!r}: give postgresql://USER[:PASSWORD]@HOST[:PORT]/DATABASE (or "
-            "leave it out: SQLite in --out-dir)"
+            f"--job-store {redact(url, url)!r}: give "
+            "postgresql://USER[:PASSWORD]@HOST[:PORT]/DATABASE (or leave it out: SQLite in "
+            "--out-dir)"
         )
     return Postgres(url, timeout)

@@ -1,7 +1,8 @@
 """A real PostgreSQL server for the fleet tests, in a temporary folder: the host's `postgres`
 binaries when it has them (Debian's postgresql package), else those of the pip-installable
 `pgserver` (a test dependency). PostgreSQL refuses to run as root: as root, the server runs as
-`nobody` (setpriv). Stopped, killed and started again at will (a store that goes away)."""
+`nobody` (setpriv). Stopped, killed and started again at will (a store that goes away), or
+paused and resumed (a store that hangs)."""
 
 from __future__ import annotations
 
@@ -115,6 +116,27 @@ class PostgresServer:
             self.proc.send_signal(signal.SIGINT)  # fast (SIGTERM waits for every client to leave)
             self.proc.wait(60)
         self.proc = None
+
+    def processes(self) -> list[int]:
+        """The postmaster and its children (the backends, the background workers)."""
+        children = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError):
+                pid, _, rest = stat.read_text().partition(" (")
+                if int(rest.rpartition(")")[2].split()[1]) == self.proc.pid:
+                    children.append(int(pid))
+        return [self.proc.pid, *children]
+
+    def pause(self) -> None:
+        """Every process of the server stopped (SIGSTOP): it accepts connections (the kernel
+        does) and answers nothing, a hung server."""
+        os.kill(self.proc.pid, signal.SIGSTOP)  # first: it forks no new child meanwhile
+        for pid in self.processes()[1:]:
+            os.kill(pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        for pid in reversed(self.processes()):
+            os.kill(pid, signal.SIGCONT)
 
     def new_database(self, name: str) -> str:
         with psycopg.connect(self.url(), autocommit=True) as db:

@@ -174,3 +174,35 @@ def test_a_claim_that_lost_its_lease_writes_nothing(postgres, tmp_path):
     assert b.complete(job.id) is False
     for store in (a, b):
         store.close()
+
+
+def test_a_hung_store_is_503_within_the_timeout(postgres, tmp_path):
+    """PostgreSQL stopped with SIGSTOP (it accepts connections and answers nothing) under a
+    server with --store-timeout 2: /healthz turns 503 and every call answers 503 within the
+    timeout (measured: 2.0 s for a read, at once for POST and /healthz); resumed, the server
+    takes and runs videos again."""
+    from test_server_faults import app_serving, until
+
+    store = JobStore(tmp_path / "out", timeout=2, url=postgres.new_database("hung"))
+    with app_serving(store) as (client, service):
+        first = client.post("/v1/videos", json=request(0)).json()["id"]
+        until(lambda: client.get(f"/v1/videos/{first}").json()["status"] == "completed", "first")
+        postgres.pause()
+        try:
+            started = time.monotonic()
+            until(lambda: client.get("/healthz", timeout=8).status_code == 503, "healthz 200")
+            assert time.monotonic() - started < 5
+            for method, path in [("GET", "/v1/videos"), ("GET", f"/v1/videos/{first}"),
+                                 ("POST", "/v1/videos"), ("GET", "/healthz")]:  # fmt: skip
+                started = time.monotonic()
+                answer = client.request(method, path, json=request(1), timeout=8)
+                took = time.monotonic() - started
+                assert answer.status_code == 503 and took < 3, (method, path, took, answer.text)
+                assert answer.json()["error"]["code"] == "store_unavailable"
+            assert "no answer within 2 s (--store-timeout)" in answer.json()["error"]["message"]
+        finally:
+            postgres.resume()
+        until(lambda: client.get("/healthz").status_code == 200, "healthz stayed 503")
+        second = client.post("/v1/videos", json=request(1)).json()["id"]
+        until(lambda: client.get(f"/v1/videos/{second}").json()["status"] == "completed", "2nd")
+        assert service.worker.is_alive()

@@ -12,6 +12,7 @@ import socket
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -30,6 +31,51 @@ from runtime.batching import Group, Settings
 
 # How long the store stays locked mid-job; the acceptance run sets 30 (see docs/security.md).
 LOCK_S = float(os.environ.get("WAN_TEST_STORE_LOCK_S", "4"))
+
+
+@contextlib.contextmanager
+def app_serving(store):
+    """The real app (runtime.server.make_app) under uvicorn on a free port in a thread of this
+    process, with its generation worker, over FakePipeline (a build of 64x96, 5 frames, CFG):
+    what a store does to the server's answers, without loading a build. Yields an httpx
+    client and the service."""
+    import httpx
+    import uvicorn
+
+    from runtime.http_guards import HttpLimits
+    from runtime.server import listen, make_app
+    from runtime.service import Service
+
+    pipe = FakePipeline(1)
+    pipe.key.width, pipe.key.height, pipe.key.frames, pipe.key.cfg = 64, 96, 5, True
+    service = Service({"good": pipe}, store, max_queue=8, batch_window=0.0, compile_count=lambda: 0)
+    sock = listen("127.0.0.1", 0)
+    app = make_app(service, HttpLimits(1 << 20, 1000, 10.0, 10.0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    service.worker = threading.Thread(target=service.run, name="generation", daemon=True)
+    service.worker.start()  # as runtime.server.serve starts it (Service.start_worker)
+    client = httpx.Client(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}", timeout=30)
+    try:
+        until(lambda: server.started, "uvicorn did not start")
+        yield client, service
+    finally:
+        client.close()
+        service.drain()
+        server.should_exit = True
+        thread.join(10)
+        service.worker.join(10)
+        store.close()
+
+
+def until(condition, why: str, timeout: float = 30, every: float = 0.05):
+    """`condition()`'s first true value, asked every `every` seconds; fails after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not (found := condition()):
+        assert time.monotonic() < deadline, why
+        time.sleep(every)
+    return found
 
 
 def fill(folder: Path) -> None:
@@ -195,7 +241,7 @@ def raw_request(port: int, data: bytes, wait: float = 5) -> bytes:
 
 def test_http_limits(small_builds, tiny_weights, tmp_path):
     """Bodies over the limit (declared or chunked), bodies and heads sent too slowly, prompts too
-    long; HEAD and 405 with Allow; a deleted MP4 is 410 and a damaged row a JSON 500."""
+    long; HEAD and 405 with Allow; a deleted MP4 is 410 and a damaged row its job's error."""
     out = tmp_path / "out"
     post = b"POST /v1/videos HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
     with serving(small_builds, tiny_weights, out, "--max-body-bytes", "4096",
@@ -244,13 +290,13 @@ def test_http_limits(small_builds, tiny_weights, tmp_path):
         mp4.unlink()
         gone = server.client.get(f"/v1/videos/{job}/content")
         assert gone.status_code == 410 and gone.json()["error"]["code"] == "gone"
-        with sqlite3.connect(out / "jobs.sqlite3") as db:  # a row edited by hand: a bug's 500
+        with sqlite3.connect(out / "jobs.sqlite3") as db:  # a row edited by hand: its job's
             db.execute("UPDATE jobs SET created_at='yesterday' WHERE id=?", (job,))
-        bug = server.client.get(f"/v1/videos/{job}")
-        assert bug.status_code == 500 and bug.json()["error"]["code"] == "internal_error"
+        edited = server.client.get(f"/v1/videos/{job}")  # no 500 (issue 53)
+        assert edited.status_code == 200 and edited.json()["error"]["code"] == "unreadable_job"
         assert server.client.get("/healthz").status_code == 200
     log = server.log.read_text()
-    assert "Traceback" not in log and "internal error in GET /v1/videos/" in log, log
+    assert "Traceback" not in log and "internal error" not in log, log
 
 
 def test_a_request_damaged_while_serving_fails_its_job_only(tmp_path):
@@ -319,3 +365,198 @@ def test_a_request_to_a_server_with_a_failing_store_is_json(small_builds, tiny_w
             assert time.monotonic() < deadline, answer.text
             time.sleep(0.2)
         assert answer.status_code == 202, answer.text
+
+
+# Third round (issue 53): rows edited by hand, a store moved away or shared by two servers, the
+# fix a message suggests, secrets in --job-store.
+
+# Each way a row may be edited by hand: the column, what it is set to, the damage it names.
+ROW_EDITS = [
+    ("created_at", "'yesterday'", "created_at"),
+    ("created_at", "1e999", "created_at"),  # Infinity (SQLite keeps no NaN: it stores NULL)
+    ("id", "'../../x'", "id"),
+    ("status", "'banana'", "status"),
+    ("progress", "-1", "progress"),
+    ("grp", "CAST(X'ff' AS TEXT)", "batch group"),  # bytes that are not UTF-8
+    ("error_message", "X'00'", "error"),  # a blob
+]
+
+
+def test_rows_that_do_not_read_fail_their_jobs_only(tmp_path):
+    """Rows edited by hand: each is listed and shown as failed with the column that does not
+    read, the worker fails the queued ones and runs the others, /healthz stays 200 (the store
+    and the worker are well) and no file is named after an id that is not one."""
+    from runtime.job_store import JobStore
+
+    out = tmp_path / "out"
+    store = JobStore(out)
+    group = Group("good", Settings(steps=3))
+    edited = [store.add(group, stored_request(i), 99).id for i in range(len(ROW_EDITS))]
+    with sqlite3.connect(store.path) as db:
+        for job_id, (column, value, _) in zip(edited, ROW_EDITS, strict=True):
+            db.execute(f"UPDATE jobs SET {column}={value} WHERE id=?", (job_id,))
+    with app_serving(store) as (client, service):
+        good = client.post("/v1/videos", json=request(0)).json()["id"]
+        until(lambda: client.get(f"/v1/videos/{good}").json()["status"] == "completed",
+              "the worker did not run the good job")  # fmt: skip
+        listed = client.get("/v1/videos", params={"order": "asc"})
+        assert listed.status_code == 200, listed.text
+        *videos, last = listed.json()["data"]
+        assert last["id"] == good and len(videos) == len(ROW_EDITS)
+        for video, (column, value, damage) in zip(videos, ROW_EDITS, strict=True):
+            assert video["status"] == "failed", (column, value, video)
+            assert video["error"] == {
+                "code": "unreadable_job",
+                "message": f"its stored {damage} does not read: submit the video again",
+            }, (column, value, video)
+            if column != "id":
+                assert client.get(f"/v1/videos/{video['id']}").json() == video
+                content = client.get(f"/v1/videos/{video['id']}/content")
+                assert content.status_code == 409, content.text
+        assert videos[ROW_EDITS.index(("id", "'../../x'", "id"))]["id"] == "../../x"
+        assert client.get("/healthz").status_code == 200
+        assert service.worker.is_alive()
+    assert not list(tmp_path.glob("x.*")), "a file named after the row's id"
+
+
+def test_a_column_dropped_by_hand_is_a_store_fault_until_it_is_back(tmp_path):
+    """A column of jobs dropped while serving: reads and /healthz answer 503 naming it (not a
+    500, and the worker lives); once the column is back the server takes and runs videos."""
+    from runtime.job_store import JobStore
+
+    store = JobStore(tmp_path / "out")
+    with app_serving(store) as (client, service):
+        first = client.post("/v1/videos", json=request(0)).json()["id"]
+        until(lambda: client.get(f"/v1/videos/{first}").json()["status"] == "completed", "first")
+        with sqlite3.connect(store.path) as db:
+            db.execute("ALTER TABLE jobs DROP COLUMN error_message")
+        answer = client.get(f"/v1/videos/{first}")
+        assert answer.status_code == 503, answer.text
+        assert "no such column: error_message" in answer.json()["error"]["message"]
+        health = until(lambda: (h := client.get("/healthz")).status_code == 503 and h, "healthz")
+        assert health.json()["error"]["code"] == "store_unavailable"
+        with sqlite3.connect(store.path) as db:
+            db.execute("ALTER TABLE jobs ADD COLUMN error_message TEXT")
+        until(lambda: client.get("/healthz").status_code == 200, "healthz stayed 503")
+        second = client.post("/v1/videos", json=request(1)).json()["id"]
+        until(lambda: client.get(f"/v1/videos/{second}").json()["status"] == "completed",
+              "the worker did not run a video once the column was back")  # fmt: skip
+        assert service.worker.is_alive()
+
+
+def test_a_store_moved_away_while_serving_is_a_store_fault(tmp_path):
+    """jobs.sqlite3 moved away while serving: POST and /healthz answer 503 saying so (SQLite
+    would go on writing to the moved file, and a restart would find no job); put back, the
+    server goes on with its jobs."""
+    from runtime.job_store import JobStore
+
+    out = tmp_path / "out"
+    store = JobStore(out)
+    with app_serving(store) as (client, _):
+        first = client.post("/v1/videos", json=request(0)).json()["id"]
+        until(lambda: client.get(f"/v1/videos/{first}").json()["status"] == "completed", "first")
+        (out / "jobs.sqlite3").rename(tmp_path / "moved.sqlite3")
+        refused = client.post("/v1/videos", json=request(1))
+        assert refused.status_code == 503, refused.text
+        assert "was moved, deleted or replaced" in refused.json()["error"]["message"]
+        until(lambda: client.get("/healthz").status_code == 503, "healthz stayed 200")
+        assert client.get(f"/v1/videos/{first}").status_code == 503
+        (tmp_path / "moved.sqlite3").rename(out / "jobs.sqlite3")
+        until(lambda: client.get("/healthz").status_code == 200, "healthz stayed 503")
+        second = client.post("/v1/videos", json=request(1)).json()["id"]
+        until(lambda: client.get(f"/v1/videos/{second}").json()["status"] == "completed", "2nd")
+        assert client.get(f"/v1/videos/{first}").json()["status"] == "completed"
+
+
+def test_a_second_server_on_the_folder_is_refused(tiny_weights, tmp_path):
+    """A server holds the folder (its store open here, a job in progress): `runtime serve` on
+    it is one line naming the first server's pid and host, before anything loads, and the
+    first one's job is not queued again; the folder is free once the first closes its store."""
+    from runtime.job_store import JobStore
+
+    out = tmp_path / "out"
+    first = JobStore(out)
+    job = first.add(Group("b", Settings()), stored_request(1), 8)
+    first.start([job.id])
+    (tmp_path / "empty").mkdir()
+    result = run_cli("runtime", "serve", "--artifacts", str(tmp_path / "empty"), "--weights",
+                     str(tiny_weights), "--port", "0", "--out-dir", str(out), check=False)  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    [line] = result.stderr.splitlines()
+    assert "is in use by another runtime serve" in line, line
+    assert f"pid {os.getpid()} on {socket.gethostname()}" in line, line
+    assert first.get(job.id).status == "in_progress"
+    first.close()
+    JobStore(out).close()
+
+
+def test_the_command_to_delete_an_unreadable_row_runs_nothing_else(tmp_path):
+    """The start refuses a row whose request does not read and prints the command that deletes
+    it; pasted into a shell, that command runs sqlite3 on the store with the statement, and
+    nothing else, whatever the folder's name and the row's id hold."""
+    from runtime.job_store import JobStore, StoreError
+
+    out = tmp_path / "o$(touch canary) `touch canary`"
+    path = a_store(out)
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE jobs SET request='{', id='video_$(touch canary)'")
+    store = JobStore(out)
+    with pytest.raises(StoreError) as refused:
+        store.recover()
+    store.close()
+    line = str(refused.value)
+    assert "\n" not in line and "canary" not in line.replace(str(out), ""), line
+    command = line.partition("delete it (")[2].rpartition(") or give another store")[0]
+    shell = f'sqlite3() {{ printf "%s\\n" "$@"; }}; {command}'  # sqlite3: prints what it gets
+    ran = subprocess.run(["sh", "-c", shell], capture_output=True, text=True, cwd=tmp_path)
+    assert ran.returncode == 0 and not (tmp_path / "canary").exists(), (command, ran)
+    target, statement = ran.stdout.splitlines()
+    assert target == str(path)
+    with sqlite3.connect(path) as db:
+        db.execute(statement)
+    store = JobStore(out)
+    assert store.recover() == 0
+    store.close()
+
+
+@pytest.mark.parametrize("url", ["postgresql://wan:s3cret-pw@db/wan?x y",
+                                 "mysql://wan:s3cret-pw@db/wan"])  # fmt: skip
+@pytest.mark.parametrize("given", ["--job-store", "$WAN_JOB_STORE"])
+def test_a_store_url_is_never_echoed_with_its_password(tiny_weights, tmp_path, url, given):
+    """A --job-store (or $WAN_JOB_STORE) URL that does not parse, or is not PostgreSQL's: one
+    line that shows the URL without its password."""
+    from click.testing import CliRunner
+
+    from runtime.cli import cli
+
+    args = ["serve", "--weights", str(tiny_weights), "--port", "0", "--out-dir", str(tmp_path)]
+    if given == "--job-store":
+        result = CliRunner().invoke(cli, [*args, given, url], env={"WAN_JOB_STORE": None})
+    else:
+        result = CliRunner().invoke(cli, args, env={"WAN_JOB_STORE": url})
+    assert result.exit_code == 2, result.output
+    [line] = result.output.strip().splitlines()
+    assert "s3cret" not in line and "wan:***@db" in line, line
+
+
+def test_an_exception_nothing_handles_is_a_json_500(caplog):
+    """JsonErrors around an app whose route raises (a bug): a JSON 500 and one line in the log,
+    never a traceback (the row edited into a 500 of the earlier rounds now reads as a failed
+    job: test_rows_that_do_not_read_fail_their_jobs_only)."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from runtime.http_guards import JsonErrors
+
+    app = FastAPI()
+
+    @app.get("/bug")
+    def bug() -> None:
+        raise KeyError("progress")
+
+    app.add_middleware(JsonErrors)  # as runtime.server.make_app adds it
+    answer = TestClient(app, raise_server_exceptions=False).get("/bug")
+    assert answer.status_code == 500 and answer.json()["error"]["code"] == "internal_error"
+    assert answer.json()["error"]["message"] == "KeyError: 'progress'"
+    [record] = caplog.records
+    assert record.getMessage() == "internal error in GET /bug: KeyError: 'progress'"
