@@ -26,7 +26,7 @@ CHROMIUM := /usr/bin/chromium
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 $(CHROMIUM):
 	$(SUDO) apt-get update -q
-	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q chromium
+	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium
 
 setup: $(VENV)/.test-installed $(CHROMIUM)
 
