@@ -176,9 +176,10 @@ def serve_cmd(
     mag_ratios, trusted_keys, coordinator, num_processes, process_id, join_timeout,
 ) -> None:  # fmt: skip
     """Serve the builds in --artifacts over HTTP as OpenAI's Videos API (the `openai` SDK works
-    with base_url http://HOST:PORT/v1): load once, queue the requests, run them in the builds'
-    batches, compile nothing. API keys: --api-key-file, $WAN_API_KEYS or --api-key; /healthz and
-    /metrics stay open. Plain HTTP: for TLS put a reverse proxy in front (README).
+    with base_url http://HOST:PORT/v1; a page to try them at http://HOST:PORT/): load once, queue
+    the requests, run them in the builds' batches, compile nothing. API keys: --api-key-file,
+    $WAN_API_KEYS or --api-key; /healthz, /metrics, the schema and the page stay open. Plain HTTP:
+    for TLS put a reverse proxy in front (README).
 
     A multi-process build (a slice of several hosts): one `runtime serve` per process, the same
     arguments but --process-id; process 0 listens and keeps the jobs (its --port, --out-dir and

@@ -27,7 +27,7 @@ API_KEYS_ENV = "WAN_API_KEYS"  # comma-separated keys, beside --api-key and --ap
 MAX_KEY_FILE_BYTES = 64 << 10
 # A key: what a Bearer header carries (RFC 6750's token68), long enough not to be guessed.
 KEY = re.compile(r"[A-Za-z0-9._~+/=-]{16,512}")
-GUARDED = "/v1/"  # the paths a key is required on; /healthz and /metrics stay open
+GUARDED = "/v1/"  # the paths a key is required on; /healthz, /metrics, the schema, / stay open
 # The default --max-body-bytes: a request with an input_reference image (a photo is a few MiB;
 # runtime.images.MAX_IMAGE_BYTES is the most any image file may be).
 MAX_BODY_BYTES = 16 << 20
@@ -100,7 +100,7 @@ class ApiKeys:
     """ASGI middleware: with keys set, every request under /v1/ carries `Authorization: Bearer
     KEY` with one of them (else 401 before its body is read), compared in constant time with
     each key (hmac.compare_digest over all of them, whichever matches). Other paths (/healthz,
-    /metrics, the schema) stay open."""
+    /metrics, the schema, the playground's page, which asks for the key) stay open."""
 
     def __init__(self, app: ASGIApp, keys: tuple[str, ...]):
         self.app, self.keys = app, tuple(k.encode() for k in keys)

@@ -372,6 +372,7 @@ def serve(
     host, port = sock.getsockname()[:2]
     log(f"serving {len(service.pipelines)} build(s) on http://{host}:{port}: {service.served()}")
     log(f"job store {service.store.where}, replica {service.store.replica}")
+    log(f"the playground: http://{host}:{port}/")
     if not keys:
         log(f"open: no API key (--api-key-file, ${API_KEYS_ENV}, --api-key): anyone who reaches "
             f"{host}:{port} can queue videos")  # fmt: skip
