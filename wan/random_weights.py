@@ -16,6 +16,7 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
+import concurrent.futures
 import tempfile
 from pathlib import Path
 
@@ -32,21 +33,32 @@ NORM_NAMES = ("scale", "weight", "gamma")  # RMS/layer norm gains
 
 
 def random_params(config: ModelConfig, component: str, seed: int) -> dict:
+    """Every parameter of `component`, each from its own stream of `seed` (so the values do not
+    depend on how many threads draw them), drawn in float32 in threads: a 14 GB model in tens of
+    seconds rather than minutes."""
     _, abstract, _ = programs.split_abstract(programs.abstract_module(config, component))
-    rng = np.random.default_rng(seed)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    streams = np.random.SeedSequence(seed).spawn(len(leaves))
 
-    def draw(path: tuple, leaf: jax.ShapeDtypeStruct) -> np.ndarray:
+    def draw(index: int) -> np.ndarray:
+        path, leaf = leaves[index]
         name, shape = str(path[-1].key), leaf.shape
+        value = np.random.default_rng(streams[index]).standard_normal(shape, dtype=np.float32)
         if name in NORM_NAMES:
-            value = 1.0 + 0.1 * rng.standard_normal(shape)
+            value *= 0.1
+            value += 1.0
         elif name == "bias" or len(shape) < 2:
-            value = 0.02 * rng.standard_normal(shape)
+            value *= 0.02
         else:  # kernels (.., in, out), embeddings, modulation tables
             fan_in = shape[-2] * (int(np.prod(shape[-5:-2])) if len(shape) >= 5 else 1)
-            value = rng.standard_normal(shape) / np.sqrt(fan_in if name == "kernel" else shape[-1])
+            value *= 1 / np.sqrt(fan_in if name == "kernel" else shape[-1])
         return value.astype(leaf.dtype)
 
-    return jax.tree_util.tree_map_with_path(draw, abstract)
+    # numpy's generators and casts release the GIL; the largest leaves first.
+    order = sorted(range(len(leaves)), key=lambda i: -leaves[i][1].size)
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        drawn = dict(zip(order, pool.map(draw, order), strict=True))
+    return jax.tree_util.tree_unflatten(treedef, [drawn[i] for i in range(len(leaves))])
 
 
 def write_random_checkpoint(config: ModelConfig, folder: str | Path, seed: int = 0) -> Path:
