@@ -13,7 +13,7 @@ from pathlib import Path
 
 import jax
 
-from aot import store
+from aot import check, store
 from aot.entries import program_entry
 from aot.lower import LoweredProgram, compile_lowered, lower_plan
 from aot.plan import BuildError, BuildPlan, ulysses_all_to_alls
@@ -33,7 +33,7 @@ from runtime.artifact import (
 )
 from runtime.loader import host_layout, installed_versions
 from runtime.signing import SigningKey
-from wan import sharding
+from wan import interface, residency, sharding
 from wan.atomic import atomic_folder, locked, owned_files
 
 
@@ -67,6 +67,8 @@ class CallLedger:
 
     force: bool = False
     signer: SigningKey | None = None  # --sign-key: signs each manifest and store entry
+    # --policy: its memory budget decides which weights are transient (wan.residency.plan)
+    policy: check.Policy | None = None
     compiled: set[str] = dataclasses.field(default_factory=set)
     reported: set[str] = dataclasses.field(default_factory=set)
     lowerings: dict[BuildKey, list[tuple[LoweredProgram, str]]] = dataclasses.field(
@@ -225,6 +227,18 @@ def _compile_all(
             f"VAE: neither latent dimension divides vae_spatial={layout.vae_mesh[1]}; width is "
             "sharded unevenly (XLA pads it)"
         )
+    weights = {
+        c: entries[interface.first_program_taking(c, plan.key.programs)].param_bytes
+        for c in interface.components(plan.config.num_experts, plan.key.programs)
+    }
+    memory = {
+        name: residency.ProgramMemory(e.memory["peak"], e.memory["generated_code"])
+        for name, e in entries.items()
+    }
+    policy = ledger.policy or check.load_policy()
+    budget = policy.memory_rule(plan.key.target).budget(plan.target.hbm_bytes)
+    placement = residency.plan(plan.key.programs, memory, weights, budget)
+    peak, at = residency.resident_peak(plan.key.programs, memory, weights, placement)
     manifest = Manifest(
         schema_version=SCHEMA_VERSION,
         key=plan.key,
@@ -247,6 +261,10 @@ def _compile_all(
         ulysses_all_to_alls=ulysses_all_to_alls(plan),
         notes=notes,
         programs=entries,
+        weight_bytes=weights,
+        placement=placement,
+        resident_peak_bytes=peak,
+        resident_peak_program=at,
         signed_by=ledger.signer.key_id if ledger.signer else None,
     )
     return manifest, statuses

@@ -20,7 +20,9 @@ Policy (TOML; the default ships as `aot/policy.toml`; format in docs/check.md):
     budget_bytes = 17179869184    # absolute per-device budget; applies to cpu/current too
 
 The memory budget is the smaller of `budget_bytes` and `hbm_fraction` x the target's HBM per
-device (the manifest's `hbm_bytes`, from aot.targets.TPU_HBM); targets without a known HBM
+device (the manifest's `hbm_bytes`, from aot.targets.TPU_HBM), for each program's own peak and
+for the pipeline's resident peak (each program's peak plus the weights the runtime keeps on the
+devices meanwhile, wan.residency); targets without a known HBM
 (cpu-N, current) are skipped unless `budget_bytes` is given. Kinds: all-to-all,
 ragged-all-to-all, all-gather, all-reduce, reduce-scatter, collective-permute,
 collective-broadcast.
@@ -37,6 +39,9 @@ JSON output (`aot check --json`), schema version 1:
         "target": str | null,         # null: the build does not read (an "unreadable" violation)
         "hbm_bytes": int | null,      # per device, when known for the target
         "memory_budget_bytes": int | null,   # null: memory rule skipped
+        "resident_peak_bytes": int,   # per device: the pipeline's peak (wan.residency), 0
+        "resident_peak_program": str | null, # if unreadable; and the program where it is
+        "placement": {"<component>": "resident" | "transient"} | null,
         "ok": bool,
         "programs": {"<program>": {
           "peak_bytes": int,
@@ -87,6 +92,7 @@ from runtime.artifact import (
 from runtime.executables import declared_header
 from runtime.loader import build_folders
 from runtime.signing import TrustedKey
+from wan import residency
 from wan.bounded_read import read_text
 from wan.errors import InputError
 from wan.interface import SIGNATURES
@@ -281,6 +287,7 @@ class BuildCheck:
     memory_budget: int | None
     programs: dict[str, ProgramCheck]
     violations: tuple[Violation, ...]
+    resident_peak: tuple[int, str] = (0, "")  # per device, at which program (wan.residency)
 
     @classmethod
     def unreadable(cls, folder: Path, why: str) -> BuildCheck:
@@ -345,7 +352,40 @@ def check_build(folder: Path, policy: Policy, trusted: Sequence[TrustedKey] = ()
         program = ProgramCheck(entry.memory["peak"], collectives)
         programs[name] = program
         violations += program_violations(folder, name, program, policy, BuildFacts.of(manifest))
-    return BuildCheck(folder, manifest, budget, programs, tuple(violations))
+    resident = manifest.resident_peak()
+    if budget is not None and resident[0] > budget and not any(
+        v.rule == "memory" for v in violations
+    ):
+        violations.append(resident_violation(folder, manifest, budget))
+    return BuildCheck(folder, manifest, budget, programs, tuple(violations), resident)
+
+
+def resident_violation(folder: Path, manifest: Manifest, budget: int) -> Violation:
+    """The pipeline does not fit although each program does: at its peak program, the weights
+    the runtime keeps there (wan.residency) and the program's own peak, and what to change."""
+    peak, at = manifest.resident_peak()
+    own = manifest.programs[at].memory["peak"]
+    kept = [
+        f"{c} {b / GiB:.2f}"
+        for c, b in manifest.weight_bytes.items()
+        if manifest.placement[c] == residency.RESIDENT
+    ]
+    movable = [
+        c for c in residency.MOVABLE if manifest.placement.get(c) == residency.RESIDENT
+    ]
+    change = (
+        f"make {', '.join(movable)} transient (`runtime run --placement {movable[0]}=transient`) "
+        "or "
+        if movable
+        else ""
+    )
+    message = (
+        f"resident peak {peak / GiB:.2f} GiB per device at {at} ({at} {own / GiB:.2f} GiB, "
+        f"resident weights GiB: {', '.join(kept)}) > budget "
+        f"{_budget_text(budget, manifest.hbm_bytes)}: {change}build a smaller batch or size, "
+        "--quant w8a8-int8, or for more devices"
+    )
+    return Violation(folder, at, "memory", None, budget, peak, message, ())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -474,8 +514,7 @@ def text(results: Sequence[BuildCheck], policy: Policy) -> str:
         if r.manifest is None:
             rows.append([r.folder.name, "-", "-", "-", "-", "unreadable"])
             continue
-        peak_name = max(r.programs, key=lambda n: r.programs[n].peak_bytes)
-        peak = r.programs[peak_name].peak_bytes
+        peak, peak_name = r.resident_peak
         budget = "skipped" if r.memory_budget is None else f"{r.memory_budget / GiB:.2f} GiB"
         kinds: dict[str, int] = {}
         for p in r.programs.values():
@@ -486,7 +525,8 @@ def text(results: Sequence[BuildCheck], policy: Policy) -> str:
             " ".join(f"{k}:{n}" for k, n in sorted(kinds.items())) or "none",
             f"{len(r.violations)} violation(s)" if r.violations else "ok",
         ])  # fmt: skip
-    out = [text_table(["build", "target", "peak/device", "budget", "collectives", "result"], rows)]
+    columns = ["build", "target", "resident peak/device", "budget", "collectives", "result"]
+    out = [text_table(columns, rows)]
     violations = [v for r in results for v in r.violations]
     if violations:
         out += ["", _violations_table(violations)]
@@ -538,6 +578,9 @@ def to_json(results: Sequence[BuildCheck], policy: Policy) -> dict[str, Any]:
                 "target": r.manifest and r.manifest.key.target,
                 "hbm_bytes": r.manifest and r.manifest.hbm_bytes,
                 "memory_budget_bytes": r.memory_budget,
+                "resident_peak_bytes": r.resident_peak[0],
+                "resident_peak_program": r.resident_peak[1] or None,
+                "placement": r.manifest and r.manifest.placement,
                 "ok": not r.violations,
                 "programs": {
                     name: {

@@ -129,7 +129,7 @@ def build_cmd(out, force, strict, policy_path, as_json, jobs, sign_key, **matrix
         signer = signing.load_signing_key(sign_key) if sign_key is not None else None
         jobs = default_jobs() if jobs is None else jobs
         check_jobs(jobs, plans[0].target)
-        ledger = builder.CallLedger(force, signer)
+        ledger = builder.CallLedger(force, signer, policy)
         # Up-to-date builds are found without writing: a read-only --out is fine when all are.
         done = {plan.key: builder.up_to_date(plan, out, ledger) for plan in plans}
         pending = [plan for plan in plans if done[plan.key] is None]

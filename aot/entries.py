@@ -58,6 +58,7 @@ def program_entry(
         replicated_param_bytes=replicated_param_bytes(program.name, compiled),
         peak_rss_bytes=rss,
         memory=memory_stats(compiled),
+        param_bytes=param_bytes(program.name, compiled),
         flops=hlo_cost.flops(module),
         eight_bit_flops=hlo_cost.eight_bit_flops(module),
         xla_flops=float(cost.get("flops", 0.0)),
@@ -66,20 +67,32 @@ def program_entry(
     )
 
 
-def replicated_param_bytes(program_name: str, compiled: Any) -> int:
-    """Bytes per device of the weights that a multi-device program keeps whole on every device
-    (as MaxText's check for insufficiently sharded parameters reports them)."""
+def _params(program_name: str, compiled: Any) -> list[tuple[Any, jax.sharding.Sharding]]:
+    """The program's `params` leaves with their shardings (none: a program without weights)."""
     args = interface.named(program_name, compiled.args_info[0])
     shardings = interface.named(program_name, compiled.input_shardings[0])
     if "params" not in args:
-        return 0
-    leaves = jax.tree.leaves(args["params"])
+        return []
     placed = jax.tree.leaves(
         shardings["params"], is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)
     )
+    return list(zip(jax.tree.leaves(args["params"]), placed, strict=True))
+
+
+def param_bytes(program_name: str, compiled: Any) -> int:
+    """Bytes per device of the weights the program takes (its `params`, each device's shard)."""
+    return sum(
+        math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize
+        for a, s in _params(program_name, compiled)
+    )
+
+
+def replicated_param_bytes(program_name: str, compiled: Any) -> int:
+    """Bytes per device of the weights that a multi-device program keeps whole on every device
+    (as MaxText's check for insufficiently sharded parameters reports them)."""
     return sum(
         math.prod(a.shape) * a.dtype.itemsize
-        for a, s in zip(leaves, placed, strict=True)
+        for a, s in _params(program_name, compiled)
         if len(s.device_set) > 1 and s.is_fully_replicated
     )
 

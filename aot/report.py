@@ -24,13 +24,9 @@ def text_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-def _peak(manifest: Manifest) -> tuple[str, int]:
-    name, prog = max(manifest.programs.items(), key=lambda kv: kv[1].memory["peak"])
-    return name, prog.memory["peak"]
-
-
 def _peak_text(manifest: Manifest) -> str:
-    name, peak = _peak(manifest)
+    """The pipeline's resident peak per device (wan.residency), of the HBM, at its program."""
+    name, peak = manifest.resident_peak_program, manifest.resident_peak_bytes
     hbm = (
         f" / {manifest.hbm_bytes / GiB:.0f} GiB ({100 * peak / manifest.hbm_bytes:.0f}%)"
         if manifest.hbm_bytes
@@ -93,7 +89,7 @@ def builds_table(results: Sequence[Any]) -> str:
     header = [
         "build",
         "status",
-        "peak memory/device",
+        "resident peak/device",
         "TFLOP/step/device",
         "step lower bound",
         "collectives",
@@ -131,7 +127,8 @@ def list_table(folder: Path) -> str:
     if not rows:
         return f"no builds in {folder} (make one with `aot build`)"
     return text_table(
-        ["build", "model", "res", "frames", "batch", "target", "mesh", "vae", "peak"], rows
+        ["build", "model", "res", "frames", "batch", "target", "mesh", "vae", "resident peak"],
+        rows,
     )
 
 
@@ -152,6 +149,14 @@ def _sparse_lines(m: Manifest) -> list[str]:
         f"of its blocks: {sparse.self_attention_flops / 1e12:.4f} of "
         f"{dense.self_attention_flops_dense / 1e12:.4f} TFLOP per device{bound}",
     ]
+
+
+def _memory_line(m: Manifest) -> str:
+    """Where the runtime keeps each component's weights, and the peak that makes."""
+    weights = ", ".join(
+        f"{c} {b / GiB:.2f} GiB {m.placement[c]}" for c, b in m.weight_bytes.items()
+    )
+    return f"memory     resident peak {_peak_text(m)}; weights per device: {weights}"
 
 
 def inspect_text(m: Manifest) -> str:
@@ -187,6 +192,7 @@ def inspect_text(m: Manifest) -> str:
             else []
         ),
         *_sparse_lines(m),
+        _memory_line(m),
         f"versions   {', '.join(f'{n} {v}' for n, v in m.versions.items())}",
         *(f"note       {n}" for n in m.notes),
         *(

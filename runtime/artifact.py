@@ -26,13 +26,15 @@ from runtime import build_options, signing
 from runtime import json_checks as jc
 from runtime.json_checks import MAX_DIM, REBUILD, ArtifactError, Check
 from runtime.signing import TrustedKey
+from wan import interface, residency
 from wan.bounded_read import Refuse, open_regular, parse_json, read_bytes, read_json
 from wan.configs import VideoShape
 from wan.interface import SIGNATURES, full_step
 
 # 2: program inputs and outputs by name; 3: a pipeline variant of programs; 4: executables
-# without pickle (runtime.executables)
-SCHEMA_VERSION = 4
+# without pickle (runtime.executables); 5: executables compressed, weights' placement and the
+# resident peak (wan.residency)
+SCHEMA_VERSION = 5
 MANIFEST = "manifest.json"
 
 # Bounds on what a manifest may claim, far above any real build, so that a hostile value is
@@ -210,6 +212,7 @@ class ProgramEntry:
     compile_seconds: float
     peak_rss_bytes: int
     memory: dict[str, int]  # per device: argument, output, alias, temp, generated_code, peak
+    param_bytes: int  # per device: its `params` input (the weights it takes), 0 without one
     flops: float  # loop trip counts applied
     xla_flops: float  # XLA's cost analysis as reported (loop bodies counted once)
     collectives: dict[str, dict[str, int]]  # kind -> count, bytes (per device, trips applied)
@@ -245,7 +248,10 @@ _PROGRAM_FIELDS: dict[str, Check] = {
     "compile_seconds": jc.number,
     "peak_rss_bytes": jc.BYTES,
     # what the reports read: aot inspect, aot check
-    "memory": jc.dict_of(jc.BYTES, required=("argument", "output", "temp", "peak")),
+    "memory": jc.dict_of(
+        jc.BYTES, required=("argument", "output", "temp", "generated_code", "peak")
+    ),
+    "param_bytes": jc.BYTES,
     "flops": jc.number,
     "xla_flops": jc.number,
     "collectives": jc.dict_of(jc.dict_of(jc.BYTES, required=("count", "bytes"))),
@@ -296,6 +302,12 @@ class Manifest:
     ulysses_all_to_alls: int  # all-to-alls per denoise step that Ulysses attention puts there
     notes: list[str]
     programs: dict[str, ProgramEntry]
+    # Per device: each component's weights, where the runtime keeps them (wan.residency) and
+    # the pipeline's peak that makes, at the program named.
+    weight_bytes: dict[str, int]
+    placement: dict[str, str]
+    resident_peak_bytes: int
+    resident_peak_program: str
     peak_8bit_flops: float | None = None  # 8-bit OP/s per device (its format: the target's)
     fps: int | None = None  # frames per second of the model's videos (ModelConfig.fps)
     signed_by: str | None = None  # the id of the key that signed it (runtime.signing)
@@ -315,6 +327,16 @@ class Manifest:
         raw = dataclasses.asdict(self)
         raw["key"] = self.key.to_json()
         return raw
+
+    def resident_peak(self, placement: Mapping[str, str] | None = None) -> tuple[int, str]:
+        """(bytes per device, at which program) with the weights placed as `placement` says
+        (default: as the build chose)."""
+        memory = {
+            name: residency.ProgramMemory(p.memory["peak"], p.memory["generated_code"])
+            for name, p in self.programs.items()
+        }
+        chosen = self.placement if placement is None else placement
+        return residency.resident_peak(self.key.programs, memory, self.weight_bytes, chosen)
 
     def parameter_shapes(self, program: str) -> dict[tuple[str, ...], tuple[int, ...]]:
         """Shapes of a program's parameters (its `params` input) by path in the tree."""
@@ -337,6 +359,7 @@ class Manifest:
         fields = jc.fields(raw, "", _MANIFEST_FIELDS, {})
         _check_device_layout(fields)
         _check_pipeline(fields)
+        _check_placement(fields)
         return cls(**fields)
 
     def write(self, folder: Path) -> None:
@@ -368,6 +391,10 @@ _MANIFEST_FIELDS: dict[str, Check] = {
     "ulysses_all_to_alls": jc.BYTES,
     "notes": jc.list_of(jc.string),
     "programs": _programs,
+    "weight_bytes": jc.dict_of(jc.BYTES),
+    "placement": jc.dict_of(jc.one_of(*residency.PLACEMENTS)),
+    "resident_peak_bytes": jc.BYTES,
+    "resident_peak_program": jc.key_of(SIGNATURES),
 }
 
 
@@ -379,6 +406,21 @@ def _check_pipeline(fields: dict[str, Any]) -> None:
         raise jc.malformed(
             "programs", f"must be those of its build ({options}): {', '.join(key.programs)}"
         )
+
+
+def _check_placement(fields: dict[str, Any]) -> None:
+    """Weights and a placement of the build's own components, the transformers resident."""
+    components = set(interface.components(2, fields["key"].programs))
+    for name in ("weight_bytes", "placement"):
+        if unknown := sorted(set(fields[name]) - components):
+            raise jc.malformed(name, f"names components the build has not: {', '.join(unknown)}")
+    if set(fields["placement"]) != set(fields["weight_bytes"]):
+        raise jc.malformed("placement", "must place every component of weight_bytes")
+    if fixed := sorted(
+        c for c, p in fields["placement"].items()
+        if p != residency.RESIDENT and c not in residency.MOVABLE
+    ):  # fmt: skip
+        raise jc.malformed("placement", f"cannot make {', '.join(fixed)} transient")
 
 
 def _check_device_layout(fields: dict[str, Any]) -> None:

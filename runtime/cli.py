@@ -21,7 +21,7 @@ import click
 import numpy as np
 from tqdm import tqdm
 
-from runtime import cli_options, cli_serve, clock, images, step_cache
+from runtime import cli_options, clock, images, step_cache
 from runtime.artifact import ArtifactError, Manifest
 from runtime.batching import PromptLine, Settings, generate_batch, read_prompts_file
 from runtime.cli_args import TRUSTED_KEY, CliError, OneLineErrors, parse_resolution
@@ -45,7 +45,22 @@ from wan.configs import SAMPLERS, ModelConfig, VideoShape
 from wan.presets import model_spec
 
 
-@click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
+class _Commands(OneLineErrors):
+    """`serve` is imported when it is the command: `runtime run` never loads the HTTP stack
+    (a second of a process's start on a TPU host)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted([*super().list_commands(ctx), "serve"])
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name == "serve":
+            from runtime.cli_serve import serve_cmd
+
+            return serve_cmd
+        return super().get_command(ctx, name)
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 def cli() -> None:
     """Run WAN text-to-video from `aot build` artifacts."""
 
@@ -147,6 +162,7 @@ def cli() -> None:
     help="The build folder to use when several in --artifacts serve the request.",
 )
 @cli_options.cache_options
+@cli_options.PLACEMENT
 @click.option(
     "--calibrate-mag-ratios",
     "calibrate_path",
@@ -161,7 +177,7 @@ def run_cmd(
     guidance_2, seed, sampler, shift, lora_args, lora_2_args, image_path, last_image_path,
     init_noise, save_frames, report_path,
     out, build_name, cache, cache_threshold, cache_max_skip, cache_retention, mag_ratios,
-    calibrate_path, coordinator, num_processes, process_id, join_timeout, trusted_keys,
+    placement, calibrate_path, coordinator, num_processes, process_id, join_timeout, trusted_keys,
 ) -> None:  # fmt: skip
     """Generate a video with the build that matches --res/--frames/--batch.
 
@@ -229,6 +245,14 @@ def run_cmd(
             'video a last image (--last-image FILE, a --prompts line\'s "last_image")'
         )
     match = _matcher(artifacts, request, config, weights, build_name, (loras, loras_2), trusted)
+    from wan import checkpoint  # the weights' reads overlap jax's start from here on
+
+    images_given = image is not None or any(line.video.image for line in lines or ())
+    pipeline = config.pipelines[0] if images_given else interface.DEFAULT_PIPELINE
+    checkpoint.prefetch(
+        weights, interface.components(config.num_experts, interface.PIPELINES[pipeline])
+    )
+    ready = time.time()
     folder, manifest = cli_options.start(
         match, coordinator, num_processes, process_id, join_timeout
     )
@@ -244,10 +268,17 @@ def run_cmd(
     from wan.tokenizer import TokenizerError
     from wan.weights import WeightError
 
-    imports = time.time() - clock.process_start_time()
+    # Before the load: the process's start and checks, then jax's devices and the match.
+    started = {
+        "imports": round(ready - clock.process_start_time(), 4),
+        "devices": round(time.time() - ready, 4),
+    }
     try:
         noise = read_init_noise(init_noise, latent_shape(manifest)) if init_noise else None
-        pipe = Pipeline.from_build(folder, manifest, weights, config, loras, loras_2, None, trusted)
+        pipe = Pipeline.from_build(
+            folder, manifest, weights, config, loras, loras_2, None, trusted, placement,
+            prefetch=True,
+        )  # fmt: skip
         if lines is not None:
             settings = Settings(steps, guidance, guidance_2, sampler, shift)
             return _run_prompts(pipe, lines, settings, cache_request, report_path)
@@ -262,7 +293,7 @@ def run_cmd(
     import jax
 
     if jax.process_index() == 0:
-        _write(videos, report, imports, out, save_frames, report_path, calibrate_path, config.fps)
+        _write(videos, report, started, out, save_frames, report_path, calibrate_path, config.fps)
 
 
 def _matcher(
@@ -413,7 +444,7 @@ def _check_outputs(outputs: list[tuple[Path, str]]) -> None:
 def _write(
     videos: np.ndarray,
     report: Any,
-    imports: float,
+    started: dict[str, float],
     out: Path,
     save_frames: Path | None,
     report_path: Path | None,
@@ -432,7 +463,7 @@ def _write(
             report,
             seconds_from_process_start_to_video=round(now - clock.process_start_time(), 4),
             phases={
-                "imports": round(imports, 4),
+                **started,
                 **report.phases,
                 "write": round(now - written, 4),
             },
@@ -453,9 +484,6 @@ def _write(
         f"{report.steps_per_second:.2f} it/s, {report.compile_count} compilations{loras_note}, "
         f"build {report.build})"
     )
-
-
-cli.add_command(cli_serve.serve_cmd)
 
 
 def main() -> None:

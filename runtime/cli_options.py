@@ -17,6 +17,7 @@ from runtime.cli_args import CliError
 from runtime.loader import Present
 from runtime.request import check_finite, check_text
 from runtime.step_cache import KINDS, MagCacheSettings
+from wan import residency
 
 
 def utf8_text(ctx: click.Context, param: click.Parameter, text: str | None) -> str | None:
@@ -53,6 +54,26 @@ WEIGHTS = click.option(
     type=click.Path(path_type=Path),
     required=True,
     help="diffusers-format folder or project checkpoint.",
+)
+
+
+def _placements(
+    ctx: click.Context, param: click.Parameter, values: tuple[str, ...]
+) -> dict[str, str]:
+    try:
+        return dict(residency.parse_override(v) for v in values)
+    except ValueError as e:
+        raise click.BadParameter(str(e).removeprefix(f"{param.opts[0]} ")) from None
+
+
+PLACEMENT = click.option(
+    "--placement",
+    multiple=True,
+    metavar="COMPONENT=resident|transient",
+    callback=_placements,
+    help="Where a component's weights stay, over the build's choice (`aot inspect`): resident "
+    "(on the devices from the load on) or transient (placed for its program, deleted after). "
+    f"Components: {', '.join(residency.MOVABLE)}; repeatable.",
 )
 
 

@@ -167,13 +167,14 @@ from wan.presets import model_spec
     "one without a key is refused.",
 )
 @cli_options.cache_options
+@cli_options.PLACEMENT
 @cli_options.job_options
 def serve_cmd(
     artifacts, weights, lora_args, build_names, host, port, out_dir, job_store, replica, lease,
     max_attempts, max_queue, batch_window,
     drain_timeout, store_timeout, max_body_bytes, max_prompt_chars, header_timeout, body_timeout,
     save_frames, api_keys, api_key_file, cache, cache_threshold, cache_max_skip, cache_retention,
-    mag_ratios, trusted_keys, coordinator, num_processes, process_id, join_timeout,
+    mag_ratios, placement, trusted_keys, coordinator, num_processes, process_id, join_timeout,
 ) -> None:  # fmt: skip
     """Serve the builds in --artifacts over HTTP as OpenAI's Videos API (the `openai` SDK works
     with base_url http://HOST:PORT/v1; a page to try them at http://HOST:PORT/): load once, queue
@@ -243,7 +244,7 @@ def serve_cmd(
     placed: dict = {}
     pipelines = {
         folder.name: Pipeline.from_build(
-            folder, manifest, weights, config, loras, (), placed, trusted
+            folder, manifest, weights, config, loras, (), placed, trusted, placement
         )
         for folder, manifest in served
     }

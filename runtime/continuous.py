@@ -176,9 +176,11 @@ class SlotBatch:
         latents = handoff(self.latents, pipe.input_sharding("slot_decode", "latents"))
         slot_index = place(np.int32(slot), pipe.input_sharding("slot_decode", "slot"))
         frames = pipe.run(
-            "slot_decode", params=pipe.params["vae"], latents=latents, slot=slot_index
+            "slot_decode", params=pipe.weights("vae"), latents=latents, slot=slot_index
         )
-        return np.asarray(frames["frames"])[0]
+        frames = np.asarray(frames["frames"])[0]
+        pipe.release("vae")
+        return frames
 
 
 def _finite_videos(x: jax.Array) -> np.ndarray:

@@ -44,6 +44,7 @@ class Denoiser:
         """`sparse`: the build's Radial settings (None: every step dense)."""
         self.run, self.cache, self.cfg, self.sparse = run, cache, cfg, sparse
         self.dense_steps: list[int] = []  # of a sparse build: the steps that ran dense
+        self.step_seconds: list[float] = []  # each step's, to its latents checked on the host
         step = executables[cache.step_program]
         self.inputs = interface.named(cache.step_program, step.input_shardings[0])
         self.arg_info = interface.named(cache.step_program, step.args_info[0])

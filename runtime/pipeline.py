@@ -11,8 +11,9 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from runtime.request import (
 )
 from runtime.signing import TrustedKey
 from runtime.step_cache import CacheOutcome, CacheRequest, StepCache, resolve
-from wan import checkpoint, interface, lora, schedulers, sparse_attention, tokenizer
+from wan import checkpoint, interface, lora, residency, schedulers, sparse_attention, tokenizer
 from wan.configs import ModelConfig, SchedulerConfig
 from wan.errors import InputError
 from wan.presets import model_spec
@@ -127,6 +128,20 @@ class GenerationReport:
     # A --sparse-attention build's settings and the steps that ran dense (the others: its
     # sparse step); None: every step dense.
     sparse_attention: SparseOutcome | None = None
+    memory: MemoryOutcome | None = None
+    step_seconds: list[float] = dataclasses.field(default_factory=list)  # each step, in order
+
+
+@dataclasses.dataclass
+class MemoryOutcome:
+    """Where the weights were kept, the peak the build predicts for that, and what the first
+    local device reports (None where it reports nothing: CPU): bytes per device."""
+
+    placement: dict[str, str]
+    predicted_peak_bytes: int
+    predicted_at: str  # the program where the prediction peaks
+    device_peak_bytes: int | None  # the process's peak so far (`memory_stats`)
+    device_limit_bytes: int | None
 
 
 @dataclasses.dataclass
@@ -153,14 +168,32 @@ class Pipeline:
         key: BuildKey,
         name: str,
         loras: Sequence[lora.AppliedLora] = (),
+        transient: Mapping[str, Callable[[], Any]] | None = None,
     ):
         self.exe, self.params, self.config, self.tokenizer = executables, params, config, tok
         self.key, self.name = key, name
         self.loras = list(loras)  # merged into `params`
+        # Components placed only for the program that takes them (wan.residency): how to place
+        # each again; `params` holds one while it is placed.
+        self.transient = dict(transient or {})
         self.load_phases: dict[str, float] = {}  # set by from_build
+        self.predicted_peak: tuple[int, str] = (0, "")  # set by from_build (wan.residency)
         self.clip: images.ClipProcessor | None = None  # an i2v-clip build's, set by assemble
         # The program that makes what every step reads (image to video: with the image's).
         self.kv_program = "image_kv_cache" if "image_kv_cache" in key.programs else "kv_cache"
+
+    def weights(self, component: str) -> Any:
+        """`component`'s placed weights; a transient one is placed now if it is not."""
+        if component not in self.params:
+            self.params[component] = self.transient[component]()
+        return self.params[component]
+
+    def release(self, *components: str) -> None:
+        """Delete the transient ones of `components` from the devices (their programs ran)."""
+        for component in components:
+            if component in self.transient and component in self.params:
+                for leaf in jax.tree.leaves(self.params.pop(component)):
+                    leaf.delete()
 
     @classmethod
     def load(
@@ -194,13 +227,21 @@ class Pipeline:
         loras_2: LoraSpecs = (),
         placed: PlacedWeights | None = None,
         trusted: Sequence[TrustedKey] = (),
+        placement: Mapping[str, str] | None = None,
+        prefetch: bool = False,
     ) -> Pipeline:
         """The build in `folder` (already matched), with the weights of `weights` (and LoRAs,
-        as in `load`; `placed`: as in `assemble`), signed by one of `trusted`, if any."""
+        as in `load`; `placed`, `placement` and `prefetch`: as in `assemble`, `placement` over
+        the manifest's), signed by one of `trusted`, if any."""
         start = time.perf_counter()
         exe = load_build(folder, manifest, jax.devices(), trusted)
         loaded = time.perf_counter()
-        pipe = cls.assemble(exe, weights, manifest.key, folder.name, config, loras, loras_2, placed)
+        chosen = {**manifest.placement, **(placement or {})}
+        pipe = cls.assemble(
+            exe, weights, manifest.key, folder.name, config, loras, loras_2, placed, chosen,
+            prefetch,
+        )  # fmt: skip
+        pipe.predicted_peak = manifest.resident_peak(chosen)
         pipe.load_phases = {
             "deserialize": round(loaded - start, 4),
             "weights": round(time.perf_counter() - loaded, 4),
@@ -218,11 +259,16 @@ class Pipeline:
         loras: LoraSpecs = (),
         loras_2: LoraSpecs = (),
         placed: PlacedWeights | None = None,
+        placement: Mapping[str, str] | None = None,
+        prefetch: bool = False,
     ) -> Pipeline:
         """Place the weights of `weights` straight into the executables' input shardings,
         merging the LoRAs into the transformers on the way (all checked before any weight is
         read). `placed`: the weights other builds placed with the same weights and LoRAs; a
-        component found there in the same shardings is reused, the others are added to it."""
+        component found there in the same shardings is reused, the others are added to it.
+        `placement` (wan.residency; default: all resident): a transient component is placed
+        before its program and deleted after; with `prefetch`, placed now beside the others
+        for the first request (`runtime run`: its transfer overlaps the rest of the load)."""
         config = config or ModelConfig.from_folder(weights)
         lora.check_experts(config.num_experts, loras_2)
         # Placed as the first program taking them wants them: the build gives every program of
@@ -248,18 +294,26 @@ class Pipeline:
                 applied += summary
         placed = {} if placed is None else placed
         keys = {c: _placement(c, a) for c, a in abstracts.items()}
+        placement = placement or {}
+        transient = {
+            c: _placed_from_memory(weights, c, a)
+            for c, a in abstracts.items()
+            if placement.get(c, residency.RESIDENT) == residency.TRANSIENT
+        }
+        resident = [c for c in abstracts if c not in transient and keys[c] not in placed]
         # The components load at once (reads and copies release the GIL), the tokenizer with them.
         with concurrent.futures.ThreadPoolExecutor(len(abstracts) + 1) as pool:
             tok = pool.submit(tokenizer.load_tokenizer, Path(weights) / "tokenizer")
             loads = {
-                c: pool.submit(checkpoint.load_component, weights, c, a, deltas.get(c))
-                for c, a in abstracts.items()
-                if keys[c] not in placed
+                c: pool.submit(checkpoint.load_component, weights, c, abstracts[c], deltas.get(c))
+                for c in resident
             }
+            early = {c: pool.submit(load) for c, load in transient.items() if prefetch}
             placed.update({keys[c]: load.result() for c, load in loads.items()})
+            params = {c: placed[keys[c]] for c in abstracts if c not in transient}
+            params.update({c: load.result() for c, load in early.items()})
             tok = tok.result()
-        params = {c: placed[keys[c]] for c in abstracts}
-        pipe = cls(executables, params, config, tok, key, name, applied)
+        pipe = cls(executables, params, config, tok, key, name, applied, transient)
         if "image_encode" in key.programs:
             pipe.clip = _clip_processor(weights, config.image_encoder.image_size)
         return pipe
@@ -332,16 +386,33 @@ class Pipeline:
                 conditioning = self.image_conditioning(pictures, lasts)
                 marks["image_encode"] = time.perf_counter() - start
             kv = self.kv_caches(emb, experts, conditioning)
+            del emb, conditioning  # each program's inputs only (wan.residency's peak)
             marks["kv_cache"] = time.perf_counter() - start
             x = self._denoise(latents, state, tables, kv, expert_at, on_step, denoiser)
+            del kv
             marks["denoise"] = time.perf_counter() - start
             frames = self._decode(x)
             marks["vae_decode"] = time.perf_counter() - start
         report = self._report(counter.count, started_at, marks, steps, scheduler)
         outcome = None if sparse is None else SparseOutcome(sparse.text(), denoiser.dense_steps)
         return frames, dataclasses.replace(
-            report, cache=step_cache.outcome(steps), sparse_attention=outcome
+            report,
+            cache=step_cache.outcome(steps),
+            sparse_attention=outcome,
+            memory=self.memory_outcome(),
+            step_seconds=denoiser.step_seconds,
         )
+
+    def memory_outcome(self) -> MemoryOutcome:
+        stats = jax.local_devices()[0].memory_stats() or {}
+        placement = {
+            c: residency.TRANSIENT if c in self.transient else residency.RESIDENT
+            for c in interface.components(self.config.num_experts, self.key.programs)
+        }
+        return MemoryOutcome(
+            placement, *self.predicted_peak, stats.get("peak_bytes_in_use"),
+            stats.get("bytes_limit"),
+        )  # fmt: skip
 
     def _report(
         self,
@@ -422,13 +493,13 @@ class Pipeline:
         ids, mask = tokenizer.tokenize(self.tokenizer, texts, self.config.text_encoder.max_length)
         emb = self.run(
             "text_encode",
-            params=self.params["text_encoder"],
+            params=self.weights("text_encoder"),
             ids=place(ids, self.input_sharding("text_encode", "ids")),
             mask=place(mask, self.input_sharding("text_encode", "mask")),
         )["embeddings"]
-        return handoff(
-            jax.block_until_ready(emb), self.input_sharding(self.kv_program, "embeddings")
-        )
+        emb = jax.block_until_ready(emb)
+        self.release("text_encoder")
+        return handoff(emb, self.input_sharding(self.kv_program, "embeddings"))
 
     def _images(self, given: PILImage | Sequence[PILImage] | None) -> list[PILImage] | None:
         """One image per video of the batch, checked against the build's pipeline."""
@@ -477,7 +548,7 @@ class Pipeline:
         ])  # fmt: skip
         condition = self.run(
             "vae_encode",
-            params=self.params["vae_encoder"],
+            params=self.weights("vae_encoder"),
             image=place(pixels, self.input_sharding("vae_encode", "image")),
             last_image=place(last, self.input_sharding("vae_encode", "last_image")),
             has_last=place(
@@ -495,11 +566,13 @@ class Pipeline:
             ])  # fmt: skip
             features = self.run(
                 "image_encode",
-                params=self.params["image_encoder"],
+                params=self.weights("image_encoder"),
                 pixels=place(clip, self.input_sharding("image_encode", "pixels")),
             )["image_embeddings"]
             features = handoff(features, self.input_sharding(self.kv_program, "image_embeddings"))
-        return jax.block_until_ready({"image_embeddings": features, "condition": condition})
+        conditioning = jax.block_until_ready({"image_embeddings": features, "condition": condition})
+        self.release("image_encoder", "vae_encoder")
+        return conditioning
 
     def kv_caches(
         self, emb: jax.Array, experts: list[str], conditioning: dict[str, Any] | None = None
@@ -532,6 +605,7 @@ class Pipeline:
         }
         steps = tables.num_steps
         for i in range(steps):
+            began = time.perf_counter()
             expert, scale = expert_at(i)
             out = denoiser.step(
                 i,
@@ -552,6 +626,7 @@ class Pipeline:
                     f"the latents became NaN or Inf at step {i + 1} of {steps}: check the LoRA "
                     "scales, the guidance, the initial noise and the weights"
                 )
+            denoiser.step_seconds.append(round(time.perf_counter() - began, 4))
             if on_step is not None:
                 on_step(i + 1, steps)
         return out["latents"]
@@ -563,7 +638,9 @@ class Pipeline:
             self.run("latents_handoff", latents=x)["latents"],
             self.input_sharding("vae_decode", "latents"),
         )
-        return np.asarray(self.run("vae_decode", params=self.params["vae"], latents=x)["frames"])
+        frames = np.asarray(self.run("vae_decode", params=self.weights("vae"), latents=x)["frames"])
+        self.release("vae")
+        return frames
 
 
 def _clip_processor(weights: str | Path, size: int) -> images.ClipProcessor:
@@ -580,6 +657,12 @@ def _clip_processor(weights: str | Path, size: int) -> images.ClipProcessor:
             "model's original image_processor/preprocessor_config.json"
         )
     return processor
+
+
+def _placed_from_memory(weights: str | Path, component: str, abstract: Any) -> Callable[[], Any]:
+    """Places a transient component: read into host memory the first time, from there after."""
+    copy = functools.cache(lambda: checkpoint.HostCopy.read(weights, component, abstract))
+    return lambda: copy().place()
 
 
 def _placement(component: str, abstract: Any) -> tuple[Any, ...]:
