@@ -10,6 +10,7 @@ runtime loads weights without model code.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import os
 import shutil
@@ -27,6 +28,7 @@ from wan.atomic import atomic_folder, owned_files
 from wan.configs import CHECKPOINT_MARKER as MARKER
 from wan.configs import ModelConfig, diffusers_component
 from wan.lora import ParamDelta
+from wan.weights import prefetch as prefetch_files
 
 FORMAT_VERSION = 2  # 1: orbax (still read); 2: one safetensors file per component
 PARAMS = "params.safetensors"  # a component's parameters, named by their path joined with "/"
@@ -104,6 +106,41 @@ def load_component(
         return _load_orbax(path, component, abstract, deltas)
     host, pending = read_host(folder, component, flat_abstract)
     return _place_all(host, flat_abstract, deltas, abstract, pending)
+
+
+def prefetch(folder: str | Path, components: Iterable[str]) -> list[Path]:
+    """Start reading the files of `components` of a checkpoint into memory in the background
+    (wan.weights.prefetch): the files started (none for a diffusers folder, or when memory is
+    short)."""
+    folder = Path(folder)
+    if not is_checkpoint(folder):
+        return []
+    names = {kinds.ENCODE_HALVES.get(c, c) for c in components}
+    return prefetch_files.start(folder / name / PARAMS for name in sorted(names))
+
+
+@dataclasses.dataclass
+class HostCopy:
+    """A component's parameters in host memory, checked against the shardings of `abstract`,
+    to place again for every request: a transient component's (wan.residency), placed from
+    memory rather than read from the disk each time."""
+
+    arrays: dict[weights.Path_, np.ndarray]
+    abstract: Tree
+
+    @classmethod
+    def read(cls, folder: str | Path, component: str, abstract: Tree) -> HostCopy:
+        host, pending = read_host(folder, component, weights.flatten(abstract))
+        if pending:  # 8-bit layers are the transformers', which stay resident
+            raise weights.WeightError(f"{component}: 8-bit weights are placed once, not again")
+        # A memory map is copied in (its pages would be read from the disk again each time).
+        return cls(
+            {p: np.array(a) if isinstance(a, np.memmap) else a for p, a in host.items()}, abstract
+        )
+
+    def place(self) -> Tree:
+        """The parameters placed in their shardings (the host copy kept)."""
+        return _place_all(dict(self.arrays), weights.flatten(self.abstract), {}, self.abstract, {})
 
 
 def read_host(
