@@ -30,7 +30,19 @@ DEVICELESS_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 # every block of the dense builds' 2048-3072. Which is fastest per useful FLOP on each
 # generation is unmeasured (no TPU was lent): 512 is the smallest block the dense builds already
 # run (the keys per compute step of v4, v5e and v5p).
-SPARSE_SPLASH_BLOCKS = (512, 512, 512)
+# A sparse build's splash blocks, and the Radial block it takes by default: whole kept blocks
+# (a smaller Radial block leaves kernel blocks kept in part, each masked from a stored block).
+# On v5e at 832x480x81 one attention call took 60.4 ms here against 86.6 dense, 71.4 at 512
+# (bench/chip_attention.py; docs/benchmarks.md, "On a TPU v5e chip").
+SPARSE_SPLASH_BLOCKS = (1024, 1024, 1024)
+# Build options the chip showed slower than the plain path, by TPU generation: refused there,
+# with the measurement (docs/benchmarks.md, "On a TPU v5e chip").
+SLOWER_ON_CHIP = {
+    ("attention_quant", "v5e"): (
+        "int8 attention took 102.9 ms a call against bf16 splash's 86.6 (0.84x) on a v5e chip "
+        "at 832x480x81 (bench/chip_attention.py)"
+    ),
+}
 BLOCKWISE_MIN_TOKENS = 8192  # above this, naive attention's temporaries dominate memory
 # Bounds of a request, far above any WAN use (720p, 81 frames: 75,600 tokens a video), so that
 # a mistyped size is a one-line error before anything is traced or allocated.
@@ -120,6 +132,11 @@ def plan_build(
     attention = choose_attention(attention, target, shape.tokens(config), sparse=radial is not None)
     context_parallel = choose_context_parallel(context_parallel, config, shape, mesh)
     if radial is not None:
+        radial = choose_radial(radial, attention)
+        options = tuple(
+            (name, radial.text() if name == "sparse_attention" else value)
+            for name, value in options
+        )
         check_kernel_takes(
             "--sparse-attention", attention_lib.SPARSE_KERNELS, attention, context_parallel,
             config, shape, mesh,
@@ -167,6 +184,25 @@ def check_radial(radial: sparse_attention.Radial, config: ModelConfig, options: 
         )
 
 
+def choose_radial(radial: sparse_attention.Radial, attention: str) -> sparse_attention.Radial:
+    """The Radial settings with their block: the kernel's (splash's SPARSE_SPLASH_BLOCKS, else
+    the official one) where not given. In splash, a block smaller than the kernel's blocks is
+    refused: the blocks it keeps in part cost more than the mask saves."""
+    splash = attention_lib.kernel_name(attention) == "splash"
+    if radial.block is None:
+        block = SPARSE_SPLASH_BLOCKS[0] if splash else sparse_attention.WAN_BLOCK
+        return dataclasses.replace(radial, block=block)
+    blocks = attention_lib.splash_blocks(attention) if splash else None
+    if blocks is not None and radial.block < max(blocks.q, blocks.kv):
+        raise BuildError(
+            f"--sparse-attention {radial.text()} in {attention}: a Radial block smaller than "
+            "the kernel's blocks is slower than dense attention (v5e: block 128 in 512 blocks, "
+            "0.67x; docs/benchmarks.md): leave the block out (the kernel's) or give the "
+            "kernel's block"
+        )
+    return radial
+
+
 def check_kernel_takes(
     flag: str,
     kernels: tuple[str, ...],
@@ -209,6 +245,8 @@ def check_attention_quant(fmt: str, target: Target) -> None:
             f"--attention-quant {fmt}: {target.name} has no {fmt} matrix unit (its 8-bit format "
             f"is {chip.eight_bit}): use --attention-quant {chip.eight_bit} or none"
         )
+    if chip is not None and (slower := SLOWER_ON_CHIP.get(("attention_quant", chip.name))):
+        raise BuildError(f"--attention-quant {fmt} is not offered for {chip.name}: {slower}")
 
 
 def choose_pipeline(requested: str | None, config: ModelConfig, model_name: str) -> str:

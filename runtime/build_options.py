@@ -100,8 +100,9 @@ def _sparse_token(key: Any) -> str:
     value = key.option("sparse_attention")
     if value == sparse_attention.NONE:
         return ""
-    default = value == sparse_attention.DEFAULT_RADIAL.text()
-    return "_radial" if default else "_" + value.replace(":", "-")
+    settings = sparse_attention.parse(value)
+    default = dataclasses.replace(settings, block=None) == sparse_attention.DEFAULT_RADIAL
+    return f"_radial{settings.block}" if default else "_" + value.replace(":", "-")
 
 
 def _sparse_check(value: Any, where: str) -> str:
@@ -112,7 +113,9 @@ def _sparse_check(value: Any, where: str) -> str:
             return text
     except sparse_attention.SparseAttentionError:
         pass
-    raise json_checks.malformed(where, "must be none or radial:<decay>:<steps>:<layers>:<block>")
+    raise json_checks.malformed(
+        where, "must be none or radial:<decay>:<steps>:<layers>[:<block>]"
+    )
 
 
 _DECLARED = (

@@ -231,14 +231,23 @@ def test_wan_720p_density():
 # ---- splash -----------------------------------------------------------------------------------
 
 
-def test_mask_function_matches_table_and_equality():
+def test_stored_mask_matches_closed_form_and_equality():
+    """Splash's stored mask is the closed form (numpy and traced jnp, which the other kernels
+    evaluate), pad keys dropped; and not a computed mask, so splash loads its partial blocks
+    instead of evaluating the closed form per entry inside the kernel."""
     spec = RadialSpec(5, 100, block=32)
     mask = RadialSplashMask(spec, (512, 512))
     ids = np.arange(512)
     table = mask[:, :]
-    np.testing.assert_array_equal(mask.mask_function(ids[:, None], ids[None, :]), table)
-    traced = jax.jit(mask.mask_function)(jnp.arange(512)[:, None], jnp.arange(512)[None, :])
-    np.testing.assert_array_equal(np.asarray(traced), table)
+    want = radial_keep(spec, ids[:, None], ids[None, :]) & (ids < spec.tokens)[None, :]
+    np.testing.assert_array_equal(want, table)
+    traced = jax.jit(radial_keep, static_argnums=0)(
+        spec, jnp.arange(512)[:, None], jnp.arange(512)[None, :]
+    )
+    np.testing.assert_array_equal(np.asarray(traced) & (ids < spec.tokens)[None, :], table)
+    assert not hasattr(mask, "mask_function")
+    info, _ = smi.process_mask(sm.MultiHeadMask([mask]), (128, 128))
+    assert info.partial_mask_blocks is not None and (info.block_mask[0] == 1).any()
     assert mask == RadialSplashMask(spec, (512, 512))
     assert hash(mask) == hash(RadialSplashMask(spec, (512, 512)))
     assert mask != RadialSplashMask(spec, (640, 640))
@@ -262,7 +271,7 @@ def test_splash_exact(spec, kb):
     info, _ = smi.process_mask(mask, (kb, kb))
     blocks = (length // kb) ** 2
     assert np.count_nonzero(info.block_mask[0]) == round(density(spec, kb) * blocks)
-    assert (info.block_mask[0] == 1).any()  # partial blocks: the kernel evaluates the mask
+    assert (info.block_mask[0] == 1).any()  # partial blocks: the kernel loads their mask
 
     kernel = sk.make_splash_mha(
         mask,

@@ -4,7 +4,10 @@ its settings are defined and spelled. No jax: the runtime reads them to pick eac
 `radial` is Radial Attention's static mask (wan.models.radial_mask): the first `dense_steps`
 steps of a generation and the first `dense_layers` blocks of every step stay dense, as in the
 official Wan script; the other steps run `radial_step`, whose remaining blocks attend through
-the mask of `block`-token blocks and temporal `decay`.
+the mask of `block`-token blocks and temporal `decay`. A block left out is the kernel's own,
+which the build resolves (`aot.plan.choose_radial`): the official 128 where the kernel's blocks
+fit in it, splash's 1024 on TPU, whose kernel computes a block it keeps whole and loses time on
+partly kept ones.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ WAN_BLOCK = 128  # block_size=128
 FLAG_HELP = (
     "none, or radial[:<decay>[:<dense_steps>[:<dense_layers>[:<block>]]]]: Radial Attention's "
     f"static mask in the video self-attention (defaults: decay {WAN_DECAY}, the first "
-    f"{WAN_DENSE_STEPS} steps and {WAN_DENSE_LAYERS} block dense, {WAN_BLOCK}-token blocks, as "
-    "the official Wan script). A build then also holds radial_step, run after the dense steps."
+    f"{WAN_DENSE_STEPS} steps and {WAN_DENSE_LAYERS} block dense, as the official Wan script; "
+    f"blocks of the kernel's: {WAN_BLOCK} tokens as the official one, 1024 in TPU splash). A "
+    "build then also holds radial_step, run after the dense steps."
 )
 
 
@@ -40,17 +44,20 @@ class Radial:
     decay: float = WAN_DECAY
     dense_steps: int = WAN_DENSE_STEPS
     dense_layers: int = WAN_DENSE_LAYERS
-    block: int = WAN_BLOCK
+    block: int | None = None  # None: the kernel's, resolved by the build
 
     def __post_init__(self) -> None:
         if not (0 < self.decay <= 1e6) or min(self.dense_steps, self.dense_layers) < 0:
             raise SparseAttentionError(f"{self.text()}: {_WANTED}")
-        if not (8 <= self.block <= 1 << 16) or self.block & (self.block - 1):
+        if self.block is not None and (
+            not (8 <= self.block <= 1 << 16) or self.block & (self.block - 1)
+        ):
             raise SparseAttentionError(f"{self.text()}: the block must be a power of two >= 8")
 
     def text(self) -> str:
-        """The canonical spelling (every setting), as the manifest records it."""
-        return f"{RADIAL}:{self.decay:g}:{self.dense_steps}:{self.dense_layers}:{self.block}"
+        """The canonical spelling (every setting given), as the manifest records it."""
+        block = "" if self.block is None else f":{self.block}"
+        return f"{RADIAL}:{self.decay:g}:{self.dense_steps}:{self.dense_layers}{block}"
 
     def dense_step(self, step: int) -> bool:
         """Whether generation step `step` (from 0) runs dense."""

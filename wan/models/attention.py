@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 from jax.experimental.pallas.ops.tpu.splash_attention import (
@@ -219,9 +220,9 @@ def splash_attention(
     with `sparse`, its Radial mask as splash's block-sparse mask: blocks it drops whole are
     skipped, blocks it keeps in part are masked inside the kernel.
 
-    Lengths need not be block multiples: queries and keys are zero-padded to their blocks,
-    padded keys get another segment id than every query (so they never contribute) and the
-    padded query rows are sliced off."""
+    Lengths need not be block multiples: queries and keys are zero-padded to their blocks, the
+    mask never keeps a padded key (only the last key blocks are masked) and the padded query
+    rows are sliced off."""
     _check_sparse(sparse, q.shape[1], k.shape[1])
     b, q_len, heads, d = q.shape
     kv_len = k.shape[1]
@@ -233,7 +234,7 @@ def splash_attention(
     # Videos fold into the kernel's heads: a vmap over the batch would batch the kernel's VMEM
     # scratch too (x2 with CFG), over the scoped VMEM its blocks were sized for.
     one = (
-        splash_mask.FullMask((q_pad, kv_pad))
+        RealKeysMask((q_pad, kv_pad), kv_len)
         if sparse is None
         else RadialSplashMask(sparse, (q_pad, kv_pad))
     )
@@ -247,19 +248,42 @@ def splash_attention(
         q_seq_shards=1,
         interpret=interpret,
     )
-    segments = splash_kernel.SegmentIds(
-        q=jnp.zeros((q_pad,), jnp.int32), kv=(jnp.arange(kv_pad) >= kv_len).astype(jnp.int32)
-    )
 
     def heads_major(x: jax.Array, length: int) -> jax.Array:  # (B, S, H, D) -> (B*H, S', D)
         padded = jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0), (0, 0)))
         return padded.transpose(0, 2, 1, 3).reshape(b * heads, length, d)
 
     scaled = (q.astype(jnp.float32) * d**-0.5).astype(q.dtype)
-    out = kernel(
-        heads_major(scaled, q_pad), heads_major(k, kv_pad), heads_major(v, kv_pad), segments
-    )
+    out = kernel(heads_major(scaled, q_pad), heads_major(k, kv_pad), heads_major(v, kv_pad))
     return out.reshape(b, heads, q_pad, d).transpose(0, 2, 1, 3)[:, :q_len].astype(q.dtype)
+
+
+class RealKeysMask(splash_mask.Mask):
+    """Every query attends every key before `kv_len`, none of the padding after it. Splash
+    runs the blocks of real keys unmasked and masks only those holding padding (from a stored
+    block); segment ids would compare ids at every entry of every block (docs/benchmarks.md:
+    the v5e's attention call)."""
+
+    def __init__(self, shape: tuple[int, int], kv_len: int):
+        self._shape, self.kv_len = tuple(shape), kv_len
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self._shape
+
+    def __getitem__(self, idx) -> np.ndarray:
+        q_slice, kv_slice = idx
+        rows = len(range(*q_slice.indices(self.shape[0])))
+        cols = np.arange(*kv_slice.indices(self.shape[1]))
+        return np.broadcast_to(cols < self.kv_len, (rows, len(cols)))
+
+    def __eq__(self, other: object):
+        if not isinstance(other, type(self)):
+            return NotImplemented
+        return (self.shape, self.kv_len) == (other.shape, other.kv_len)
+
+    def __hash__(self):
+        return hash((type(self), self.shape, self.kv_len))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -452,7 +476,7 @@ def kernel_density(impl: str, sparse: RadialSpec) -> float:
     Triton those it drops whole where its blocks fit in the mask's, the XLA kernels none."""
     name, n = kernel_name(impl), sparse.tokens
     if name == "splash":
-        return density(sparse, *_splash_blocks(impl).balanced(n, n))
+        return density(sparse, *splash_blocks(impl).balanced(n, n))
     if name == "triton" and (blocks := _triton_blocks(impl)).skips(sparse, n, n):
         return density(sparse, *blocks.fitted(n, n))
     return 1.0
@@ -482,7 +506,7 @@ def resolve(
                 f"8-bit attention {quant!r}: use {' or '.join(attention_quant.FORMATS)}"
             )
         if kernel_name(impl) == "splash":
-            blocks = _splash_blocks(impl)
+            blocks = splash_blocks(impl)
             return functools.partial(
                 _quant_splash, blocks=blocks, fmt=quant, interpret=interpret, sparse=sparse
             )
@@ -505,7 +529,7 @@ def resolve(
     if kernel_name(impl) == "triton":
         return functools.partial(triton_attention, blocks=_triton_blocks(impl), interpret=interpret)
     if kernel_name(impl) == "splash":
-        return functools.partial(splash_attention, blocks=_splash_blocks(impl), interpret=interpret)
+        return functools.partial(splash_attention, blocks=splash_blocks(impl), interpret=interpret)
     raise _unknown(impl)
 
 
@@ -527,7 +551,7 @@ def _triton_blocks(impl: str) -> TritonBlocks:
     return blocks
 
 
-def _splash_blocks(impl: str) -> SplashBlocks:
+def splash_blocks(impl: str) -> SplashBlocks:
     if not (sizes := re.fullmatch(f"splash{_SIZES}{_SIZES}{_SIZES}", impl)):
         raise _unknown(impl)
     blocks = SplashBlocks(*(int(s) for s in sizes.groups()))

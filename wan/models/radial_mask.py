@@ -19,8 +19,8 @@ frames straddle blocks that shrink can drop a neighbouring frame's blocks for th
 frame has in a block it shares (at 720p, 0.08% of neighbouring-frame token pairs): kept so.
 
 Here a band's entries per column are counted in closed form instead of materialising each
-tpf x tpf pair, so one elementwise function gives `block_mask` (numpy) and also runs inside
-the splash kernel (jnp) on blocks that are partly kept.
+tpf x tpf pair, so one elementwise function gives `block_mask` (numpy), splash's stored block
+mask, and the mask the Triton and XLA kernels evaluate (jnp).
 
 Padding: at that commit the video tokens must be a multiple of the block (1280x720, 81
 frames: 21 x 3600 = 75,600 tokens, fails). Its first version (3f66894) zero-padded the tokens
@@ -200,29 +200,28 @@ def radial_keep(spec: RadialSpec, q_ids, kv_ids):
     return _blocks_kept(spec, xp, _div(xp, q_ids, b), _div(xp, kv_ids, b))
 
 
-class RadialSplashMask(splash_mask._ComputableMask):
+class RadialSplashMask(splash_mask.Mask):
     """Splash mask of shape (q_len, kv_len) >= (tokens, tokens): radial, keys past the video
-    (padding) never kept. Evaluated by block: a small block table on the host, the closed
-    form in the kernel."""
+    (padding) never kept. Splash reads it a kernel block at a time from the block table: a
+    block kept whole runs unmasked, one dropped is skipped, and one kept in part (a Radial
+    block smaller than the kernel's) loads its mask, stored once per distinct pattern. Not a
+    computed mask: evaluating the closed form per entry inside the kernel made the 1.3B's
+    480p step 8x slower on v5e (docs/benchmarks.md)."""
 
-    def __init__(
-        self, spec: RadialSpec, shape: tuple[int, int] | None = None, shard_count: int = 1
-    ):
+    def __init__(self, spec: RadialSpec, shape: tuple[int, int] | None = None):
         shape = shape or (spec.tokens, spec.tokens)
         if min(shape) < spec.tokens:
             raise ValueError(f"mask shape {shape} shorter than the {spec.tokens} video tokens")
         self.spec = spec
-        n = spec.tokens
-
-        def radial_mask_function(q_ids, kv_ids):
-            return radial_keep(spec, q_ids, kv_ids) & (kv_ids < n)
-
-        super().__init__(shape=shape, mask_function=radial_mask_function, shard_count=shard_count)
+        self._shape = tuple(shape)
         q_blocks, kv_blocks = (np.arange(-(-s // spec.block)) for s in shape)
         self._table = _blocks_kept(spec, np, q_blocks[:, None], kv_blocks[None, :])
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self._shape
+
     def __getitem__(self, idx) -> np.ndarray:
-        # splash's mask processing visits every block: look the table up, not the closed form
         q_slice, kv_slice = idx
         rows = np.arange(*q_slice.indices(self.shape[0]))
         cols = np.arange(*kv_slice.indices(self.shape[1]))
@@ -232,14 +231,10 @@ class RadialSplashMask(splash_mask._ComputableMask):
     def __eq__(self, other: object):
         if not isinstance(other, type(self)):
             return NotImplemented
-        return (
-            self.shape == other.shape
-            and self.spec == other.spec
-            and np.array_equal(self.q_sequence, other.q_sequence)
-        )
+        return self.shape == other.shape and self.spec == other.spec
 
     def __hash__(self):
-        return hash((type(self), self.shape, self.spec, self.q_sequence.tobytes()))
+        return hash((type(self), self.shape, self.spec))
 
 
 def kernel_blocks_kept(spec: RadialSpec, q_block: int, kv_block: int) -> np.ndarray:
