@@ -28,16 +28,12 @@ sys.path.insert(0, str(ROOT))
 import jax  # noqa: E402
 import record  # noqa: E402  (bench/record.py, beside this script)
 import torch  # noqa: E402
+from random_lora import write_lora  # noqa: E402  (bench/random_lora.py, beside this script)
 from safetensors.torch import save_file  # noqa: E402
 
 from wan import checkpoint, lora, programs, sharding, weights  # noqa: E402
 from wan.presets import resolve_model  # noqa: E402
 from wan.random_weights import random_params  # noqa: E402
-
-BLOCK_LINEARS = ("self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o", "cross_attn.q",
-                 "cross_attn.k", "cross_attn.v", "cross_attn.o", "ffn.0", "ffn.2")  # fmt: skip
-BLOCK_NORMS = ("norm3", "self_attn.norm_q", "self_attn.norm_k", "cross_attn.norm_q",
-               "cross_attn.norm_k")  # fmt: skip
 
 
 def write_sources(config, work: Path) -> tuple[Path, Path]:
@@ -62,29 +58,6 @@ def write_sources(config, work: Path) -> tuple[Path, Path]:
         target.parent.mkdir(parents=True, exist_ok=True)
         save_file(tensors, target)
     return ckpt, diffusers_dir
-
-
-def write_lora(config, rank: int, path: Path) -> Path:
-    """lora_down/lora_up/alpha on every block Linear, .diff_b on their biases, .diff on norms."""
-    if path.is_file():
-        return path
-    tc, gen = config.transformer, torch.Generator().manual_seed(1)
-    dims = {"ffn.0": (tc.ffn_dim, tc.inner_dim), "ffn.2": (tc.inner_dim, tc.ffn_dim)}
-    tensors = {}
-    for i in range(tc.num_layers):
-        for name in BLOCK_LINEARS:
-            out, inp = dims.get(name, (tc.inner_dim, tc.inner_dim))
-            key = f"diffusion_model.blocks.{i}.{name}"
-            tensors[f"{key}.lora_down.weight"] = torch.randn(rank, inp, generator=gen) / inp**0.5
-            tensors[f"{key}.lora_up.weight"] = 0.01 * torch.randn(out, rank, generator=gen)
-            tensors[f"{key}.alpha"] = torch.tensor(float(rank))
-            tensors[f"{key}.diff_b"] = 0.01 * torch.randn(out, generator=gen)
-        for name in BLOCK_NORMS:
-            tensors[f"diffusion_model.blocks.{i}.{name}.diff"] = 0.01 * torch.randn(
-                tc.inner_dim, generator=gen
-            )
-    save_file({k: v.to(torch.bfloat16) for k, v in tensors.items()}, path)
-    return path
 
 
 def sharded_abstract(config) -> dict:
