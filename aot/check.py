@@ -353,8 +353,10 @@ def check_build(folder: Path, policy: Policy, trusted: Sequence[TrustedKey] = ()
         programs[name] = program
         violations += program_violations(folder, name, program, policy, BuildFacts.of(manifest))
     resident = manifest.resident_peak()
-    if budget is not None and resident[0] > budget and not any(
-        v.rule == "memory" for v in violations
+    if (
+        budget is not None
+        and resident[0] > budget
+        and not any(v.rule == "memory" for v in violations)
     ):
         violations.append(resident_violation(folder, manifest, budget))
     return BuildCheck(folder, manifest, budget, programs, tuple(violations), resident)
@@ -370,9 +372,7 @@ def resident_violation(folder: Path, manifest: Manifest, budget: int) -> Violati
         for c, b in manifest.weight_bytes.items()
         if manifest.placement[c] == residency.RESIDENT
     ]
-    movable = [
-        c for c in residency.MOVABLE if manifest.placement.get(c) == residency.RESIDENT
-    ]
+    movable = [c for c in residency.MOVABLE if manifest.placement.get(c) == residency.RESIDENT]
     change = (
         f"make {', '.join(movable)} transient (`runtime run --placement {movable[0]}=transient`) "
         "or "

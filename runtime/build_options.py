@@ -113,9 +113,7 @@ def _sparse_check(value: Any, where: str) -> str:
             return text
     except sparse_attention.SparseAttentionError:
         pass
-    raise json_checks.malformed(
-        where, "must be none or radial:<decay>:<steps>:<layers>[:<block>]"
-    )
+    raise json_checks.malformed(where, "must be none or radial:<decay>:<steps>:<layers>[:<block>]")
 
 
 _DECLARED = (

@@ -245,13 +245,6 @@ def run_cmd(
             'video a last image (--last-image FILE, a --prompts line\'s "last_image")'
         )
     match = _matcher(artifacts, request, config, weights, build_name, (loras, loras_2), trusted)
-    from wan import checkpoint  # the weights' reads overlap jax's start from here on
-
-    images_given = image is not None or any(line.video.image for line in lines or ())
-    pipeline = config.pipelines[0] if images_given else interface.DEFAULT_PIPELINE
-    checkpoint.prefetch(
-        weights, interface.components(config.num_experts, interface.PIPELINES[pipeline])
-    )
     ready = time.time()
     folder, manifest = cli_options.start(
         match, coordinator, num_processes, process_id, join_timeout

@@ -28,7 +28,6 @@ from wan.atomic import atomic_folder, owned_files
 from wan.configs import CHECKPOINT_MARKER as MARKER
 from wan.configs import ModelConfig, diffusers_component
 from wan.lora import ParamDelta
-from wan.weights import prefetch as prefetch_files
 
 FORMAT_VERSION = 2  # 1: orbax (still read); 2: one safetensors file per component
 PARAMS = "params.safetensors"  # a component's parameters, named by their path joined with "/"
@@ -106,17 +105,6 @@ def load_component(
         return _load_orbax(path, component, abstract, deltas)
     host, pending = read_host(folder, component, flat_abstract)
     return _place_all(host, flat_abstract, deltas, abstract, pending)
-
-
-def prefetch(folder: str | Path, components: Iterable[str]) -> list[Path]:
-    """Start reading the files of `components` of a checkpoint into memory in the background
-    (wan.weights.prefetch): the files started (none for a diffusers folder, or when memory is
-    short)."""
-    folder = Path(folder)
-    if not is_checkpoint(folder):
-        return []
-    names = {kinds.ENCODE_HALVES.get(c, c) for c in components}
-    return prefetch_files.start(folder / name / PARAMS for name in sorted(names))
 
 
 @dataclasses.dataclass

@@ -24,7 +24,6 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 from jax.experimental.pallas.ops.tpu.splash_attention import (
@@ -220,9 +219,8 @@ def splash_attention(
     with `sparse`, its Radial mask as splash's block-sparse mask: blocks it drops whole are
     skipped, blocks it keeps in part are masked inside the kernel.
 
-    Lengths need not be block multiples: queries and keys are zero-padded to their blocks, the
-    mask never keeps a padded key (only the last key blocks are masked) and the padded query
-    rows are sliced off."""
+    Lengths need not be block multiples: queries and keys are zero-padded to their blocks,
+    padded keys never contribute and the padded query rows are sliced off."""
     _check_sparse(sparse, q.shape[1], k.shape[1])
     b, q_len, heads, d = q.shape
     kv_len = k.shape[1]
@@ -233,8 +231,12 @@ def splash_attention(
     q_pad, kv_pad = _round_up(q_len, bq), _round_up(kv_len, bkv)
     # Videos fold into the kernel's heads: a vmap over the batch would batch the kernel's VMEM
     # scratch too (x2 with CFG), over the scoped VMEM its blocks were sized for.
+    # Dense: padded keys get another segment id than every query. Sparse: the stored mask
+    # drops them (its partly kept blocks are masked anyway; ids would be a second mask). On
+    # v5e, a stored mask of the pad keys in place of the ids made the dense call 5% slower:
+    # with any partly kept block, splash applies its stored mask in every block.
     one = (
-        RealKeysMask((q_pad, kv_pad), kv_len)
+        splash_mask.FullMask((q_pad, kv_pad))
         if sparse is None
         else RadialSplashMask(sparse, (q_pad, kv_pad))
     )
@@ -254,36 +256,14 @@ def splash_attention(
         return padded.transpose(0, 2, 1, 3).reshape(b * heads, length, d)
 
     scaled = (q.astype(jnp.float32) * d**-0.5).astype(q.dtype)
-    out = kernel(heads_major(scaled, q_pad), heads_major(k, kv_pad), heads_major(v, kv_pad))
+    segments = None
+    if sparse is None:
+        kv_ids = (jnp.arange(kv_pad) >= kv_len).astype(jnp.int32)
+        segments = splash_kernel.SegmentIds(q=jnp.zeros((q_pad,), jnp.int32), kv=kv_ids)
+    out = kernel(
+        heads_major(scaled, q_pad), heads_major(k, kv_pad), heads_major(v, kv_pad), segments
+    )
     return out.reshape(b, heads, q_pad, d).transpose(0, 2, 1, 3)[:, :q_len].astype(q.dtype)
-
-
-class RealKeysMask(splash_mask.Mask):
-    """Every query attends every key before `kv_len`, none of the padding after it. Splash
-    runs the blocks of real keys unmasked and masks only those holding padding (from a stored
-    block); segment ids would compare ids at every entry of every block (docs/benchmarks.md:
-    the v5e's attention call)."""
-
-    def __init__(self, shape: tuple[int, int], kv_len: int):
-        self._shape, self.kv_len = tuple(shape), kv_len
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self._shape
-
-    def __getitem__(self, idx) -> np.ndarray:
-        q_slice, kv_slice = idx
-        rows = len(range(*q_slice.indices(self.shape[0])))
-        cols = np.arange(*kv_slice.indices(self.shape[1]))
-        return np.broadcast_to(cols < self.kv_len, (rows, len(cols)))
-
-    def __eq__(self, other: object):
-        if not isinstance(other, type(self)):
-            return NotImplemented
-        return (self.shape, self.kv_len) == (other.shape, other.kv_len)
-
-    def __hash__(self):
-        return hash((type(self), self.shape, self.kv_len))
 
 
 @dataclasses.dataclass(frozen=True)

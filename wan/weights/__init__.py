@@ -23,7 +23,6 @@ import ml_dtypes
 import numpy as np
 
 from wan.bounded_read import open_regular
-from wan.weights import prefetch
 from wan.strict_config import WeightError, excerpt
 
 Path_ = tuple[str, ...]
@@ -103,8 +102,7 @@ def unflatten_like(
 
 
 def read_safetensors(path: str | Path) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield (name, array) from one .safetensors file as read-only views of its memory map,
-    or of its bytes when they were prefetched."""
+    """Yield (name, array) from one .safetensors file as read-only memory-mapped views."""
     path = Path(path)
     header, data_start = safetensors_header(path)
     tensors = {name: info for name, info in header.items() if name != "__metadata__"}
@@ -112,12 +110,7 @@ def read_safetensors(path: str | Path) -> Iterator[tuple[str, np.ndarray]]:
         for name, info in tensors.items():
             yield name, np.empty(info["shape"], _SAFETENSORS_DTYPES[info["dtype"]])
         return
-    read = prefetch.take(path)  # the file's bytes when prefetched (wan.weights.prefetch)
-    if read is not None and len(read) == path.stat().st_size:
-        data = read[data_start:]
-        data.flags.writeable = False
-    else:
-        data = np.memmap(path, dtype=np.uint8, mode="r", offset=data_start)
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=data_start)
     for name, info in tensors.items():
         start, end = info["data_offsets"]
         dtype = np.dtype(_SAFETENSORS_DTYPES[info["dtype"]])
