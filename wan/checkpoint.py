@@ -10,7 +10,6 @@ runtime loads weights without model code.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import json
 import os
 import shutil
@@ -105,30 +104,6 @@ def load_component(
         return _load_orbax(path, component, abstract, deltas)
     host, pending = read_host(folder, component, flat_abstract)
     return _place_all(host, flat_abstract, deltas, abstract, pending)
-
-
-@dataclasses.dataclass
-class HostCopy:
-    """A component's parameters in host memory, checked against the shardings of `abstract`,
-    to place again for every request: a transient component's (wan.residency), placed from
-    memory rather than read from the disk each time."""
-
-    arrays: dict[weights.Path_, np.ndarray]
-    abstract: Tree
-
-    @classmethod
-    def read(cls, folder: str | Path, component: str, abstract: Tree) -> HostCopy:
-        host, pending = read_host(folder, component, weights.flatten(abstract))
-        if pending:  # 8-bit layers are the transformers', which stay resident
-            raise weights.WeightError(f"{component}: 8-bit weights are placed once, not again")
-        # A memory map is copied in (its pages would be read from the disk again each time).
-        return cls(
-            {p: np.array(a) if isinstance(a, np.memmap) else a for p, a in host.items()}, abstract
-        )
-
-    def place(self) -> Tree:
-        """The parameters placed in their shardings (the host copy kept)."""
-        return _place_all(dict(self.arrays), weights.flatten(self.abstract), {}, self.abstract, {})
 
 
 def read_host(
