@@ -27,6 +27,7 @@ from runtime.artifact import (
     Manifest,
     ProgramEntry,
     listed_files,
+    program_memory,
     read_manifest,
     read_signed_manifest,
     verify_files,
@@ -157,10 +158,24 @@ def existing_build(out_root: Path, plan: BuildPlan, ledger: CallLedger) -> Manif
             verify_files(folder, manifest)
             ok = {name: p.program_id for name, p in manifest.programs.items()} == {
                 lowered.program.name: pid for lowered, pid in ledger.lowered(plan)
-            }
+            } and manifest.placement == _placement(plan, manifest.programs, ledger)[0]
     except ArtifactError:
         return None
     return manifest if ok else None
+
+
+def _placement(
+    plan: BuildPlan, entries: dict[str, ProgramEntry], ledger: CallLedger
+) -> tuple[dict[str, str], dict[str, int]]:
+    """(where the runtime keeps each component, its bytes per device): the placement that
+    brings the resident peak under the call's policy's budget (wan.residency.plan)."""
+    weights = {
+        c: entries[interface.first_program_taking(c, plan.key.programs)].param_bytes
+        for c in interface.components(plan.config.num_experts, plan.key.programs)
+    }
+    policy = ledger.policy or check.load_policy()
+    budget = policy.memory_rule(plan.key.target).budget(plan.target.hbm_bytes)
+    return residency.plan(plan.key.programs, program_memory(entries), weights, budget), weights
 
 
 def check_out(out_root: Path) -> None:
@@ -227,17 +242,8 @@ def _compile_all(
             f"VAE: neither latent dimension divides vae_spatial={layout.vae_mesh[1]}; width is "
             "sharded unevenly (XLA pads it)"
         )
-    weights = {
-        c: entries[interface.first_program_taking(c, plan.key.programs)].param_bytes
-        for c in interface.components(plan.config.num_experts, plan.key.programs)
-    }
-    memory = {
-        name: residency.ProgramMemory(e.memory["peak"], e.memory["generated_code"])
-        for name, e in entries.items()
-    }
-    policy = ledger.policy or check.load_policy()
-    budget = policy.memory_rule(plan.key.target).budget(plan.target.hbm_bytes)
-    placement = residency.plan(plan.key.programs, memory, weights, budget)
+    placement, weights = _placement(plan, entries, ledger)
+    memory = program_memory(entries)
     peak, at = residency.resident_peak(plan.key.programs, memory, weights, placement)
     manifest = Manifest(
         schema_version=SCHEMA_VERSION,

@@ -8,7 +8,7 @@ from typing import Any
 
 from runtime.artifact import Manifest
 from runtime.loader import read_builds
-from wan import sparse_attention
+from wan import residency, sparse_attention
 from wan.interface import RADIAL_STEP
 
 GiB = float(1 << 30)
@@ -152,11 +152,16 @@ def _sparse_lines(m: Manifest) -> list[str]:
 
 
 def _memory_line(m: Manifest) -> str:
-    """Where the runtime keeps each component's weights, and the peak that makes."""
+    """Where the runtime keeps each component's weights, the peak that makes, and with every
+    component resident (what a runtime without placement would need)."""
     weights = ", ".join(
         f"{c} {b / GiB:.2f} GiB {m.placement[c]}" for c, b in m.weight_bytes.items()
     )
-    return f"memory     resident peak {_peak_text(m)}; weights per device: {weights}"
+    line = f"memory     resident peak {_peak_text(m)}; weights per device: {weights}"
+    if residency.TRANSIENT in m.placement.values():
+        peak, at = m.resident_peak(dict.fromkeys(m.placement, residency.RESIDENT))
+        line += f"; all resident: {peak / GiB:.2f} GiB [{at}]"
+    return line
 
 
 def inspect_text(m: Manifest) -> str:

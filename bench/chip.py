@@ -59,18 +59,24 @@ def run_variant(args: argparse.Namespace, name: str, build: str, flags: list[str
         reports.append(json.loads(report.read_text()))
         print(f"{name} run {index}: {time.time() - started:.1f} s", flush=True)
     program = "radial_step" if "radial_step" in manifest.programs else None
-    bound = manifest.step_lower_bound(program)
-    per_step = [seconds for r in reports for seconds in r["step_seconds"]]
+    row = {"variant": name, "build": build, "flags": flags, "steps": args.steps}
+    return summarize({**row, "step_lower_bound": manifest.step_lower_bound(program)}, reports)
+
+
+def summarize(row: dict, reports: list[dict]) -> dict:
+    """A variant's figures from its runs' reports: s/step over every step, and over the steps
+    that ran whole (a step cache's skipped ones left out) against the lower bound."""
+    skipped = [set(r["cache"]["skipped_steps"]) for r in reports]
+    every = [t for r in reports for t in r["step_seconds"]]
+    whole = [t for r, s in zip(reports, skipped, strict=True)
+             for i, t in enumerate(r["step_seconds"]) if i not in s]  # fmt: skip
+    bound, memory = row["step_lower_bound"], [r["memory"] for r in reports]
     return {
-        "variant": name,
-        "build": build,
-        "flags": flags,
-        "steps": args.steps,
-        "seconds_per_step": record.spread(per_step),
-        "step_lower_bound": bound,
-        "fraction_of_peak": None
-        if bound is None
-        else round(bound / statistics.median(per_step), 3),
+        **row,
+        "seconds_per_step": record.spread(every),
+        "whole_step_seconds": record.spread(whole),
+        "skipped_steps": sum(len(s) for s in skipped) / len(reports),
+        "fraction_of_peak": None if bound is None else round(bound / statistics.median(whole), 3),
         "to_first_step": record.spread(
             [r["seconds_from_process_start_to_first_step"] for r in reports]
         ),
@@ -79,17 +85,11 @@ def run_variant(args: argparse.Namespace, name: str, build: str, flags: list[str
             phase: record.spread([r["phases"][phase] for r in reports])
             for phase in reports[0]["phases"]
         },
-        "device_peak_gib": record.spread(
-            [
-                r["memory"]["device_peak_bytes"] / GiB
-                for r in reports
-                if r["memory"]["device_peak_bytes"]
-            ]
-        )
-        if reports[0]["memory"]["device_peak_bytes"]
-        else None,  # fmt: skip
-        "predicted_peak_gib": round(reports[0]["memory"]["predicted_peak_bytes"] / GiB, 3),
-        "placement": reports[0]["memory"]["placement"],
+        "device_peak_gib": record.spread([m["device_peak_bytes"] / GiB for m in memory])
+        if all(m["device_peak_bytes"] for m in memory)
+        else None,
+        "predicted_peak_gib": round(memory[0]["predicted_peak_bytes"] / GiB, 3),
+        "placement": memory[0]["placement"],
         "compile_count": max(r["compile_count"] for r in reports),
         "reports": reports,
     }
@@ -104,17 +104,19 @@ def _cell(s: dict | None, digits: int = 2) -> str:
 def markdown(rows: list[dict]) -> str:
     """The table docs/benchmarks.md quotes: one row per variant."""
     lines = [
-        "| variant | s/step | lower bound | of peak | to first step s | to video s | device peak GiB | predicted GiB | compiles |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| variant | s/step | skipped steps | lower bound | of peak | to first step s | to video s | device peak GiB | predicted GiB | compiles |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
+    rows = [r if "failed" in r else summarize(r, r["reports"]) for r in rows]
     for r in rows:
         if "failed" in r:
-            lines.append(f"| {r['variant']} | failed: {r['failed'].splitlines()[-1][:80]} |||||||")
+            lines.append(f"| {r['variant']} | failed: {r['failed'].splitlines()[-1][:80]} ||||||||")
             continue
         bound = "-" if r["step_lower_bound"] is None else f"{r['step_lower_bound']:.3f}"
         share = "-" if r["fraction_of_peak"] is None else f"{100 * r['fraction_of_peak']:.0f}%"
         lines.append(
-            f"| {r['variant']} | {_cell(r['seconds_per_step'], 3)} | {bound} | {share} | "
+            f"| {r['variant']} | {_cell(r['seconds_per_step'], 3)} | {r['skipped_steps']:g} | "
+            f"{bound} | {share} | "
             f"{_cell(r['to_first_step'])} | {_cell(r['to_video'])} | "
             f"{_cell(r['device_peak_gib'])} | {r['predicted_peak_gib']:.2f} | {r['compile_count']} |"
         )
@@ -144,10 +146,12 @@ def main() -> None:
         help="a build folder of --artifacts and the `runtime run` options it runs with",
     )
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--markdown", type=Path, help="print the table of a chip.json")
+    parser.add_argument(
+        "--markdown", type=Path, nargs="+", help="print the table of these chip.json files' rows"
+    )
     args = parser.parse_args()
     if args.markdown:
-        print(markdown(json.loads(args.markdown.read_text())["rows"]))
+        print(markdown([r for path in args.markdown for r in json.loads(path.read_text())["rows"]]))
         return
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -157,7 +161,12 @@ def main() -> None:
         rows.append(run_variant(args, name, build, flags))
         (args.out / "chip.json").write_text(
             json.dumps(
-                {"command": shlex.join(sys.argv), "date": time.strftime("%Y-%m-%d"), "rows": rows},
+                {
+                    "command": shlex.join(sys.argv),
+                    "date": time.strftime("%Y-%m-%d"),
+                    "commit": record.commit(),
+                    "rows": rows,
+                },
                 indent=1,
             )  # fmt: skip
         )

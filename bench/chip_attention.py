@@ -139,13 +139,36 @@ def time_variant(name: str, fn: Callable, inputs: tuple[jax.Array, ...], runs: i
     return {"compile_s": round(compile_s, 1), "ms": record.spread(seconds, 2)}
 
 
+def markdown(results: list[dict]) -> str:
+    """One row per variant of the files' runs (later files' rows replace earlier ones')."""
+    rows = {r["variant"]: r for result in results for r in result["rows"]}
+    lines = [
+        "| variant | ms per call | kernel blocks computed | dense-equivalent TFLOP/s |",
+        "|---|---|---|---|",
+    ]
+    for name, r in rows.items():
+        if "ms" not in r:
+            lines.append(f"| {name} | {r.get('error') or r.get('skipped')} | | |")
+            continue
+        ms = r["ms"]
+        lines.append(
+            f"| {name} | {ms['median']:.1f} [{ms['min']:.1f}-{ms['max']:.1f}] | "
+            f"{r['density']:.3f} | {r['dense_tflops']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--markdown", type=Path, nargs="+", help="print the table of these files")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--only", nargs="*", help="variant names (default: all)")
     parser.add_argument("--budget", type=float, default=400, help="seconds; later variants skipped")
     args = parser.parse_args()
+    if args.markdown:
+        print(markdown([json.loads(path.read_text()) for path in args.markdown]))
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     shape = (2, FRAMES * TOKENS_PER_FRAME, HEADS, DIM)
     keys = jax.random.split(jax.random.key(0), 3)
@@ -170,7 +193,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         rows.append(row)
         (args.out / "chip_attention.json").write_text(json.dumps({
-            "command": shlex.join(sys.argv), "date": time.strftime("%Y-%m-%d"),
+            "command": shlex.join(sys.argv), "date": time.strftime("%Y-%m-%d"), "commit": record.commit(),
             "device": jax.devices()[0].device_kind, "shape": shape, "rows": rows,
         }, indent=1))  # fmt: skip
 

@@ -7,7 +7,8 @@ matmuls, quantize/dequantize, layout copies, the rest), with the heaviest ops na
 
 Traces steps 2..--steps (the first runs untraced) and writes DIR/profile_NAME.json (and the
 trace's xplane.pb when it is small enough to keep); then times placing a transient text encoder
-again, what `runtime serve` pays per batch.
+again, what `runtime serve` pays per batch. `--summarize TRACE.xplane.pb` sums a kept trace
+again (its ops by kind), anywhere.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import time
 from pathlib import Path
 
 import jax
+import record  # bench/record.py, beside this script
 
 from runtime.loader import Request
 from runtime.pipeline import Pipeline
@@ -98,17 +100,23 @@ def summarize(xspace: Path, steps: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--artifacts", type=Path, required=True)
-    parser.add_argument("--build", required=True)
-    parser.add_argument("--weights", type=Path, required=True)
+    parser.add_argument("--summarize", type=Path, help="only sum a kept trace's ops (xplane.pb)")
+    parser.add_argument("--traced-steps", type=int, default=2, help="the steps that trace holds")
+    parser.add_argument("--artifacts", type=Path)
+    parser.add_argument("--build")
+    parser.add_argument("--weights", type=Path)
     parser.add_argument("--res", default="832x480")
     parser.add_argument("--frames", type=int, default=81)
     parser.add_argument("--guidance", type=float, default=5.0)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--name", required=True)
+    parser.add_argument("--name")
     parser.add_argument("--encoder-placements", type=int, default=3)
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    if args.summarize:
+        summary = summarize(args.summarize, args.traced_steps)
+        print(json.dumps({k: summary[k] for k in ("ms_per_step_by_kind", "device_ms_per_step")}))
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     width, height = map(int, args.res.split("x"))
     config = ModelConfig.from_folder(args.weights)
@@ -141,7 +149,7 @@ def main() -> None:
         shutil.copy(xspace, args.out / f"profile_{args.name}.xplane.pb")
     summary = summarize(xspace, traced)
     summary.update(
-        command=shlex.join(sys.argv), date=time.strftime("%Y-%m-%d"), build=args.build,
+        command=shlex.join(sys.argv), date=time.strftime("%Y-%m-%d"), build=args.build, commit=record.commit(),
         config=config.transformer.kind, traced_steps=traced,
         wall_ms_per_step=round(1000 * (marks[args.steps] - marks[1]) / traced, 1),
         text_encoder_placement_s=placements, phases=report.phases,

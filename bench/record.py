@@ -37,6 +37,30 @@ def spread(values: Sequence[float], digits: int = 3) -> dict:
     }
 
 
+def commit() -> str | None:
+    """The repository's commit the benchmark ran at (with "+changes" when the tree differs), or
+    None outside a git checkout (a copy of the tree on a device host keeps its .git)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+changes" if dirty else "")
+
+
 def host_load() -> float:
     """The host's 1-minute load average: what else the cores were doing."""
     return round(os.getloadavg()[0], 2)

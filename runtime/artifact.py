@@ -268,6 +268,14 @@ _PROGRAM_FIELDS: dict[str, Check] = {
 }
 
 
+def program_memory(programs: Mapping[str, ProgramEntry]) -> dict[str, residency.ProgramMemory]:
+    """What wan.residency reads of each program: its own peak and its code, per device."""
+    return {
+        name: residency.ProgramMemory(p.memory["peak"], p.memory["generated_code"])
+        for name, p in programs.items()
+    }
+
+
 def _programs(value: Any, where: str) -> dict[str, ProgramEntry]:
     """Programs this runtime knows (wan.interface.SIGNATURES), each entry named as its key;
     which ones a build must hold is its pipeline's (`_check_pipeline`)."""
@@ -331,12 +339,10 @@ class Manifest:
     def resident_peak(self, placement: Mapping[str, str] | None = None) -> tuple[int, str]:
         """(bytes per device, at which program) with the weights placed as `placement` says
         (default: as the build chose)."""
-        memory = {
-            name: residency.ProgramMemory(p.memory["peak"], p.memory["generated_code"])
-            for name, p in self.programs.items()
-        }
         chosen = self.placement if placement is None else placement
-        return residency.resident_peak(self.key.programs, memory, self.weight_bytes, chosen)
+        return residency.resident_peak(
+            self.key.programs, program_memory(self.programs), self.weight_bytes, chosen
+        )
 
     def parameter_shapes(self, program: str) -> dict[tuple[str, ...], tuple[int, ...]]:
         """Shapes of a program's parameters (its `params` input) by path in the tree."""

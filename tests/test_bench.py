@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import SMALL, run_cli, save_tiny_i2v_pipeline, with_its_store
+from conftest import SMALL, TINY_SHAPE, run_cli, save_tiny_i2v_pipeline, with_its_store
 
 ROOT = Path(__file__).resolve().parents[1]
 # The smallest video of the tiny model: a 2x2 latent (one token after the 2x2 patch), one frame.
@@ -349,3 +349,48 @@ def test_vae_mesh(tmp_path, tpu):
           "--meshes", "N,1", "--out", out)  # fmt: skip
     (row,) = rows(out)
     assert row["vae_mesh"] == [8, 1] and row["batch"] == 8 and row["compile_seconds"] > 0
+
+
+def test_chip(tmp_path, tiny_build, tiny_weights):
+    """The device loop, on the devices of this host: each variant's runs, s/step over every
+    step, the phases, the prediction beside what the device reports, the table from the file."""
+    res, frames = TINY_SHAPE[1], TINY_SHAPE[3]
+    bench("chip.py", "--artifacts", tiny_build.parent, "--weights", tiny_weights, "--res", res,
+          "--frames", frames, "--steps", "2", "--runs", "2", "--variant", f"plain={tiny_build.name}",
+          "--variant", f"freed={tiny_build.name} --placement text_encoder=transient",
+          "--out", tmp_path)  # fmt: skip
+    plain, freed = json.loads((tmp_path / "chip.json").read_text())["rows"]
+    assert plain["seconds_per_step"]["runs"] == 4 and plain["compile_count"] == 0
+    assert set(plain["phases"]) >= {"imports", "devices", "deserialize", "weights", "denoise"}
+    assert plain["placement"]["text_encoder"] == "resident"
+    assert freed["placement"]["text_encoder"] == "transient"
+    assert freed["predicted_peak_gib"] <= plain["predicted_peak_gib"]
+    assert plain["device_peak_gib"] is None  # a CPU reports no memory
+    table = bench("chip.py", "--markdown", tmp_path / "chip.json").stdout
+    assert "| plain | " in table and "| freed | " in table
+
+
+def test_chip_profile(tmp_path, tiny_build, tiny_weights):
+    """The profile's run on this host: its trace written, the step timed, the phases and the
+    memory outcome recorded (a CPU trace has no device plane to sum)."""
+    bench("chip_profile.py", "--artifacts", tiny_build.parent, "--build", tiny_build.name,
+          "--weights", tiny_weights, "--res", TINY_SHAPE[1], "--frames", TINY_SHAPE[3],
+          "--name", "tiny", "--out", tmp_path)  # fmt: skip
+    summary = json.loads((tmp_path / "profile_tiny.json").read_text())
+    assert summary["traced_steps"] == 2 and summary["wall_ms_per_step"] > 0
+    assert summary["plane"] is None and summary["memory"]["placement"]["transformer"] == "resident"
+
+
+def test_chip_attention_variants():
+    """The kernel variants the chip times (TPU only: here they are made, not run), the dense
+    default first and the Radial densities the build's arithmetic gives."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import chip_attention
+
+    from wan.models.radial_mask import RadialSpec, density
+
+    made = chip_attention.variants()
+    assert next(iter(made)) == "dense 2048/1024/512"
+    spec = RadialSpec(chip_attention.FRAMES, chip_attention.TOKENS_PER_FRAME, block=1024)
+    assert made["radial1024 1024/1024/1024"][1] == density(spec, 1024, 1024)
+    assert made["dense 2048/1024/512 segment ids"][0] is chip_attention.with_segment_ids

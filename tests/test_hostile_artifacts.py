@@ -319,7 +319,9 @@ LIES = {
     "a tree with another leaf count": (("in_tree",), {"tuple": [{"tuple": [0, 0]}, {"dict": []}]}),
     "a tree of another type": (("out_tree",), {"set": [0]}),
     "an unknown field": (("extra",), 1),
-    "another format": (("format",), 2),
+    "another format": (("format",), 3),
+    "more code than stored": (("xla_bytes",), 10**9),
+    "less code than stored": (("xla_bytes",), 1),
     "a rank over the bound": (("inputs", 0, "shape"), [1] * 17),
 }  # fmt: skip
 
@@ -354,6 +356,43 @@ def test_a_damaged_header_is_refused(handoff, damage):
     }[damage]
     with pytest.raises(ArtifactError):
         executables.read_header(blob)
+
+
+def test_an_older_uncompressed_executable_says_rebuild(handoff):
+    raw = {**header_of(handoff), "format": 1}
+    del raw["xla_bytes"]
+    with pytest.raises(ArtifactError, match="uncompressed format of older builds.*--force"):
+        load_executable(with_header_json(handoff, raw), jax.devices()[:8])
+
+
+def test_a_decompression_bomb_is_refused_before_it_is_expanded(handoff):
+    """A frame that claims (and holds) 512 MiB behind a header declaring the real size: one
+    line, and the process never holds them (zstd's own content size is not trusted)."""
+    import resource
+
+    import zstandard
+
+    header, _ = executables.read_header(handoff)
+    size = 512 << 20
+    writer = zstandard.ZstdCompressor().compressobj(size=size)
+    bomb = b"".join(writer.compress(bytes(1 << 20)) for _ in range(512)) + writer.flush()
+    assert zstandard.frame_content_size(bomb) == size and len(bomb) < 1 << 20
+    blob = handoff[: len(handoff) - len(executables.read_header(handoff)[1])] + bomb
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(ArtifactError, match="header says") as refused:
+        load_executable(blob, jax.devices()[:8])
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before  # KiB
+    assert "\n" not in str(refused.value) and grown < (128 << 10)
+    assert header.xla_bytes < size
+
+
+def test_stored_executables_are_compressed(tiny_build):
+    """Each executable file holds XLA's bytes as one zstd frame: the file is smaller than what
+    its header declares, and the whole build loads (the other tests)."""
+    for path in tiny_build.glob("*.exec"):
+        header, stored = executables.read_header(path.read_bytes())
+        assert len(stored) < header.xla_bytes, path.name
+        assert len(executables.decompressed(header, stored)) == header.xla_bytes
 
 
 @settings(

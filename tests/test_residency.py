@@ -1,0 +1,179 @@
+"""Which weights stay on the devices (wan.residency): the arithmetic of the resident peak, the
+plan a build makes under its budget, what the manifest records and `aot check` holds to the
+budget, and the runtime placing a transient component for its program and deleting it after.
+
+On the development TPU v5e the 1.3B 480p build's predicted 13.57 GiB met the device's reported
+peak of 13.53 GiB (docs/benchmarks.md, "On a TPU v5e chip"); a CPU reports no memory, so here
+the per-device bytes the runtime actually holds are summed from its arrays' shards."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from conftest import TINY_SHAPE, run_cli, with_its_store
+
+from runtime.artifact import read_manifest
+from runtime.pipeline import Pipeline
+from wan import interface
+from wan.configs import ModelConfig
+from wan.residency import RESIDENT, TRANSIENT, ProgramMemory, parse_override, plan, resident_peak
+
+T2V = interface.PIPELINES["t2v"]
+MEMORY = {  # per device, made up: the text encoder's program is the largest
+    "text_encode": ProgramMemory(peak=110, code=1),
+    "kv_cache": ProgramMemory(peak=25, code=1),
+    "denoise_step": ProgramMemory(peak=50, code=2),
+    "latents_handoff": ProgramMemory(peak=1, code=0),
+    "vae_decode": ProgramMemory(peak=60, code=3),
+}
+WEIGHTS = {"text_encoder": 100, "transformer": 20, "vae": 5}
+
+
+def test_the_resident_peak_is_a_programs_peak_and_the_weights_it_does_not_take():
+    code = 7
+    every = resident_peak(T2V, MEMORY, WEIGHTS, {})  # all resident
+    # The decode: its 60 (its 5 of VAE among them) and the encoder's 100 and the transformer's 20.
+    assert every == (60 + 100 + 20 + code, "vae_decode")
+    freed = resident_peak(T2V, MEMORY, WEIGHTS, {"text_encoder": TRANSIENT})
+    assert freed == (110 + 20 + 5 + code, "text_encode")  # the encoder only in its own program
+    both = resident_peak(T2V, MEMORY, WEIGHTS, {"text_encoder": TRANSIENT, "vae": TRANSIENT})
+    assert both == (110 + 20 + code, "text_encode")
+
+
+def test_two_experts_each_step_keeps_the_other():
+    weights = {**WEIGHTS, "transformer_2": 20}
+    peak, at = resident_peak(T2V, MEMORY, weights, {"text_encoder": TRANSIENT})
+    # The step (50, one expert's 20 in it) with the other expert, the VAE: 75 < the encode's.
+    assert (peak, at) == (110 + 20 + 20 + 5 + 7, "text_encode")
+    heavy = {**MEMORY, "denoise_step": ProgramMemory(peak=200, code=2)}
+    assert resident_peak(T2V, heavy, weights, {"text_encoder": TRANSIENT}) == (
+        200 + 20 + 5 + 7,
+        "denoise_step",
+    )
+
+
+def test_the_plan_frees_the_largest_encoders_first_and_only_what_the_budget_needs():
+    assert plan(T2V, MEMORY, WEIGHTS, None) == dict.fromkeys(WEIGHTS, RESIDENT)
+    assert plan(T2V, MEMORY, WEIGHTS, 10_000) == dict.fromkeys(WEIGHTS, RESIDENT)
+    assert plan(T2V, MEMORY, WEIGHTS, 150) == {
+        "text_encoder": TRANSIENT, "transformer": RESIDENT, "vae": RESIDENT
+    }  # fmt: skip
+    # Under every plan's peak: everything movable transient, the transformer never.
+    assert plan(T2V, MEMORY, WEIGHTS, 10) == {
+        "text_encoder": TRANSIENT, "transformer": RESIDENT, "vae": TRANSIENT
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "text, says",
+    [("text_encoder", "COMPONENT=PLACEMENT"), ("text_encoder=away", "resident, transient"),
+     ("transformer=transient", "cannot be transient"), ("=transient", "nothing cannot")],
+)  # fmt: skip
+def test_placement_overrides_are_checked(text, says):
+    with pytest.raises(ValueError, match=says) as refused:
+        parse_override(text)
+    assert "\n" not in str(refused.value)
+    assert parse_override("vae=transient") == ("vae", TRANSIENT)
+
+
+def _shard_bytes(tree, device) -> int:
+    """Bytes of `tree`'s arrays held on `device`."""
+    return sum(
+        s.data.nbytes for a in jax.tree.leaves(tree) for s in a.addressable_shards
+        if s.device == device
+    )  # fmt: skip
+
+
+def test_the_manifest_records_each_components_bytes_per_device(tiny_build, tiny_weights):
+    """weight_bytes is what a device holds of each component once placed, and the recorded
+    resident peak is the arithmetic over the recorded programs."""
+    manifest = read_manifest(tiny_build)
+    assert manifest.placement == dict.fromkeys(manifest.weight_bytes, RESIDENT)  # cpu: no budget
+    assert (manifest.resident_peak_bytes, manifest.resident_peak_program) == (
+        manifest.resident_peak()
+    )
+    config = ModelConfig.from_folder(tiny_weights)
+    pipe = Pipeline.from_build(tiny_build, manifest, tiny_weights, config)
+    device = jax.devices()[manifest.device_ids[0]]
+    for component, recorded in manifest.weight_bytes.items():
+        assert _shard_bytes(pipe.params[component], device) == recorded, component
+
+
+def test_a_transient_encoder_lives_for_its_program_only(tiny_build, tiny_weights):
+    """Placed beside the others at load (prefetch), deleted once the prompt is encoded, placed
+    again for the next generation, and the frames are those of a resident encoder's."""
+    manifest = read_manifest(tiny_build)
+    config = ModelConfig.from_folder(tiny_weights)
+    transient = Pipeline.from_build(
+        tiny_build, manifest, tiny_weights, config, placement={"text_encoder": TRANSIENT},
+        prefetch=True,
+    )  # fmt: skip
+    first = transient.params["text_encoder"]
+    live_during_steps = []
+
+    def on_step(done: int, total: int) -> None:
+        live_during_steps.append("text_encoder" in transient.params)
+
+    frames, report = transient.generate("a red cat", steps=2, seed=3, on_step=on_step)
+    assert live_during_steps == [False, False]
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves(first))
+    assert report.memory.placement["text_encoder"] == TRANSIENT
+    assert (
+        report.memory.predicted_peak_bytes
+        == manifest.resident_peak({**manifest.placement, "text_encoder": TRANSIENT})[0]
+    )
+    again, _ = transient.generate("a red cat", steps=2, seed=3)
+    resident = Pipeline.from_build(tiny_build, manifest, tiny_weights, config)
+    want, _ = resident.generate("a red cat", steps=2, seed=3)
+    np.testing.assert_array_equal(frames, want)
+    np.testing.assert_array_equal(again, want)
+
+
+def test_a_budget_decides_the_placement_and_check_holds_the_resident_peak(tiny_build, tmp_path):
+    """Built with a budget under the all-resident peak, the text encoder becomes transient and
+    the build passes; checked against a budget under even that, `aot check` names the peak,
+    where it is reached and what to change."""
+    manifest = read_manifest(tiny_build)
+    every = manifest.resident_peak()[0]
+    freed = manifest.resident_peak({**manifest.placement, "text_encoder": TRANSIENT})[0]
+    assert freed < every
+    out = tmp_path / "artifacts"
+    with_its_store(tiny_build, out)  # its programs reused: only the manifest changes
+    policy = tmp_path / "budget.toml"
+    policy.write_text(f'[targets."*"]\nbudget_bytes = {(freed + every) // 2}\n')
+    run_cli("aot", "build", "--model", "tiny", *TINY_SHAPE, "--target", "cpu-8",
+            "--policy", str(policy), "--out", str(out))  # fmt: skip
+    rebuilt = read_manifest(out / tiny_build.name)
+    assert rebuilt.placement["text_encoder"] == TRANSIENT
+    assert rebuilt.resident_peak_bytes == freed
+    assert run_cli("aot", "check", "--policy", str(policy), str(out)).returncode == 0
+
+    policy.write_text(f'[targets."*"]\nbudget_bytes = {freed - 1}\n')
+    result = run_cli("aot", "check", "--policy", str(policy), "--json", str(out), check=False)
+    assert result.returncode == 1
+    (violation,) = json.loads(result.stdout)["violations"]
+    assert violation["rule"] == "memory" and violation["actual"] == freed
+    assert "resident peak" in violation["message"] and "--quant w8a8-int8" in violation["message"]
+    build = json.loads(result.stdout)["builds"][0]
+    assert build["resident_peak_bytes"] == freed and build["placement"]["text_encoder"] == TRANSIENT
+
+
+def test_runtime_run_takes_a_placement_and_reports_it(tiny_build, tiny_weights, tmp_path):
+    report = tmp_path / "r.json"
+    run_cli("runtime", "run", "--artifacts", str(tiny_build.parent), "--weights",
+            str(tiny_weights), *TINY_SHAPE, "--prompt", "a cat", "--steps", "1", "--out",
+            str(tmp_path / "v.mp4"), "--report", str(report), "--placement",
+            "text_encoder=transient")  # fmt: skip
+    memory = json.loads(report.read_text())["memory"]
+    assert memory["placement"]["text_encoder"] == TRANSIENT
+    assert memory["device_peak_bytes"] is None  # a CPU reports none
+    refused = run_cli("runtime", "run", "--artifacts", str(tiny_build.parent), "--weights",
+                      str(tiny_weights), *TINY_SHAPE, "--prompt", "a cat", "--out",
+                      str(tmp_path / "w.mp4"), "--placement", "transformer=transient",
+                      check=False)  # fmt: skip
+    assert refused.returncode == 2 and "cannot be transient" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "w.mp4").exists()
