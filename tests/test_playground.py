@@ -5,8 +5,9 @@ headless, driven by Playwright against a real `runtime serve` of the tiny TI2V m
 refused in the server's words; a prompt becomes a video whose steps the page follows and whose
 <video> plays at the build's size and length; an image shows the crop the server applies and
 becomes a video, a portrait one is refused; the gallery pages and deletes. Each state's
-screenshot goes to docs/playground/. The control: against a server whose page script
-is removed, the same checks fail.
+screenshot goes to $WAN_SCREENSHOTS when it is set (`WAN_SCREENSHOTS=docs/playground` remakes
+the README's; else a scratch folder, so that a run leaves the tree as it was). The control:
+against a server whose page script is removed, the same checks fail.
 
 Needs /usr/bin/chromium (`make test` installs Debian's package where it is missing)."""
 
@@ -19,6 +20,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -42,7 +44,7 @@ WIDTH, HEIGHT, FRAMES, FPS = 64, 32, 9, 24  # the tiny TI2V builds: 9 frames at 
 SHAPE = ["--res", f"{WIDTH}x{HEIGHT}", "--frames", str(FRAMES), "--batch", "1"]
 KEY = "playground-key-0123456789abcdef"
 STEPS = 1000  # the most a request may ask: the page sees steps in progress (ms each here)
-SHOTS = Path(__file__).resolve().parents[1] / "docs" / "playground"
+SHOTS = Path(os.environ.get("WAN_SCREENSHOTS") or tempfile.mkdtemp(prefix="playground-"))
 WAIT_MS = 120_000
 
 
@@ -106,7 +108,7 @@ def page(browser, served, script_errors):
 
 
 def shot(page: Page, name: str) -> None:
-    """The whole page as docs/playground/NAME.png, in 64 colours (a few tens of KiB)."""
+    """The whole page as SHOTS/NAME.png, in 64 colours (a few tens of KiB)."""
     SHOTS.mkdir(parents=True, exist_ok=True)
     picture = Image.open(io.BytesIO(page.screenshot(full_page=True))).convert("RGB")
     picture.quantize(64).save(SHOTS / f"{name}.png", optimize=True)
