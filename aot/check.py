@@ -27,10 +27,10 @@ devices meanwhile, wan.residency); targets without a known HBM
 ragged-all-to-all, all-gather, all-reduce, reduce-scatter, collective-permute,
 collective-broadcast.
 
-JSON output (`aot check --json`), schema version 1:
+JSON output (`aot check --json`), schema version 2:
 
     {
-      "schema_version": 1,
+      "schema_version": 2,
       "policy": str,                  # the policy file, or "default"
       "ok": bool,                     # true iff "violations" is empty
       "builds": [{
@@ -97,7 +97,7 @@ from wan.bounded_read import read_text
 from wan.errors import InputError
 from wan.interface import SIGNATURES
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: each build's resident peak and placement
 KINDS = frozenset(hlo.COLLECTIVES.values())
 GiB = float(1 << 30)
 MAX_POLICY_BYTES = 1 << 20  # the default policy is 1 KB

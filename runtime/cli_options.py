@@ -63,7 +63,7 @@ def _placements(
     try:
         return dict(residency.parse_override(v) for v in values)
     except ValueError as e:
-        raise click.BadParameter(str(e).removeprefix(f"{param.opts[0]} ")) from None
+        raise CliError(str(e)) from None
 
 
 PLACEMENT = click.option(

@@ -220,7 +220,7 @@ def test_radial_attention(tmp_path, tpu):
     builds = tmp_path / "radial_builds.json"
     bench("memory_table.py", "--models", "tiny", "--targets", TPU, "--batches", "2",
           "--res", "192x320", "--frames", "17", "--attentions", "splash:128:128:128",
-          "--sparse-attentions", "radial:0.2:12:1:16", "--attention-quants", "none", "int8",
+          "--sparse-attentions", "radial:0.2:12:1:128", "--attention-quants", "none", "int8",
           "--programs", "denoise_step", "radial_step", "--out", builds)  # fmt: skip
     out = tmp_path / "radial_attention.json"
     bench("radial_attention.py", "--model", "tiny", "--targets", TPU, "--frames", "17",

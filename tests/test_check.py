@@ -154,7 +154,7 @@ INSTRUCTION = {
 }  # fmt: skip
 SUMMARY = {"count": int, "bytes": int, "static_count": int, "static_bytes": int}
 SCHEMA = {
-    "schema_version": (1,),
+    "schema_version": (2,),
     "policy": str,
     "ok": bool,
     "builds": [
@@ -164,6 +164,9 @@ SCHEMA = {
             "target": str,
             "hbm_bytes": (int, None),
             "memory_budget_bytes": (int, None),
+            "resident_peak_bytes": int,
+            "resident_peak_program": (str, None),
+            "placement": (Map(("resident", "transient")), None),
             "ok": bool,
             "programs": Map({"peak_bytes": int, "collectives": Map(SUMMARY)}),
         }  # fmt: skip

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from conftest import TINY_SHAPE, run_cli, with_its_store
 
-from runtime.artifact import read_manifest
+from runtime.artifact import program_memory, read_manifest
 from runtime.pipeline import Pipeline
 from wan import interface
 from wan.configs import ModelConfig
@@ -55,15 +55,21 @@ def test_two_experts_each_step_keeps_the_other():
     )
 
 
-def test_the_plan_frees_the_largest_encoders_first_and_only_what_the_budget_needs():
+def test_the_plan_frees_what_lowers_the_peak_most_and_only_what_the_budget_needs():
     assert plan(T2V, MEMORY, WEIGHTS, None) == dict.fromkeys(WEIGHTS, RESIDENT)
     assert plan(T2V, MEMORY, WEIGHTS, 10_000) == dict.fromkeys(WEIGHTS, RESIDENT)
     assert plan(T2V, MEMORY, WEIGHTS, 150) == {
         "text_encoder": TRANSIENT, "transformer": RESIDENT, "vae": RESIDENT
     }  # fmt: skip
-    # Under every plan's peak: everything movable transient, the transformer never.
+    # Under every plan's peak: everything movable that lowers it transient, the transformer
+    # never.
     assert plan(T2V, MEMORY, WEIGHTS, 10) == {
         "text_encoder": TRANSIENT, "transformer": RESIDENT, "vae": TRANSIENT
+    }  # fmt: skip
+    # A component whose program is the peak gains nothing transient: the other is chosen.
+    encoder_bound = {**MEMORY, "text_encode": ProgramMemory(peak=300, code=1)}
+    assert plan(T2V, encoder_bound, WEIGHTS, 320) == {
+        "text_encoder": RESIDENT, "transformer": RESIDENT, "vae": TRANSIENT
     }  # fmt: skip
 
 
@@ -133,22 +139,24 @@ def test_a_transient_encoder_lives_for_its_program_only(tiny_build, tiny_weights
 
 
 def test_a_budget_decides_the_placement_and_check_holds_the_resident_peak(tiny_build, tmp_path):
-    """Built with a budget under the all-resident peak, the text encoder becomes transient and
-    the build passes; checked against a budget under even that, `aot check` names the peak,
-    where it is reached and what to change."""
+    """Built with a budget under the all-resident peak, the build makes transient what the
+    plan says (the tiny model's peak is its text encoder's program: the VAE is what frees
+    memory there) and passes; checked against a budget under even that, `aot check` names the
+    peak, where it is reached and what to change."""
     manifest = read_manifest(tiny_build)
     every = manifest.resident_peak()[0]
-    freed = manifest.resident_peak({**manifest.placement, "text_encoder": TRANSIENT})[0]
-    assert freed < every
+    memory, order = program_memory(manifest.programs), manifest.key.programs
+    chosen = plan(order, memory, manifest.weight_bytes, every - 1)
+    freed = resident_peak(order, memory, manifest.weight_bytes, chosen)[0]
+    assert freed < every and TRANSIENT in chosen.values()
     out = tmp_path / "artifacts"
     with_its_store(tiny_build, out)  # its programs reused: only the manifest changes
     policy = tmp_path / "budget.toml"
-    policy.write_text(f'[targets."*"]\nbudget_bytes = {(freed + every) // 2}\n')
+    policy.write_text(f'[targets."*"]\nbudget_bytes = {every - 1}\n')
     run_cli("aot", "build", "--model", "tiny", *TINY_SHAPE, "--target", "cpu-8",
             "--policy", str(policy), "--out", str(out))  # fmt: skip
     rebuilt = read_manifest(out / tiny_build.name)
-    assert rebuilt.placement["text_encoder"] == TRANSIENT
-    assert rebuilt.resident_peak_bytes == freed
+    assert rebuilt.placement == chosen and rebuilt.resident_peak_bytes == freed
     assert run_cli("aot", "check", "--policy", str(policy), str(out)).returncode == 0
 
     policy.write_text(f'[targets."*"]\nbudget_bytes = {freed - 1}\n')
@@ -158,7 +166,7 @@ def test_a_budget_decides_the_placement_and_check_holds_the_resident_peak(tiny_b
     assert violation["rule"] == "memory" and violation["actual"] == freed
     assert "resident peak" in violation["message"] and "--quant w8a8-int8" in violation["message"]
     build = json.loads(result.stdout)["builds"][0]
-    assert build["resident_peak_bytes"] == freed and build["placement"]["text_encoder"] == TRANSIENT
+    assert build["resident_peak_bytes"] == freed and build["placement"] == chosen
 
 
 def test_runtime_run_takes_a_placement_and_reports_it(tiny_build, tiny_weights, tmp_path):

@@ -44,8 +44,8 @@ def test_run_compiles_nothing_and_equals_plain_jit(tiny_build, tiny_weights, tmp
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["compile_count"] == 0 and "0 compilations" in result.stdout
     phases = report["phases"]
-    assert list(phases) == ["imports", "deserialize", "weights", "text_encode", "kv_cache",
-                            "denoise", "vae_decode", "write"]  # fmt: skip
+    assert list(phases) == ["imports", "devices", "deserialize", "weights", "text_encode",
+                            "kv_cache", "denoise", "vae_decode", "write"]  # fmt: skip
     to_step = report["seconds_from_process_start_to_first_step"]
     assert to_step > phases["imports"] + phases["weights"] + phases["text_encode"]
     assert report["seconds_from_process_start_to_video"] > to_step + phases["vae_decode"]

@@ -6,9 +6,9 @@ of a 1.3B build on one 16 GB chip, 10.6 GiB used once per prompt). The resident 
 build is, per device, the largest over its programs of that program's own peak (its arguments,
 the weights it takes among them, outputs and temporaries) plus the resident weights it does not
 take, plus every loaded program's code. `aot build` records the placement and that peak in the
-manifest (`plan` picks the fewest transient components that bring the peak under the budget),
-`aot check` holds the peak to the budget, and the runtime places and deletes weights as the
-placement says (`runtime run --placement` overrides it).
+manifest (`plan` makes transient, one at a time, the component that lowers the peak most, until
+it is under the budget), `aot check` holds the peak to the budget, and the runtime places and
+deletes weights as the placement says (`runtime run --placement` overrides it).
 
 Not counted: what a request holds between programs besides the weights (the prompt's keys and
 values during the decode are freed first; a continuous server's other slots, a few MB a video).
@@ -70,13 +70,24 @@ def plan(
     weights: Mapping[str, int],
     budget: int | None,
 ) -> dict[str, str]:
-    """Every component resident, but for the largest movable ones, made transient one by one
-    while the resident peak is over `budget` (None: no budget, all resident)."""
+    """Every component resident while the resident peak is over `budget` (None: no budget),
+    then, one at a time, the movable component whose transience lowers the peak most (of
+    equal gains the largest) made transient, until it fits or no move lowers it."""
     placement = dict.fromkeys(weights, RESIDENT)
-    movable = sorted((c for c in weights if c in MOVABLE), key=lambda c: -weights[c])
-    for component in movable:
-        if budget is None or resident_peak(programs, memory, weights, placement)[0] <= budget:
+    peak = resident_peak(programs, memory, weights, placement)[0]
+    while budget is not None and peak > budget:
+        options = [
+            (
+                resident_peak(programs, memory, weights, {**placement, c: TRANSIENT})[0],
+                -weights[c],
+                c,
+            )
+            for c in MOVABLE
+            if placement.get(c) == RESIDENT
+        ]
+        if not options or min(options)[0] >= peak:
             break
+        peak, _, component = min(options)
         placement[component] = TRANSIENT
     return placement
 
