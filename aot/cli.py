@@ -15,9 +15,10 @@ from pathlib import Path
 
 import click
 
-from aot import gpu, targets
-from runtime.build_options import OPTIONS
-from runtime.cli_args import TRUSTED_KEY, CliError, OneLineErrors, os_error_text, parse_resolution
+from aot import targets
+from aot.targets import gpu
+from runtime.builds.build_options import OPTIONS
+from runtime.cli.args import TRUSTED_KEY, CliError, OneLineErrors, os_error_text, parse_resolution
 
 POLICY_OPTION = click.option(
     "--policy",
@@ -66,7 +67,7 @@ _MATRIX = [
 ]
 
 
-# The build options, made from their one declaration (runtime.build_options).
+# The build options, made from their one declaration (runtime.builds.build_options).
 _BUILD_OPTIONS = [
     click.option(
         option.flag,
@@ -117,10 +118,11 @@ def _matrix_options(command: Callable) -> Callable:
 )
 def build_cmd(out, force, strict, policy_path, as_json, jobs, sign_key, **matrix) -> None:
     """Compile the program matrix (--res x --frames x --batch) for one target."""
-    from aot import build as builder
-    from aot import check, report, store
-    from aot.jobs import check_jobs, compile_distinct, default_jobs
-    from runtime import signing
+    from aot.building import build as builder
+    from aot.building import store
+    from aot.building.jobs import check_jobs, compile_distinct, default_jobs
+    from aot.reports import check, report
+    from runtime.trust import signing
 
     builder.check_out(out)
     plans = _plans(**matrix)
@@ -176,9 +178,9 @@ def build_cmd(out, force, strict, policy_path, as_json, jobs, sign_key, **matrix
 
 def _plans(model, resolutions, frames_list, batches, target, no_cfg, **options) -> list:
     """The BuildPlans of a matrix, in --res, --frames, --batch order; bad input is a CliError."""
-    from aot import plan as planner
-    from aot.local_job import local_job
-    from runtime.processes import JobError
+    from aot.building import plan as planner
+    from aot.building.local_job import local_job
+    from runtime.builds.processes import JobError
     from wan.configs import VideoShape
     from wan.presets import resolve_model
 
@@ -218,7 +220,7 @@ def plan_cmd(out, as_json, **matrix) -> None:
     """The builds of a matrix, each with the `aot build` command that makes just it: run them
     on separate workers (a CI matrix, Kubernetes or Ray jobs) and copy the folders into one
     artifacts folder. Compiles nothing."""
-    from aot import report
+    from aot.reports import report
 
     entries = [_plan_entry(plan, matrix["model"], out) for plan in _plans(**matrix)]
     if as_json:
@@ -241,7 +243,7 @@ def _plan_entry(plan, model: str, out: Path) -> dict:
 @click.argument("folder", type=click.Path(path_type=Path), default=Path("artifacts"))
 def list_cmd(folder: Path) -> None:
     """A table of the builds in FOLDER."""
-    from aot import report
+    from aot.reports import report
 
     if not folder.is_dir():
         raise CliError(f"{folder} is not a folder of builds (make one with `aot build`)")
@@ -255,7 +257,7 @@ def gc_cmd(folder: Path, dry_run: bool) -> None:
     """Remove the stored programs (FOLDER/.programs) that no build in FOLDER references, and
     the temporary folders of killed builds. Only what `aot build` writes is ever removed; it
     waits for the builds in progress."""
-    from aot import store
+    from aot.building import store
     from wan.atomic import remove_owned
 
     if not folder.is_dir():
@@ -285,8 +287,8 @@ def gc_cmd(folder: Path, dry_run: bool) -> None:
 def _manifests(folder: Path) -> list:
     """The manifests of the builds in `folder`; a build whose manifest does not read is
     skipped with a line saying why (its files stay whole: they are its own hard links)."""
-    from runtime.artifact import Manifest
-    from runtime.loader import read_builds
+    from runtime.builds.artifact import Manifest
+    from runtime.builds.loader import read_builds
 
     manifests = []
     for path, found in read_builds(folder):
@@ -302,8 +304,8 @@ def _manifests(folder: Path) -> list:
 @click.option("--json", "as_json", is_flag=True)
 def inspect_cmd(build_dir: Path, as_json: bool) -> None:
     """The full report of one build."""
-    from aot import report
-    from runtime.artifact import ArtifactError, read_manifest
+    from aot.reports import report
+    from runtime.builds.artifact import ArtifactError, read_manifest
 
     try:
         manifest = read_manifest(build_dir)
@@ -329,8 +331,8 @@ def check_cmd(
     with --trusted-key, that each is signed by a trusted key).
 
     Exit 0 when every build passes, 1 on any violation, 2 on bad input."""
-    from aot import check
-    from runtime import signing
+    from aot.reports import check
+    from runtime.trust import signing
 
     try:
         policy = check.load_policy(policy_path)
@@ -351,7 +353,7 @@ def check_cmd(
 def keygen_cmd(out: Path) -> None:
     """Make an Ed25519 key pair for signing builds: the private key at --out (mode 0600, for
     `aot build --sign-key`) and its public key at --out.pub (for --trusted-key)."""
-    from runtime import signing
+    from runtime.trust import signing
 
     private, public = signing.generate(out)
     key = signing.load_trusted_key(public)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import record  # bench/record.py, beside this script
 
-from runtime.artifact import read_manifest
+from runtime.builds.artifact import read_manifest
 
 RUNTIME = [sys.executable, "-c", "import sys; from runtime.cli import main; main()"]
 PROMPT = "a red fox running through fresh snow at dawn, cinematic"

@@ -28,8 +28,8 @@ from pathlib import Path
 import jax
 import record  # bench/record.py, beside this script
 
-from runtime.loader import Request
-from runtime.pipeline import Pipeline
+from runtime.builds.loader import Request
+from runtime.generation.pipeline import Pipeline
 from wan.configs import ModelConfig, VideoShape
 
 # Kinds of device op, first match wins, on the op's HLO text (the trace names each op by it).

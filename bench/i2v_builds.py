@@ -63,7 +63,7 @@ def build_one(model: str, res: str, batch: int, target: str, frames: int) -> dic
 
 
 def summary(manifest: dict) -> dict:
-    from runtime.artifact import Manifest
+    from runtime.builds.artifact import Manifest
 
     m = Manifest.from_json(manifest)
     return {

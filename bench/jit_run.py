@@ -36,9 +36,9 @@ def main() -> None:
         os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
         os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
-    from aot.lower import compile_in_process
-    from aot.plan import plan_build
-    from runtime.pipeline import Pipeline
+    from aot.building.lower import compile_in_process
+    from aot.building.plan import plan_build
+    from runtime.generation.pipeline import Pipeline
     from wan.configs import VideoShape
     from wan.presets import resolve_model
 

@@ -62,10 +62,13 @@ def compile_one(model: str, target_name: str, batch: int, res: str, frames: int,
 
     target = targets.parse_target(target_name)
     targets.prepare_environment(target)
-    from aot import analyses, check, hlo, hlo_cost
-    from aot.entries import memory_stats, replicated_param_bytes
-    from aot.lower import compile_plan
-    from aot.plan import plan_build, transformer_bytes, ulysses_all_to_alls
+    from aot import hlo
+    from aot.building import analyses
+    from aot.building.entries import memory_stats, replicated_param_bytes
+    from aot.building.lower import compile_plan
+    from aot.building.plan import plan_build, transformer_bytes, ulysses_all_to_alls
+    from aot.hlo import cost as hlo_cost
+    from aot.reports import check
     from wan.configs import VideoShape
     from wan.presets import resolve_model
     from wan.sparse_attention import canonical
@@ -101,7 +104,7 @@ def compile_one(model: str, target_name: str, batch: int, res: str, frames: int,
             # their part on 8-bit operands (--attention-quant), at the 8-bit rate
             "eight_bit_kernel_tflops": _tera(recorded.get("eight_bit_kernel_flops", 0)),
             # a step's video self-attention: the fraction of blocks its kernel computes, its
-            # FLOPs dense and as built (aot.plan.self_attention)
+            # FLOPs dense and as built (aot.building.plan.self_attention)
             **(
                 {
                     "attention_density": round(recorded["attention_density"], 4),

@@ -1,4 +1,4 @@
-"""The store ids of a build's programs (`aot.store.program_id`: what they lower to, with the
+"""The store ids of a build's programs (`aot.building.store.program_id`: what they lower to, with the
 compiler and target), lowered and not compiled: a refactor that must not change what is
 compiled shows the same ids before and after.
 
@@ -21,9 +21,10 @@ import record
 
 
 def program_ids(model: str, res: str, frames: int, batch: int, target: str) -> dict[str, str]:
-    from aot import build, plan, store, targets
-    from aot.lower import lower_plan
-    from runtime.build_options import OPTIONS
+    from aot import targets
+    from aot.building import build, plan, store
+    from aot.building.lower import lower_plan
+    from runtime.builds.build_options import OPTIONS
     from wan.configs import VideoShape
     from wan.presets import resolve_model
 

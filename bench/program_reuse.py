@@ -1,5 +1,5 @@
 """Which programs of a build matrix the program store compiles and which it reuses, for real
-presets, by lowering only (no compile: a minute on a CPU host): the program id (aot.store) of
+presets, by lowering only (no compile: a minute on a CPU host): the program id (aot.building.store) of
 every program of every build, counted per program name, and for each further model which of
 its programs equal the first model's.
 
@@ -34,8 +34,8 @@ def main() -> None:
     args = parser.parse_args()
     target = targets.parse_target(args.target)
     targets.prepare_environment(target)
-    from aot import build, lower, store
-    from aot import plan as planner
+    from aot.building import build, lower, store
+    from aot.building import plan as planner
     from wan.configs import VideoShape
     from wan.presets import resolve_model
 

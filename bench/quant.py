@@ -46,8 +46,8 @@ def main() -> None:
     from aot import targets
 
     targets.prepare_environment(targets.parse_target("cpu-8"))
-    from runtime.artifact import read_manifest
-    from runtime.pipeline import Pipeline
+    from runtime.builds.artifact import read_manifest
+    from runtime.generation.pipeline import Pipeline
     from wan.configs import ModelConfig
     from wan.quantize import quantize_checkpoint
 

@@ -11,7 +11,7 @@ skipped steps, the cached step's near-zero work counted as zero).
 
 A step's lower bound: its FLOPs per device at the chip's rates, the 8-bit part (8-bit Linear
 dots counted in the HLO, the 8-bit attention kernel's Q K^T, and P V in fp8) at the 8-bit rate,
-the rest at bf16's (runtime.artifact.Manifest.step_lower_bound, from the row's fields).
+the rest at bf16's (runtime.builds.artifact.Manifest.step_lower_bound, from the row's fields).
 """
 
 from __future__ import annotations

@@ -198,8 +198,8 @@ def store_overhead(store: str, scratch: Path, jobs: int) -> dict[str, float]:
     PostgreSQL database `store`: what a server does for one video (add, claim, a progress
     report per step, complete, one poll per 0.5 s of a 10 s video), the video's own time left
     out."""
-    from runtime.batching import Group, Settings
-    from runtime.job_store import JobStore
+    from runtime.generation.batching import Group, Settings
+    from runtime.serve.job_store import JobStore
 
     request = {"prompt": "a fox", "negative_prompt": "", "size": "64x96", "frames": 5,
                "seed": 0, "steps": 8}  # fmt: skip

@@ -56,9 +56,9 @@ def measured(model: str, shape: list[str], repeats: int, steps: int, weights: Pa
     from aot import targets
 
     targets.prepare_environment(targets.parse_target("cpu-8"))
-    from runtime.artifact import read_manifest
-    from runtime.pipeline import Pipeline
-    from runtime.step_cache import MAGCACHE, CacheRequest
+    from runtime.builds.artifact import read_manifest
+    from runtime.generation.pipeline import Pipeline
+    from runtime.generation.step_cache import MAGCACHE, CacheRequest
     from wan.configs import ModelConfig
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -104,8 +104,8 @@ def measured(model: str, shape: list[str], repeats: int, steps: int, weights: Pa
 def deviceless(model: str, shape: list[str], steps: int) -> dict:
     """Full vs cached step FLOPs of a tpu-v6e-8 build (the 14B at 720p), and MagCache's
     transformer work per video with the shipped Wan 2.1 14B ratios."""
-    from runtime.artifact import read_manifest
-    from runtime.step_cache import MagCache, MagCacheSettings, shipped_mag_ratios
+    from runtime.builds.artifact import read_manifest
+    from runtime.generation.step_cache import MagCache, MagCacheSettings, shipped_mag_ratios
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = _build(model, shape, "tpu-v6e-8", Path(tmp))

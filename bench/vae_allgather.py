@@ -35,7 +35,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from aot import hlo, targets, vae_gathers  # noqa: E402
+from aot import hlo, targets  # noqa: E402
+from aot.hlo import vae_gathers
 
 
 def upsampler_input_bytes(config: Any, width: int, height: int) -> int:
@@ -76,8 +77,9 @@ def compile_decode(
 ) -> tuple[Any, Any, tuple[int, int]]:
     """(compiled vae_decode, its VaeLayout, vae mesh) for one video of `preset`, as `aot build
     --vae-spatial` compiles it."""
-    from aot import lower, targets
-    from aot import plan as planner
+    from aot import targets
+    from aot.building import lower
+    from aot.building import plan as planner
     from wan.configs import VideoShape
     from wan.presets import PRESETS
 

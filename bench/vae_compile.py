@@ -67,12 +67,13 @@ def measure(
 
     target = targets.parse_target(target_name)
     targets.prepare_environment(target)
-    from aot import hlo, lower
-    from aot import plan as planner
+    from aot import hlo
+    from aot.building import lower
+    from aot.building import plan as planner
 
     try:
-        from aot.vae_gathers import gathers
-    except ImportError:  # a revision before aot.vae_gathers (--against)
+        from aot.hlo.vae_gathers import gathers
+    except ImportError:  # a revision before aot.hlo.vae_gathers (--against)
         gathers = hlo.gathers
     from wan import programs  # programs.VideoShape: its name in every revision (--against)
     from wan.presets import PRESETS

@@ -36,9 +36,9 @@ def main() -> None:
 
     target = targets.parse_target(args.target)
     targets.prepare_environment(target)
-    from aot.entries import memory_stats
-    from aot.lower import compile_lowered, lower_plan
-    from aot.plan import plan_build
+    from aot.building.entries import memory_stats
+    from aot.building.lower import compile_lowered, lower_plan
+    from aot.building.plan import plan_build
     from wan.configs import VideoShape
     from wan.presets import resolve_model
 

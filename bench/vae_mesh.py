@@ -42,8 +42,9 @@ def main() -> None:
     target = targets.parse_target(args.target)
     targets.prepare_environment(target)
 
-    from aot import entries, hlo, lower, progress
-    from aot import plan as planner
+    from aot import hlo
+    from aot.building import entries, lower, progress
+    from aot.building import plan as planner
     from wan.configs import VideoShape
     from wan.presets import resolve_model
 

@@ -65,8 +65,8 @@ def tiny_build(shared_dir) -> Path:
 def with_its_store(build: Path, out: Path) -> Path:
     """A copy of `build` in the artifacts folder `out`, with its programs' store entries, so that
     builds made into `out` reuse what they share with it (and it is up to date)."""
-    from aot import store
-    from runtime.artifact import read_manifest
+    from aot.building import store
+    from runtime.builds.artifact import read_manifest
 
     shutil.copytree(build, out / build.name)
     for program in read_manifest(build).programs.values():
@@ -247,8 +247,8 @@ def save_tiny_ti2v_pipeline(folder) -> None:
 
 
 def compile_program(*args, **kwargs):
-    """`aot.lower.lower_program(*args, **kwargs)`, compiled: one program outside a build."""
-    from aot.lower import lower_program
+    """`aot.building.lower.lower_program(*args, **kwargs)`, compiled: one program outside a build."""
+    from aot.building.lower import lower_program
 
     return lower_program(*args, **kwargs).compile()
 

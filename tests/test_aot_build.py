@@ -18,12 +18,20 @@ import numpy as np
 import pytest
 from conftest import BIN, TINY_SHAPE, compile_program, run_cli, save_tiny_diffusers_pipeline
 
-from aot import hlo, hlo_cost, store
-from aot.entries import replicated_param_bytes
-from aot.lower import compile_in_process, lower_plan
-from aot.plan import BuildError, compiler_options, plan_build
+from aot import hlo
+from aot.building import store
+from aot.building.entries import replicated_param_bytes
+from aot.building.lower import compile_in_process, lower_plan
+from aot.building.plan import BuildError, compiler_options, plan_build
+from aot.hlo import cost as hlo_cost
 from aot.targets import VAE_VMEM_MIB, parse_target
-from runtime.artifact import SCHEMA_VERSION, BuildKey, read_manifest, sha256_file, verify_files
+from runtime.builds.artifact import (
+    SCHEMA_VERSION,
+    BuildKey,
+    read_manifest,
+    sha256_file,
+    verify_files,
+)
 from wan import interface, programs, sharding
 from wan.configs import VideoShape
 from wan.presets import PRESETS
@@ -100,7 +108,7 @@ def test_jobs_compile_each_program_once_in_workers(tmp_path):
 
 
 def test_default_jobs_follow_cores_and_memory(monkeypatch):
-    from aot import jobs
+    from aot.building import jobs
 
     for cores, free_gib, expected in [(2, 24, 1), (16, 128, 8), (16, 20, 3), (64, 4, 1), (1, 1, 1)]:
         monkeypatch.setattr(jobs.os, "sched_getaffinity", lambda _, n=cores: set(range(n)))
@@ -247,7 +255,7 @@ def test_a_program_the_target_cannot_fit_is_a_one_line_error(tmp_path, jobs):
 
 
 def test_compile_failures_read_as_one_line():
-    from aot.lower import compile_failure
+    from aot.building.lower import compile_failure
 
     shape, options = VideoShape(64, 96, 9, 1), programs.ProgramOptions()
     decode = programs.vae_decode_program(PRESETS["tiny"], shape, options)
@@ -310,7 +318,7 @@ def test_scanned_flops_equal_unrolled(monkeypatch):
     ],
 )
 def test_attention_auto_choice(target, requested, chosen):
-    from aot.plan import choose_attention
+    from aot.building.plan import choose_attention
 
     assert choose_attention(requested, parse_target(target), tokens=75600) == chosen
     assert choose_attention(None, parse_target(target), tokens=4096) == "dot"

@@ -16,9 +16,15 @@ import numpy as np
 import pytest
 from conftest import deviceless_tpu_devices, run_cli
 
-from aot.plan import BuildError, eight_bit_kernel_flops, kernel_flops, plan_build, self_attention
+from aot.building.plan import (
+    BuildError,
+    eight_bit_kernel_flops,
+    kernel_flops,
+    plan_build,
+    self_attention,
+)
 from aot.targets import parse_target
-from runtime.artifact import read_manifest
+from runtime.builds.artifact import read_manifest
 from wan import sharding
 from wan.configs import VideoShape
 from wan.models.attention import attention, dot_product_attention, resolve
@@ -234,7 +240,7 @@ def test_the_splash_kernel_s_8bit_flops_and_the_lower_bound():
         ("tpu-v6e-8", "fp8", "splash:512:512:512", "no fp8 matrix unit"),
         ("gpu-h100", "int8", "triton", "no 8-bit attention kernel"),
         ("cpu-8", "int8", "dot", "--attention-quant with --attention dot"),
-        # The chip measured it slower than bf16 splash (aot.plan.SLOWER_ON_CHIP).
+        # The chip measured it slower than bf16 splash (aot.building.plan.SLOWER_ON_CHIP).
         ("tpu-v5e-8", "int8", "splash:512:512:512", "not offered for v5e: .* 0.84x"),
     ],
 )

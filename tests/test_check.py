@@ -17,11 +17,11 @@ from click.testing import CliRunner
 from conftest import TINY_SHAPE, run_cli
 
 from aot import hlo
-from aot.check import KINDS
+from aot.building.entries import memory_stats
 from aot.cli import cli
-from aot.entries import memory_stats
+from aot.reports.check import KINDS
 from aot.targets import TPU_HBM
-from runtime.artifact import file_entry, read_manifest
+from runtime.builds.artifact import file_entry, read_manifest
 from wan import sharding
 from wan.interface import DEFAULT_PIPELINE, PIPELINES
 

@@ -1,4 +1,4 @@
-"""Step-level continuous batching (`aot build --continuous`, runtime.continuous): videos join a
+"""Step-level continuous batching (`aot build --continuous`, runtime.generation.continuous): videos join a
 running batch at a step boundary and leave it when done, each equal to its batch-1 generation
 within 1/255 whatever slot it took and whenever it joined; zero compiles; `runtime serve` of a
 continuous build (a real server, kill -9 and restart); the combinations refused in one line."""
@@ -17,13 +17,13 @@ import pytest
 from conftest import SMALL, run_cli, save_tiny_diffusers_pipeline
 from test_server import SHAPE, serving
 
-from aot.lower import compile_in_process
-from aot.plan import plan_build
+from aot.building.lower import compile_in_process
+from aot.building.plan import plan_build
 from aot.targets import parse_target
-from runtime.batching import Settings, Video
-from runtime.continuous import SlotBatch
-from runtime.loader import Request
-from runtime.pipeline import CompileCounter, Pipeline
+from runtime.builds.loader import Request
+from runtime.generation.batching import Settings, Video
+from runtime.generation.continuous import SlotBatch
+from runtime.generation.pipeline import CompileCounter, Pipeline
 from wan.configs import ModelConfig, VideoShape
 
 
@@ -193,7 +193,7 @@ def test_weights_are_placed_once_per_distinct_sharding(
     """Builds loaded with one `placed` (as runtime serve loads its builds): a component whose
     tensors have the same shardings in two builds is the same arrays (read and placed once);
     one whose shardings differ is placed for each."""
-    from runtime.loader import read_builds
+    from runtime.builds.loader import read_builds
 
     config = ModelConfig.from_folder(tiny_weights)
     found = {folder.name: (folder, manifest) for folder, manifest in

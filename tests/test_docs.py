@@ -1,7 +1,7 @@
 """The docs' figures come from saved results: every `bench/results/<name>` the docs mention
 exists, every table in docs/benchmarks.md cites one, and artifacts/README.md's example folder
 name is the one `aot build` makes for the shape it names. Every dotted name of the project's
-packages the docs mention (`runtime.loader.match_build`) is a real object."""
+packages the docs mention (`runtime.builds.loader.match_build`) is a real object."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from aot.plan import plan_build
+from aot.building.plan import plan_build
 from aot.targets import parse_target
 from wan.configs import VideoShape
 from wan.presets import PRESETS
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", ROOT / "artifacts" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 RESULT = re.compile(r"bench/results/([\w.+-]+)")
 # A dotted name in one of the project's packages; a trailing * names every attribute with that
-# prefix (`runtime.artifact.MAX_*`).
+# prefix (`runtime.builds.artifact.MAX_*`).
 DOTTED = re.compile(r"\b((?:wan|aot|runtime)(?:\.[A-Za-z_]\w*)+)(\*?)")
 
 
@@ -80,11 +80,11 @@ def test_every_dotted_name_is_real(doc):
 def test_the_name_check_finds_what_it_looks_for():
     """Controls: a moved function, a module that is not there, a field, a prefix."""
     text = (
-        "`runtime.loader.match_build`, `runtime.cli._serving_builds`, `wan.vae_encoder`, "
-        "`runtime.artifact.BuildKey.options`, `runtime.artifact.MAX_*`, `aot.plan.NO_*`"
+        "`runtime.builds.loader.match_build`, `runtime.cli._serving_builds`, `wan.vae_encoder`, "
+        "`runtime.builds.artifact.BuildKey.options`, `runtime.builds.artifact.MAX_*`, `aot.building.plan.NO_*`"
     )
     assert unresolved_names(text) == [
-        "aot.plan.NO_*",
+        "aot.building.plan.NO_*",
         "runtime.cli._serving_builds",
         "wan.vae_encoder",
     ]

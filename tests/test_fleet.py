@@ -14,8 +14,8 @@ import pytest
 from postgres_server import postgres_server
 from test_server import Server, decode, request
 
-from runtime.batching import Group, Settings
-from runtime.job_store import MIGRATIONS, JobStore, StoreError
+from runtime.generation.batching import Group, Settings
+from runtime.serve.job_store import MIGRATIONS, JobStore, StoreError
 
 LEASE_S = 4  # short, so that a killed replica's jobs come back within the test
 

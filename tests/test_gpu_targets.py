@@ -17,7 +17,9 @@ import jax.numpy as jnp
 import pytest
 from conftest import TINY_SHAPE, run_cli
 
-from aot import build, gpu, plan, targets
+from aot import targets
+from aot.building import build, plan
+from aot.targets import gpu
 from wan.models import attention
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,4 +1,4 @@
-"""aot.hlo and aot.hlo_cost: HLO text parsing, loop trip counts, collectives and FLOPs against
+"""aot.hlo and aot.hlo.cost: HLO text parsing, loop trip counts, collectives and FLOPs against
 XLA's own counts."""
 
 import os
@@ -11,7 +11,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from aot import hlo, hlo_cost
+from aot import hlo
+from aot.hlo import cost as hlo_cost
 
 LAYERS = 8
 

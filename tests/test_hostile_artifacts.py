@@ -30,9 +30,9 @@ from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from aot import check, report
-from runtime import executables
-from runtime.artifact import (
+from aot.reports import check, report
+from runtime.builds import executables
+from runtime.builds.artifact import (
     MANIFEST,
     SCHEMA_VERSION,
     ArtifactError,
@@ -44,8 +44,8 @@ from runtime.artifact import (
     verify_file,
     verify_files,
 )
-from runtime.executables import load_executable
-from runtime.loader import Present, Request, match_build, passed_over
+from runtime.builds.executables import load_executable
+from runtime.builds.loader import Present, Request, match_build, passed_over
 from wan.configs import VideoShape
 
 RUN = ["--prompt", "a cat", "--steps", "1"]

@@ -20,10 +20,10 @@ from conftest import BIN, SMALL, TINY_SHAPE, run_cli
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aot import store
-from aot.plan import BuildError, check_model_name
+from aot.building import store
+from aot.building.plan import BuildError, check_model_name
 from aot.targets import MAX_CPU_DEVICES, Target, TargetError, parse_target
-from runtime.artifact import read_manifest, sha256_file, verify_files
+from runtime.builds.artifact import read_manifest, sha256_file, verify_files
 from wan.interface import DEFAULT_PIPELINE, PIPELINES
 
 TINY = ["--model", "tiny", *TINY_SHAPE, "--target", "cpu-8"]

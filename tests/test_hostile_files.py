@@ -18,13 +18,15 @@ import pytest
 from click.testing import CliRunner, Result
 from conftest import TINY_SHAPE
 
-from aot import check, gpu, report, targets
+from aot import targets
 from aot.cli import cli as aot_cli
-from runtime.artifact import MANIFEST, ArtifactError
-from runtime.batching import MAX_PROMPTS_BYTES, read_prompts_file
+from aot.reports import check, report
+from aot.targets import gpu
+from runtime.builds.artifact import MANIFEST, ArtifactError
+from runtime.builds.loader import Present, Request, match_build, read_builds
 from runtime.cli import cli as runtime_cli
-from runtime.loader import Present, Request, match_build, read_builds
-from runtime.request import MAX_SEED, RequestError
+from runtime.generation.batching import MAX_PROMPTS_BYTES, read_prompts_file
+from runtime.generation.request import MAX_SEED, RequestError
 from wan import quantize
 from wan.configs import VideoShape
 from wan.tokenizer import MAX_TOKENIZER_BYTES, TokenizerError, load_tokenizer

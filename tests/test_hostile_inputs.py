@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
-from runtime.processes import JobError, _rendezvous
+from runtime.builds.processes import JobError, _rendezvous
 from wan import checkpoint, lora, programs, weights
 from wan.configs import CHECKPOINT_MARKER, MAX_CONFIG_BYTES, ModelConfig, WeightError
 from wan.presets import PRESETS

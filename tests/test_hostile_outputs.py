@@ -26,9 +26,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import load_file, save_file
 
-from runtime.outputs import OutputError, WriteError, check_outputs, staged, write_videos
-from runtime.pipeline import NonFiniteError
-from runtime.request import (
+from runtime.generation.outputs import OutputError, WriteError, check_outputs, staged, write_videos
+from runtime.generation.pipeline import NonFiniteError
+from runtime.generation.request import (
     RequestError,
     check_settings,
     checked_noise,

@@ -30,14 +30,14 @@ from PIL import Image, ImageOps
 from test_prompts_file import MP4_OF_ONE_LEVEL
 from test_server import decode
 
-from aot.lower import compile_in_process
-from aot.plan import BuildError, plan_build
+from aot.building.lower import compile_in_process
+from aot.building.plan import BuildError, plan_build
 from aot.targets import parse_target
-from runtime.artifact import read_manifest
-from runtime.images import read_image
-from runtime.outputs import write_videos
-from runtime.pipeline import Pipeline
-from runtime.request import RequestError
+from runtime.builds.artifact import read_manifest
+from runtime.generation.images import read_image
+from runtime.generation.outputs import write_videos
+from runtime.generation.pipeline import Pipeline
+from runtime.generation.request import RequestError
 from wan.configs import ModelConfig, VideoShape
 
 FRAMES, STEPS = 9, 4  # 3 latent frames
@@ -75,7 +75,7 @@ def test_i2v_matches_diffusers(folder, width, height):
     clip = config.image_encoder is not None
     assert config.pipelines == (("i2v-clip",) if clip else ("i2v",))
     # Another size of the same aspect ratio: both resize them (one of another aspect ratio
-    # diffusers stretches; this project crops it first, runtime.images.condition_pixels).
+    # diffusers stretches; this project crops it first, runtime.generation.images.condition_pixels).
     images = [picture(seed, width * 3 // 2, height * 3 // 2) for seed in (0, 1)]
     noise = np.random.default_rng(0).standard_normal(
         (2, 16, (FRAMES - 1) // 4 + 1, height // 8, width // 8), dtype=np.float32
@@ -144,7 +144,7 @@ def clip_folder(tmp_path_factory):
 def test_runtime_run_with_an_image(clip_folder, tmp_path):
     """`runtime run --image` as a user runs it (Wan 2.1's kind: the image through CLIP and the
     VAE): its frames equal Pipeline.generate's on the same build for the same image (the file
-    read and prepared by runtime.images), another image moves them, and a bad image, a missing
+    read and prepared by runtime.generation.images), another image moves them, and a bad image, a missing
     one or one given to a text-to-video build is one line and exit 2."""
     folder = clip_folder
     width, height = 48, 32

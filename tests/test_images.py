@@ -1,4 +1,4 @@
-"""runtime.images on real files written with Pillow: hostile images refused with one line,
+"""runtime.generation.images on real files written with Pillow: hostile images refused with one line,
 every accepted mode read as diffusers' load_image reads it, the VAE condition equal to
 diffusers' VideoProcessor.preprocess and the CLIP input to transformers' CLIPImageProcessor."""
 
@@ -21,7 +21,7 @@ from diffusers.utils import load_image
 from diffusers.video_processor import VideoProcessor
 from PIL import Image
 
-from runtime.images import (
+from runtime.generation.images import (
     MAX_IMAGE_BYTES,
     MAX_IMAGE_PIXELS,
     ClipProcessor,
@@ -146,7 +146,7 @@ def test_corrupt_data_is_refused(tmp_path):
 # reset first (Linux's clear_refs), the imports' own peak not counted.
 _GROWTH = """
 import re, sys, threading
-from runtime.images import read_image
+from runtime.generation.images import read_image
 from wan.errors import InputError
 
 def status(field):
@@ -212,7 +212,9 @@ def test_a_canvas_past_the_bound_costs_nothing(tmp_path, image):
 def test_decodes_at_once_are_bounded(tmp_path):
     """Eight threads read a 16 MP PNG (under the bound) at once: the process's memory grows by
     at most as many decodes as MAX_DECODES (and one returning), not eight."""
-    from runtime.images import MAX_DECODES  # new with the bound: the file runs on older trees
+    from runtime.generation.images import (
+        MAX_DECODES,  # new with the bound: the file runs on older trees
+    )
 
     path = _saved(Image.new("RGB", (4000, 4000), (10, 200, 30)), tmp_path / "large.png")
     probe = (
@@ -259,7 +261,7 @@ def test_a_palette_with_more_transparency_than_colours_is_one_line(tiny_weights,
     from click.testing import CliRunner
 
     from runtime.cli import cli
-    from runtime.openai_dialect import ApiError, check_image
+    from runtime.serve.openai_dialect import ApiError, check_image
 
     data = _palette_png(8, 300)
     _refused(data, "is truncated or corrupt")

@@ -1,4 +1,4 @@
-"""`aot.plan.kernel_flops`, the attention kernels' FLOPs that every step lower bound adds to
+"""`aot.building.plan.kernel_flops`, the attention kernels' FLOPs that every step lower bound adds to
 the HLO count: checked against the attention FLOPs worked out by hand for small configs, 0 for
 kernels XLA sees, and the same figure the HLO counter finds in a dot build's attention."""
 
@@ -9,10 +9,11 @@ import gzip
 
 import pytest
 
-from aot import hlo, hlo_cost
-from aot.plan import kernel_flops, plan_build
+from aot import hlo
+from aot.building.plan import kernel_flops, plan_build
+from aot.hlo import cost as hlo_cost
 from aot.targets import parse_target
-from runtime.artifact import read_manifest
+from runtime.builds.artifact import read_manifest
 from wan import sharding
 from wan.configs import ImageEncoderConfig, VideoShape
 from wan.presets import PRESETS

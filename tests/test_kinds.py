@@ -506,10 +506,10 @@ def test_toy_kind_config_module_and_checkpoint(toy_kind, tmp_path):
 
 
 def test_toy_kind_builds_and_runs(toy_kind, tmp_path):
-    from aot.build import build
-    from aot.plan import plan_build
+    from aot.building.build import build
+    from aot.building.plan import plan_build
     from aot.targets import parse_target
-    from runtime.pipeline import Pipeline
+    from runtime.generation.pipeline import Pipeline
 
     weights_folder = write_random_checkpoint(TOY_MODEL, tmp_path / "weights")
     plan = plan_build("tiny-toy", TOY_MODEL, TOY_SHAPE, parse_target("cpu-8"), 8)

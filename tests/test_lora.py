@@ -18,8 +18,8 @@ from conftest import run_cli, save_tiny_diffusers_pipeline
 from diffusers import WanTransformer3DModel
 from safetensors.numpy import save_file
 
-from runtime.loader import Request
-from runtime.pipeline import CompileCounter, Pipeline
+from runtime.builds.loader import Request
+from runtime.generation.pipeline import CompileCounter, Pipeline
 from wan import checkpoint, kinds, lora, programs, sharding, weights
 from wan.configs import VideoShape
 from wan.presets import PRESETS

@@ -26,10 +26,10 @@ from peft.utils import get_peft_model_state_dict
 from safetensors.torch import save_file as save_torch_file
 from test_lora import RANK, save_comfyui, save_peft, split_key
 
-from aot.lower import compile_in_process
-from aot.plan import plan_build
+from aot.building.lower import compile_in_process
+from aot.building.plan import plan_build
 from aot.targets import parse_target
-from runtime.pipeline import Pipeline
+from runtime.generation.pipeline import Pipeline
 from wan import checkpoint, interface, lora, programs, weights
 from wan.configs import ModelConfig, VideoShape
 

@@ -14,8 +14,8 @@ import pytest
 from conftest import TINY_SHAPE, run_cli
 
 from aot import targets
-from runtime.artifact import ArtifactError, read_manifest
-from runtime.loader import Present, Request, host_layout, match_build
+from runtime.builds.artifact import ArtifactError, read_manifest
+from runtime.builds.loader import Present, Request, host_layout, match_build
 from wan.configs import VideoShape
 
 PROMPT = ["--prompt", "a cat", "--steps", "2", "--guidance", "5"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from aot import plan as planner
+from aot.building import plan as planner
 from aot.targets import TPU_HBM, parse_target
 from wan import sharding
 from wan.configs import VideoShape

@@ -17,11 +17,11 @@ import pytest
 from conftest import BIN, run_cli
 from test_server import Server
 
-from aot.local_job import free_port
+from aot.building.local_job import free_port
 from aot.targets import TargetError, parse_target
-from runtime.artifact import ArtifactError, read_manifest
-from runtime.loader import Present, Request, match_build
-from runtime.peers import EXIT_PEER_LOST, PEER_TIMEOUT_S
+from runtime.builds.artifact import ArtifactError, read_manifest
+from runtime.builds.loader import Present, Request, match_build
+from runtime.serve.peers import EXIT_PEER_LOST, PEER_TIMEOUT_S
 from wan.configs import VideoShape
 
 SHAPE = ["--res", "64x96", "--frames", "5", "--batch", "2"]

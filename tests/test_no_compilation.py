@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from conftest import TINY_SHAPE
 
-from runtime.artifact import ArtifactError
-from runtime.loader import Request
-from runtime.pipeline import CompileCounter, Pipeline, no_compilation
+from runtime.builds.artifact import ArtifactError
+from runtime.builds.loader import Request
+from runtime.generation.pipeline import CompileCounter, Pipeline, no_compilation
 from wan.configs import VideoShape
 
 

@@ -285,7 +285,7 @@ def test_keys_are_checked_at_the_start(tmp_path):
     """A key too short (or of characters no header carries), from any source, is one line
     before anything loads; so is a key file that is missing."""
     from runtime.cli import cli
-    from runtime.http_guards import load_api_keys
+    from runtime.serve.http_guards import load_api_keys
 
     (tmp_path / "keys").write_text("# comment\n\n  a-key-0123456789abcdef  \n")
     assert load_api_keys(("b-key-0123456789abcdef",), tmp_path / "keys", "c-key-0123456789ab,,") \

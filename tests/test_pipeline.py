@@ -14,10 +14,10 @@ import torch
 from conftest import save_tiny_diffusers_pipeline
 from diffusers import WanPipeline
 
-from aot.lower import compile_in_process
-from aot.plan import plan_build
+from aot.building.lower import compile_in_process
+from aot.building.plan import plan_build
 from aot.targets import parse_target
-from runtime.pipeline import Pipeline
+from runtime.generation.pipeline import Pipeline
 from wan.configs import ModelConfig, VideoShape
 
 WIDTH, HEIGHT, FRAMES, STEPS = 32, 48, 9, 4  # portrait; 3 latent frames

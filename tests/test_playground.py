@@ -1,4 +1,4 @@
-"""The playground (runtime/pages.py, runtime/playground/) in a real browser: Debian's chromium,
+"""The playground (runtime/serve/pages.py, runtime/serve/playground/) in a real browser: Debian's chromium,
 headless, driven by Playwright against a real `runtime serve` of the tiny TI2V model's two builds
 (text to video and image to video: one model, one server, both kinds), its weights made by
 `python -m wan.random_weights` as a user would. The key is asked once per tab and a wrong one is
@@ -33,7 +33,7 @@ from playwright.sync_api import Error as PlaywrightError
 from test_server import serving
 
 import runtime
-from runtime import images
+from runtime.generation import images
 
 CHROMIUM = Path("/usr/bin/chromium")
 # No sandbox (root in CI), no GPU, and nothing that reaches for the network (a closed network
@@ -224,7 +224,7 @@ def test_a_prompt_becomes_a_video_that_plays(page, served):
 
 def test_an_image_shows_the_servers_crop_and_becomes_a_video(page, served, tmp_path):
     """A 4:3 picture for the 2:1 build: the page says what the server keeps and its fitted first
-    frame is the server's (runtime.images), then it becomes a video from that image; a portrait
+    frame is the server's (runtime.generation.images), then it becomes a video from that image; a portrait
     picture is refused, in the server's words."""
     rng = np.random.default_rng(0)
     coarse = Image.fromarray(rng.integers(0, 256, (3, 4, 3), dtype=np.uint8))

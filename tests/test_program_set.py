@@ -1,6 +1,6 @@
 """The program set and the build options are open: a program added in the tests only (its
 signature, its place in a pipeline variant, its maker: one entry in each registry) and a build
-option it reads (one entry in runtime.build_options.OPTIONS) are built, stored, listed in the
+option it reads (one entry in runtime.builds.build_options.OPTIONS) are built, stored, listed in the
 manifest and the folder name, loaded and run, with nothing else changed."""
 
 from __future__ import annotations
@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 from conftest import TINY_SHAPE
 
-from aot.build import build
-from aot.plan import BuildError, plan_build
+from aot.building.build import build
+from aot.building.plan import BuildError, plan_build
 from aot.targets import parse_target
-from runtime import build_options, json_checks
-from runtime.artifact import read_manifest
-from runtime.loader import Request
-from runtime.pipeline import Pipeline, place
+from runtime.builds import build_options
+from runtime.builds.artifact import read_manifest
+from runtime.builds.loader import Request
+from runtime.generation.pipeline import Pipeline, place
+from runtime.trust import json_checks
 from wan import interface, programs, sharding
 from wan.configs import ModelConfig, VideoShape
 

@@ -9,11 +9,11 @@ import pytest
 from conftest import SMALL, run_cli
 from test_server import decode
 
-from runtime.batching import read_prompts_file
-from runtime.loader import Request
-from runtime.outputs import write_videos
-from runtime.pipeline import Pipeline
-from runtime.request import RequestError
+from runtime.builds.loader import Request
+from runtime.generation.batching import read_prompts_file
+from runtime.generation.outputs import write_videos
+from runtime.generation.pipeline import Pipeline
+from runtime.generation.request import RequestError
 from wan.configs import VideoShape
 
 # Mean |difference| (of 255) of two decoded MP4s whose frames differ by at most 1/255 (H.264

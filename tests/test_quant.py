@@ -17,10 +17,10 @@ from flax import nnx
 from safetensors.numpy import save_file
 from test_pipeline import FRAMES, HEIGHT, NEGATIVE, PROMPTS, STEPS, WIDTH
 
-from aot.lower import compile_in_process
-from aot.plan import plan_build
+from aot.building.lower import compile_in_process
+from aot.building.plan import plan_build
 from aot.targets import parse_target
-from runtime.pipeline import Pipeline
+from runtime.generation.pipeline import Pipeline
 from wan import checkpoint, lora, programs, quant, sharding, weights
 from wan.configs import ModelConfig, VideoShape
 from wan.models.quant_linear import QuantLinear
@@ -207,7 +207,7 @@ def test_the_tpu_step_runs_its_linear_layers_on_8bit_operands(tmp_path):
     """A deviceless tpu-v6e-8 w8a8-int8 build: the denoise step's and kv_cache's optimized HLO
     hold dots on s8 x s8 operands, counted apart in the manifest, and the step lower bound takes
     them at the chip's 8-bit rate (twice bf16's on v6e)."""
-    from runtime.artifact import read_manifest
+    from runtime.builds.artifact import read_manifest
 
     run_cli("aot", "build", "--model", "tiny", *TINY_SHAPE, "--target", "tpu-v6e-8",
             "--quant", "w8a8-int8", "--out", str(tmp_path))  # fmt: skip

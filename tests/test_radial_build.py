@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from conftest import run_cli
 
-from aot import report
-from aot.plan import BuildError, kernel_flops, plan_build, self_attention
+from aot.building.plan import BuildError, kernel_flops, plan_build, self_attention
+from aot.reports import report
 from aot.targets import parse_target
-from runtime.artifact import read_manifest
-from runtime.json_checks import ArtifactError
+from runtime.builds.artifact import read_manifest
+from runtime.trust.json_checks import ArtifactError
 from wan import sharding
 from wan.configs import VideoShape
 from wan.models.attention import flops

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from conftest import TINY_SHAPE, run_cli, with_its_store
 
-from runtime.artifact import program_memory, read_manifest
-from runtime.pipeline import Pipeline
+from runtime.builds.artifact import program_memory, read_manifest
+from runtime.generation.pipeline import Pipeline
 from wan import interface
 from wan.configs import ModelConfig
 from wan.residency import RESIDENT, TRANSIENT, ProgramMemory, parse_override, plan, resident_peak

@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 from conftest import TINY_SHAPE, run_cli
 
-from aot.lower import compile_in_process
-from aot.plan import plan_build
+from aot.building.lower import compile_in_process
+from aot.building.plan import plan_build
 from aot.targets import parse_target
-from runtime.artifact import ArtifactError, read_manifest, sha256_file
-from runtime.loader import Request
-from runtime.pipeline import Pipeline
+from runtime.builds.artifact import ArtifactError, read_manifest, sha256_file
+from runtime.builds.loader import Request
+from runtime.generation.pipeline import Pipeline
 from wan.configs import VideoShape
 from wan.presets import PRESETS
 
@@ -179,7 +179,7 @@ def test_loading_in_process_refuses_wrong_devices(build_copy, tiny_weights):
 
 def test_runtime_imports_no_model_code():
     code = (
-        "import sys, runtime.cli, runtime.pipeline, runtime.loader;"
+        "import sys, runtime.cli, runtime.generation.pipeline, runtime.builds.loader;"
         "bad = [m for m in sys.modules if m.startswith(('flax', 'wan.models.transformer', 'wan.models.vae',"
         " 'wan.models.text_encoder', 'wan.programs', 'aot'))]; print(bad); assert not bad"
     )
@@ -255,7 +255,7 @@ def test_a_whole_run_imports_no_torch(tiny_build, tiny_weights, tmp_path):
 
 def test_process_start_comes_from_the_os():
     before = time.time()
-    code = "import time; from runtime.clock import process_start_time; print(process_start_time())"
+    code = "import time; from runtime.generation.clock import process_start_time; print(process_start_time())"
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     started = float(out.stdout)
     assert before - 0.02 <= started <= before + 0.5  # the interpreter's start, not the import

@@ -22,15 +22,15 @@ import pytest
 from conftest import BIN, SMALL, run_cli
 from PIL import Image
 
-from runtime.artifact import ArtifactError, BuildKey
-from runtime.batching import Group, Settings, Video, Waiting, generate_batch, next_batch
-from runtime.build_options import OPTIONS
-from runtime.cli_serve import _serving_builds
-from runtime.job_store import DATABASE, JobStore, QueueFull
-from runtime.loader import Present, Request, serving_routes
-from runtime.outputs import write_videos
-from runtime.pipeline import Pipeline
-from runtime.request import initial_latents
+from runtime.builds.artifact import ArtifactError, BuildKey
+from runtime.builds.build_options import OPTIONS
+from runtime.builds.loader import Present, Request, serving_routes
+from runtime.cli.serve import _serving_builds
+from runtime.generation.batching import Group, Settings, Video, Waiting, generate_batch, next_batch
+from runtime.generation.outputs import write_videos
+from runtime.generation.pipeline import Pipeline
+from runtime.generation.request import initial_latents
+from runtime.serve.job_store import DATABASE, JobStore, QueueFull
 from wan.configs import ModelConfig, VideoShape
 
 SHAPE = {"size": "64x96", "frames": 5}  # small frames: the VAE decode dominates a batch
@@ -115,7 +115,7 @@ def serving(*args, **kwargs):
 
 
 def stored_request(seed: int) -> dict:
-    """A request as the server stores it (runtime.job_store.REQUEST_FIELDS)."""
+    """A request as the server stores it (runtime.serve.job_store.REQUEST_FIELDS)."""
     return {"prompt": "q", "negative_prompt": "", "seed": seed, "size": "64x96", "frames": 5,
             "steps": 3}  # fmt: skip
 
@@ -397,7 +397,7 @@ def test_generate_batch_fills_and_discards_slots():
 
 
 def test_per_video_seeds_are_batch_one_noise():
-    from runtime.pipeline import _initial_latents
+    from runtime.generation.pipeline import _initial_latents
 
     shape = (3, 2, 4, 6, 16)  # (B, T, h, w, C)
     latents = _initial_latents(shape, [5, 9, 5], None)
@@ -458,7 +458,7 @@ def test_an_image_is_kept_with_its_job(tmp_path):
 
 
 def test_failed_batch_fails_its_videos_and_serving_goes_on(tmp_path):
-    from runtime.service import Service
+    from runtime.serve.service import Service
 
     store = JobStore(tmp_path)
     pipelines = {"bad": FakePipeline(2, fail=True), "good": FakePipeline(2)}
@@ -478,7 +478,7 @@ def test_failed_batch_fails_its_videos_and_serving_goes_on(tmp_path):
 def test_a_request_without_size_takes_the_one_size_served():
     """`size` omitted: the one size the model is served at for the length; two sizes are a 400
     naming both, a length none serves a 400 naming the lengths served."""
-    from runtime.openai_dialect import ApiError, Resolved, ServedBuild, VideoRequest, resolve
+    from runtime.serve.openai_dialect import ApiError, Resolved, ServedBuild, VideoRequest, resolve
 
     shapes = {"a": (64, 96, 5), "b": (96, 64, 5), "c": (64, 96, 9)}
     builds = {n: ServedBuild(n, "tiny", 16, (w, h, f, True, False), 1)
@@ -504,8 +504,8 @@ def test_the_image_picks_the_build_and_never_shares_a_batch(tmp_path):
     """A text-to-video and an image-to-video build of one shape (a model that runs both): a
     request with input_reference runs on the image one, one without on the text one, never in
     one batch; the image its batch reads is the one uploaded."""
-    from runtime.openai_dialect import VideoRequest
-    from runtime.service import Service
+    from runtime.serve.openai_dialect import VideoRequest
+    from runtime.serve.service import Service
 
     store = JobStore(tmp_path)
     pipelines = {"t2v": FakePipeline(2), "i2v": FakePipeline(2)}
@@ -535,7 +535,7 @@ def test_the_image_picks_the_build_and_never_shares_a_batch(tmp_path):
 def test_a_stored_group_that_does_not_read_fails_its_job_only(tmp_path, stored):
     """A damaged row in the job database: the server starts, lists it, fails it with a reason
     and runs the others; a job of a build not loaded fails too."""
-    from runtime.service import Service
+    from runtime.serve.service import Service
 
     store = JobStore(tmp_path)
     request = stored_request(1)
@@ -566,8 +566,8 @@ def test_the_samplers_are_listed_once():
     """The HTTP request, `runtime run --sampler` and the scheduler config read one list."""
     import pydantic
 
-    from runtime.cli import run_cmd
-    from runtime.openai_dialect import VideoRequest
+    from runtime.cli.run import run_cmd
+    from runtime.serve.openai_dialect import VideoRequest
     from wan.configs import SAMPLERS, SchedulerConfig
 
     body = {"prompt": "p", "size": "64x96", "frames": 5}
@@ -595,7 +595,7 @@ def test_the_metrics_follow_the_queue(tmp_path):
     """wan_queue_depth, wan_videos_in_progress and wan_seconds_per_step as the queue moves: 3
     queued; a batch of 2 in flight (held on a gate) and 1 queued; all done, and the mean step
     time the reports gave."""
-    from runtime.service import Service
+    from runtime.serve.service import Service
 
     store = JobStore(tmp_path)
     pipe = FakePipeline(2)

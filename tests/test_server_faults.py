@@ -27,7 +27,7 @@ from test_server import (
     stored_request,
 )
 
-from runtime.batching import Group, Settings
+from runtime.generation.batching import Group, Settings
 
 # How long the store stays locked mid-job; the acceptance run sets 30 (see docs/security.md).
 LOCK_S = float(os.environ.get("WAN_TEST_STORE_LOCK_S", "4"))
@@ -35,16 +35,16 @@ LOCK_S = float(os.environ.get("WAN_TEST_STORE_LOCK_S", "4"))
 
 @contextlib.contextmanager
 def app_serving(store):
-    """The real app (runtime.server.make_app) under uvicorn on a free port in a thread of this
+    """The real app (runtime.serve.server.make_app) under uvicorn on a free port in a thread of this
     process, with its generation worker, over FakePipeline (a build of 64x96, 5 frames, CFG):
     what a store does to the server's answers, without loading a build. Yields an httpx
     client and the service."""
     import httpx
     import uvicorn
 
-    from runtime.http_guards import HttpLimits
-    from runtime.server import listen, make_app
-    from runtime.service import Service
+    from runtime.serve.http_guards import HttpLimits
+    from runtime.serve.server import listen, make_app
+    from runtime.serve.service import Service
 
     pipe = FakePipeline(1)
     pipe.key.width, pipe.key.height, pipe.key.frames, pipe.key.cfg = 64, 96, 5, True
@@ -55,7 +55,7 @@ def app_serving(store):
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     service.worker = threading.Thread(target=service.run, name="generation", daemon=True)
-    service.worker.start()  # as runtime.server.serve starts it (Service.start_worker)
+    service.worker.start()  # as runtime.serve.server.serve starts it (Service.start_worker)
     client = httpx.Client(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}", timeout=30)
     try:
         until(lambda: server.started, "uvicorn did not start")
@@ -108,7 +108,7 @@ def locked(database: Path, seconds: float = 60):
 
 def a_store(out: Path) -> Path:
     """A job store in `out` with one queued job; its database's path."""
-    from runtime.job_store import JobStore
+    from runtime.serve.job_store import JobStore
 
     store = JobStore(out)
     store.add(Group("b", Settings()), stored_request(1), 8)
@@ -141,7 +141,7 @@ START_FAULTS = {
 @pytest.mark.parametrize("fault", [*START_FAULTS, "read-only", "locked", "full"])
 def test_a_store_the_start_cannot_use_is_one_line(tmp_path, fault):
     """Each fault of the job store at the start is one StoreError line saying what to do."""
-    from runtime.job_store import JobStore, StoreError
+    from runtime.serve.job_store import JobStore, StoreError
 
     out = tmp_path / "out"
     with contextlib.ExitStack() as stack:
@@ -186,7 +186,7 @@ def test_serve_refuses_an_unusable_store_before_anything_loads(tiny_weights, tmp
 def test_batch_window_is_finite_and_bounded(value):
     from click.testing import CliRunner
 
-    from runtime.cli_serve import serve_cmd
+    from runtime.cli.serve import serve_cmd
 
     result = CliRunner().invoke(serve_cmd, ["--weights", "w", "--out-dir", "o", "--batch-window",
                                             value])  # fmt: skip
@@ -302,8 +302,8 @@ def test_http_limits(small_builds, tiny_weights, tmp_path):
 def test_a_request_damaged_while_serving_fails_its_job_only(tmp_path):
     """A row edited into `{` after the start: its job fails with a reason and lists with nulls;
     the worker runs the others."""
-    from runtime.job_store import JobStore
-    from runtime.service import Service
+    from runtime.serve.job_store import JobStore
+    from runtime.serve.service import Service
 
     store = JobStore(tmp_path)
     pipe = FakePipeline(1)
@@ -322,7 +322,7 @@ def test_a_request_damaged_while_serving_fails_its_job_only(tmp_path):
 def test_list_pages_are_bounded_in_bytes(tmp_path):
     """A page of the list holds at most MAX_PAGE_BYTES of stored requests (one at least), so a
     store of long prompts is listed a few at a time."""
-    from runtime.job_store import JobStore
+    from runtime.serve.job_store import JobStore
 
     store = JobStore(tmp_path)
     ids = [store.add(Group("b", Settings()), {**stored_request(i), "prompt": "p" * 3000}, 99).id
@@ -386,7 +386,7 @@ def test_rows_that_do_not_read_fail_their_jobs_only(tmp_path):
     """Rows edited by hand: each is listed and shown as failed with the column that does not
     read, the worker fails the queued ones and runs the others, /healthz stays 200 (the store
     and the worker are well) and no file is named after an id that is not one."""
-    from runtime.job_store import JobStore
+    from runtime.serve.job_store import JobStore
 
     out = tmp_path / "out"
     store = JobStore(out)
@@ -422,7 +422,7 @@ def test_rows_that_do_not_read_fail_their_jobs_only(tmp_path):
 def test_a_column_dropped_by_hand_is_a_store_fault_until_it_is_back(tmp_path):
     """A column of jobs dropped while serving: reads and /healthz answer 503 naming it (not a
     500, and the worker lives); once the column is back the server takes and runs videos."""
-    from runtime.job_store import JobStore
+    from runtime.serve.job_store import JobStore
 
     store = JobStore(tmp_path / "out")
     with app_serving(store) as (client, service):
@@ -448,7 +448,7 @@ def test_a_store_moved_away_while_serving_is_a_store_fault(tmp_path):
     """jobs.sqlite3 moved away while serving: POST and /healthz answer 503 saying so (SQLite
     would go on writing to the moved file, and a restart would find no job); put back, the
     server goes on with its jobs."""
-    from runtime.job_store import JobStore
+    from runtime.serve.job_store import JobStore
 
     out = tmp_path / "out"
     store = JobStore(out)
@@ -472,7 +472,7 @@ def test_a_second_server_on_the_folder_is_refused(tiny_weights, tmp_path):
     """A server holds the folder (its store open here, a job in progress): `runtime serve` on
     it is one line naming the first server's pid and host, before anything loads, and the
     first one's job is not queued again; the folder is free once the first closes its store."""
-    from runtime.job_store import JobStore
+    from runtime.serve.job_store import JobStore
 
     out = tmp_path / "out"
     first = JobStore(out)
@@ -494,7 +494,7 @@ def test_the_command_to_delete_an_unreadable_row_runs_nothing_else(tmp_path):
     """The start refuses a row whose request does not read and prints the command that deletes
     it; pasted into a shell, that command runs sqlite3 on the store with the statement, and
     nothing else, whatever the folder's name and the row's id hold."""
-    from runtime.job_store import JobStore, StoreError
+    from runtime.serve.job_store import JobStore, StoreError
 
     out = tmp_path / "o$(touch canary) `touch canary`"
     path = a_store(out)
@@ -546,7 +546,7 @@ def test_an_exception_nothing_handles_is_a_json_500(caplog):
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from runtime.http_guards import JsonErrors
+    from runtime.serve.http_guards import JsonErrors
 
     app = FastAPI()
 
@@ -554,7 +554,7 @@ def test_an_exception_nothing_handles_is_a_json_500(caplog):
     def bug() -> None:
         raise KeyError("progress")
 
-    app.add_middleware(JsonErrors)  # as runtime.server.make_app adds it
+    app.add_middleware(JsonErrors)  # as runtime.serve.server.make_app adds it
     answer = TestClient(app, raise_server_exceptions=False).get("/bug")
     assert answer.status_code == 500 and answer.json()["error"]["code"] == "internal_error"
     assert answer.json()["error"]["message"] == "KeyError: 'progress'"

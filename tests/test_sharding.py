@@ -27,7 +27,8 @@ import numpy as np
 import pytest
 from conftest import compile_program, deviceless_tpu_devices
 
-from aot import hlo, targets, vae_gathers
+from aot import hlo, targets
+from aot.hlo import vae_gathers
 from wan import axes, interface, programs, schedulers, sharding
 from wan.configs import VAEConfig, VideoShape
 from wan.presets import PRESETS
@@ -158,8 +159,8 @@ def test_latents_handoff_joins_the_step_and_the_decode():
     """latents_handoff takes the latents as the denoise step leaves them (transformer mesh) and
     leaves them as the decode takes them (VAE mesh), so the decode's program depends on the VAE
     mesh alone."""
-    from aot.lower import lower_plan
-    from aot.plan import plan_build
+    from aot.building.lower import lower_plan
+    from aot.building.plan import plan_build
 
     shape = VideoShape(64, 96, 9, 2, cfg=False)
     plan = plan_build("tiny", TINY, shape, targets.parse_target("cpu-8"), 8)
@@ -585,7 +586,7 @@ def test_720p_denoise_step_runs_splash_on_tpu(tpu_devices):
     """`--attention auto` for tpu-v6e-8 at a 720p-length sequence (75,600 tokens): the
     self-attention is the Mosaic kernel, and no blockwise loop is left (the layer scan is the
     only while loop)."""
-    from aot.plan import plan_build
+    from aot.building.plan import plan_build
 
     shape = VideoShape(width=1280, height=720, frames=81, batch=1)
     target = targets.parse_target("tpu-v6e-8")

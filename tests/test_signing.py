@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from conftest import TINY_SHAPE, run_cli
 
-from aot import store
-from runtime import signing
-from runtime.artifact import MANIFEST, ArtifactError, read_manifest, sha256_file
+from aot.building import store
+from runtime.builds.artifact import MANIFEST, ArtifactError, read_manifest, sha256_file
+from runtime.trust import signing
 
 RUN = [*TINY_SHAPE, "--prompt", "a cat", "--steps", "1"]
 

@@ -1,4 +1,4 @@
-"""runtime.step_cache against diffusers' MagCache hook on a tiny WanTransformer3DModel: the same
+"""runtime.generation.step_cache against diffusers' MagCache hook on a tiny WanTransformer3DModel: the same
 skipped steps and the same calibrated ratios; the ratio files' hostile cases; the shipped
 ratios; the program each step runs and the options' checks."""
 
@@ -12,7 +12,7 @@ from diffusers import WanTransformer3DModel
 from diffusers.hooks import MagCacheConfig
 from diffusers.hooks.mag_cache import nearest_interp
 
-from runtime.step_cache import (
+from runtime.generation.step_cache import (
     ALWAYS_COMPUTE,
     CACHE_STEP,
     CACHED_STEP,
@@ -93,7 +93,7 @@ def ours(ratios, steps: int, settings: MagCacheSettings) -> list[int]:
 
 
 def skipped_steps(settings: MagCacheSettings, ratios, step_experts: list[str]) -> tuple[int, ...]:
-    """The (global) steps a generation runs as CACHED_STEP (runtime.step_cache.StepCache),
+    """The (global) steps a generation runs as CACHED_STEP (runtime.generation.step_cache.StepCache),
     `step_experts[i]` naming the expert that runs step i."""
     request = CacheRequest(kind=MAGCACHE, **settings.to_json(), mag_ratios=ratios)
     cache = StepCache(request, CACHE_STEP, step_experts, num_layers=3)

@@ -28,8 +28,8 @@ from test_server import serving
 from test_sharding import CPU8, place, single_device, vae_mesh
 
 from aot import hlo
-from aot.plan import BuildError, check_shape
-from runtime.artifact import read_manifest
+from aot.building.plan import BuildError, check_shape
+from runtime.builds.artifact import read_manifest
 from wan import kinds, programs, sharding
 from wan.configs import ModelConfig, TransformerConfig, VAE22Config, VideoShape
 from wan.models.transformer import WanTransformer

@@ -34,13 +34,13 @@ KV_AXES: Axes = (axes.LAYERS, axes.BATCH, axes.KV_LENGTH, axes.HEADS)  # a KV ca
 
 @dataclasses.dataclass(frozen=True)
 class ProgramOptions:
-    """The build's choices the programs are made with (aot.plan resolves them)."""
+    """The build's choices the programs are made with (aot.building.plan resolves them)."""
 
     attention: str = "dot"
     context_parallel: str = "gather"
     gather_latents: bool = False  # ShardingPlan.gather_latents
     frames_dtype: str = "uint8"  # float32: frames in [0, 1], for comparisons
-    # The plain build options' values by name (runtime.build_options: `quant`, ...): a program
+    # The plain build options' values by name (runtime.builds.build_options: `quant`, ...): a program
     # or a module made for an option reads it here.
     build: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -133,7 +133,7 @@ class Program:
     scoped_vmem: bool = False
     vmem_floor_mib: int = 0
     # What `aot build` records of it besides memory, FLOPs and collectives, by name
-    # (aot.analyses.ANALYSES).
+    # (aot.building.analyses.ANALYSES).
     analyses: tuple[str, ...] = ()
     # What to change when it does not fit the target's on-chip memory (VMEM), for the error.
     vmem_hint: str | None = None

@@ -5,7 +5,7 @@ its settings are defined and spelled. No jax: the runtime reads them to pick eac
 steps of a generation and the first `dense_layers` blocks of every step stay dense, as in the
 official Wan script; the other steps run `radial_step`, whose remaining blocks attend through
 the mask of `block`-token blocks and temporal `decay`. A block left out is the kernel's own,
-which the build resolves (`aot.plan.choose_radial`): the official 128 where the kernel's blocks
+which the build resolves (`aot.building.plan.choose_radial`): the official 128 where the kernel's blocks
 fit in it, splash's 1024 on TPU, whose kernel computes a block it keeps whole and loses time on
 partly kept ones.
 """
