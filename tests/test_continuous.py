@@ -22,8 +22,9 @@ from aot.building.plan import plan_build
 from aot.targets import parse_target
 from runtime.builds.loader import Request
 from runtime.generation.batching import Settings, Video
+from runtime.generation.compiles import CompileCounter
 from runtime.generation.continuous import SlotBatch
-from runtime.generation.pipeline import CompileCounter, Pipeline
+from runtime.generation.pipeline import Pipeline
 from wan.configs import ModelConfig, VideoShape
 
 

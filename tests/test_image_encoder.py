@@ -15,7 +15,7 @@ import torch
 from flax import nnx
 from transformers import CLIPVisionConfig, CLIPVisionModel, CLIPVisionModelWithProjection
 
-from wan.configs import ImageEncoderConfig
+from wan.component_configs import ImageEncoderConfig
 from wan.models.image_encoder import CLIPVisionEncoder
 from wan.strict_config import ConfigKeyError, WeightError
 from wan.weights import flatten, import_folder, unflatten

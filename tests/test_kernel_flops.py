@@ -15,7 +15,8 @@ from aot.hlo import cost as hlo_cost
 from aot.targets import parse_target
 from runtime.builds.artifact import read_manifest
 from wan import sharding
-from wan.configs import ImageEncoderConfig, VideoShape
+from wan.component_configs import ImageEncoderConfig
+from wan.configs import VideoShape
 from wan.presets import PRESETS
 
 TINY = PRESETS["tiny"]

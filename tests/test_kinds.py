@@ -23,22 +23,18 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from wan import checkpoint, kinds, programs, weights
-from wan.configs import (
-    CHECKPOINT_MARKER,
-    NO_OP_KEYS,
+from wan.component_configs import (
     WAN21_LATENTS_MEAN,
     WAN21_LATENTS_STD,
     WAN22_LATENTS_MEAN,
     WAN22_LATENTS_STD,
-    ModelConfig,
     TextEncoderConfig,
     TransformerConfig,
     VAE22Config,
     VAEConfig,
     VAEKindConfig,
-    VideoShape,
-    WeightError,
 )
+from wan.configs import CHECKPOINT_MARKER, NO_OP_KEYS, ModelConfig, VideoShape, WeightError
 from wan.models.text_encoder import UMT5Encoder
 from wan.models.transformer import WanTransformer
 from wan.models.vae import WanVAE

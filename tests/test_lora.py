@@ -19,7 +19,8 @@ from diffusers import WanTransformer3DModel
 from safetensors.numpy import save_file
 
 from runtime.builds.loader import Request
-from runtime.generation.pipeline import CompileCounter, Pipeline
+from runtime.generation.compiles import CompileCounter
+from runtime.generation.pipeline import Pipeline
 from wan import checkpoint, kinds, lora, programs, sharding, weights
 from wan.configs import VideoShape
 from wan.presets import PRESETS

@@ -10,7 +10,8 @@ from conftest import TINY_SHAPE
 
 from runtime.builds.artifact import ArtifactError
 from runtime.builds.loader import Request
-from runtime.generation.pipeline import CompileCounter, Pipeline, no_compilation
+from runtime.generation.compiles import CompileCounter, no_compilation
+from runtime.generation.pipeline import Pipeline
 from wan.configs import VideoShape
 
 

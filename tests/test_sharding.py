@@ -30,7 +30,8 @@ from conftest import compile_program, deviceless_tpu_devices
 from aot import hlo, targets
 from aot.hlo import vae_gathers
 from wan import axes, interface, programs, schedulers, sharding
-from wan.configs import VAEConfig, VideoShape
+from wan.component_configs import VAEConfig
+from wan.configs import VideoShape
 from wan.presets import PRESETS
 from wan.random_weights import random_params
 

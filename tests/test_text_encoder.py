@@ -17,7 +17,7 @@ from flax import nnx
 from transformers import AutoTokenizer, UMT5Config, UMT5EncoderModel
 from transformers.models.umt5.modeling_umt5 import UMT5Attention
 
-from wan.configs import TextEncoderConfig
+from wan.component_configs import TextEncoderConfig
 from wan.models.text_encoder import UMT5Encoder, prompt_embeddings, relative_position_buckets
 from wan.presets import PRESETS
 from wan.tokenizer import TokenizerError, build_word_tokenizer, load_tokenizer, tokenize

@@ -31,7 +31,8 @@ from aot import hlo
 from aot.building.plan import BuildError, check_shape
 from runtime.builds.artifact import read_manifest
 from wan import kinds, programs, sharding
-from wan.configs import ModelConfig, TransformerConfig, VAE22Config, VideoShape
+from wan.component_configs import TransformerConfig, VAE22Config
+from wan.configs import ModelConfig, VideoShape
 from wan.models.transformer import WanTransformer
 from wan.models.vae22 import WanVAE22
 from wan.presets import PRESETS

@@ -11,7 +11,7 @@ import torch
 from diffusers import WanTransformer3DModel
 from flax import nnx
 
-from wan.configs import TransformerConfig
+from wan.component_configs import TransformerConfig
 from wan.models.transformer import WanTransformer
 from wan.presets import PRESETS
 from wan.sharding import TRANSFORMER_RULES, axis_rules, make_mesh

@@ -17,7 +17,7 @@ from diffusers.models.autoencoders.autoencoder_kl_wan import WanAttentionBlock
 from flax import nnx
 
 from wan import sharding
-from wan.configs import VAEConfig
+from wan.component_configs import VAEConfig
 from wan.models.vae import Conv3d, WanVAE, denormalize_latents
 from wan.models.vae_encoder import WanVAEEncoder
 from wan.presets import PRESETS

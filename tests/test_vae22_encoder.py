@@ -15,7 +15,7 @@ from conftest import tiny_wan22_vae
 from diffusers import AutoencoderKLWan
 from flax import nnx
 
-from wan.configs import VAE22Config
+from wan.component_configs import VAE22Config
 from wan.models.vae22_encoder import WanVAE22Encoder
 from wan.weights import flatten, import_folder, unflatten
 from wan.weights.vae import encoder_rule

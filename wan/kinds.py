@@ -171,7 +171,7 @@ def part(config: Any, folder: str) -> Any:
 
 
 def of(part: Any) -> ComponentKind:
-    """The kind of a component's config (`wan.configs.ComponentConfig`)."""
+    """The kind of a component's config (`wan.component_configs.ComponentConfig`)."""
     return lookup(part.component, part.kind)
 
 
@@ -189,7 +189,7 @@ register(
     ComponentKind(
         component="transformer",
         name="per_video",  # one timestep per video (Wan 2.1, Wan 2.2 A14B)
-        config="wan.configs:TransformerConfig",
+        config="wan.component_configs:TransformerConfig",
         module="wan.models.transformer:WanTransformer",
         rule="wan.weights.transformer:rule",
         module_options=("attention", "context_parallel", "quant", "attention_quant"),
@@ -200,7 +200,7 @@ register(
     ComponentKind(
         component="vae",
         name="wan2.1",  # 16 channels, 4x time, 8x space (also Wan 2.2 A14B's)
-        config="wan.configs:VAEConfig",
+        config="wan.component_configs:VAEConfig",
         module="wan.models.vae:WanVAE",
         rule="wan.weights.vae:rule",
         param_dtype="float32",  # the decoder's weights stay float32 (its activations do not)
@@ -221,7 +221,7 @@ register(
     ComponentKind(
         component="vae",
         name="wan2.2",  # TI2V-5B's: 48 channels, 4x time, 16x space (2x of it a pixel patch)
-        config="wan.configs:VAE22Config",
+        config="wan.component_configs:VAE22Config",
         module="wan.models.vae22:WanVAE22",
         rule="wan.weights.vae:rule",  # the same module names: the same tensor mapping
         param_dtype="float32",
@@ -235,7 +235,7 @@ register(
     ComponentKind(
         component="text_encoder",
         name="umt5",
-        config="wan.configs:TextEncoderConfig",
+        config="wan.component_configs:TextEncoderConfig",
         module="wan.models.text_encoder:UMT5Encoder",
         rule="wan.weights.text_encoder:rule",
     )
@@ -244,7 +244,7 @@ register(
     ComponentKind(
         component="image_encoder",
         name="clip_vision",  # Wan 2.1 image-to-video's CLIP ViT-H/14
-        config="wan.configs:ImageEncoderConfig",
+        config="wan.component_configs:ImageEncoderConfig",
         module="wan.models.image_encoder:CLIPVisionEncoder",
         rule="wan.weights.image_encoder:rule",
     )

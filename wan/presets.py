@@ -5,15 +5,14 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from wan.configs import (
+from wan.component_configs import (
     ImageEncoderConfig,
-    ModelConfig,
-    SchedulerConfig,
     TextEncoderConfig,
     TransformerConfig,
     VAE22Config,
     VAEConfig,
 )
+from wan.configs import ModelConfig, SchedulerConfig
 from wan.errors import InputError
 
 _UMT5_XXL = TextEncoderConfig()

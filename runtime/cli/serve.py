@@ -226,7 +226,8 @@ def serve_cmd(
     )
     import jax
 
-    from runtime.generation.pipeline import CompileCounter, Pipeline
+    from runtime.generation.compiles import CompileCounter
+    from runtime.generation.pipeline import Pipeline
     from runtime.serve.server import serve
     from runtime.serve.service import Service
 

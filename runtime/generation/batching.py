@@ -19,7 +19,7 @@ from runtime.generation.request import MAX_SEED, RequestError, check_text
 from wan.bounded_read import parse_json, read_bytes
 
 if TYPE_CHECKING:
-    from runtime.generation.pipeline import GenerationReport
+    from runtime.generation.report import GenerationReport
     from runtime.generation.step_cache import CacheRequest
 
 

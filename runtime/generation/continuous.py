@@ -22,8 +22,9 @@ import jax
 import numpy as np
 
 from runtime.generation.batching import Settings, Video
+from runtime.generation.compiles import no_compilation
 from runtime.generation.denoise import place
-from runtime.generation.pipeline import Pipeline, handoff, no_compilation
+from runtime.generation.pipeline import Pipeline, handoff
 from runtime.generation.request import RequestError, check_settings, initial_latents
 from wan import interface, schedulers
 

@@ -9,11 +9,10 @@ jax.distributed every process runs this same code on its own devices (SPMD).
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import functools
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,9 @@ from PIL.Image import Image as PILImage
 from runtime.builds.artifact import ArtifactError, BuildKey, Manifest
 from runtime.builds.loader import Present, Request, load_build, match_build
 from runtime.generation import clock, images
+from runtime.generation.compiles import no_compilation
 from runtime.generation.denoise import Denoiser, place
+from runtime.generation.report import GenerationReport, MemoryOutcome, SparseOutcome
 from runtime.generation.request import (
     RequestError,
     check_image,
@@ -40,50 +41,9 @@ from wan.errors import InputError
 from wan.presets import model_spec
 from wan.weights import flatten
 
-COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-
 
 class NonFiniteError(InputError):
     """The latents became NaN or infinite during the denoising: the video would be black."""
-
-
-class CompileCounter:
-    """Counts backend compilations in this process: jax.monitoring reports every one (a
-    persistent-cache hit too). One listener per process, installed on first use."""
-
-    _total = 0
-    _installed = False
-
-    def __init__(self) -> None:
-        if not CompileCounter._installed:
-            jax.monitoring.register_event_duration_secs_listener(CompileCounter._listen)
-            CompileCounter._installed = True
-        self.start = CompileCounter._total
-
-    @staticmethod
-    def _listen(event: str, duration: float, **kwargs: Any) -> None:
-        if event == COMPILE_EVENT:
-            CompileCounter._total += 1
-
-    @property
-    def count(self) -> int:
-        """Compilations since this counter was made."""
-        return CompileCounter._total - self.start
-
-
-@contextlib.contextmanager
-def no_compilation() -> Iterator[CompileCounter]:
-    """jax's no-tracing mode (any jit cache miss or eager op raises) plus a compile counter;
-    a compilation that still happens fails the block."""
-    counter = CompileCounter()
-    previous = jax.config.jax_no_tracing
-    jax.config.update("jax_no_tracing", True)
-    try:
-        yield counter
-    finally:
-        jax.config.update("jax_no_tracing", previous)
-    if counter.count:
-        raise ArtifactError(f"{counter.count} compilation(s) happened during generation")
 
 
 def handoff(x: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
@@ -103,51 +63,6 @@ def _abstract(args_info: Any, shardings: Any) -> Any:
         shardings,
         is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"),
     )
-
-
-@dataclasses.dataclass
-class GenerationReport:
-    compile_count: int
-    started_at: float  # epoch seconds when generation began
-    seconds_to_first_step: float  # from generate(): prompt encoding and KV caches done
-    seconds_denoising: float
-    seconds_total: float
-    steps: int
-    steps_per_second: float
-    build: str
-    # From the OS's start of this process: what a user of a fresh process waits for.
-    seconds_from_process_start_to_first_step: float
-    seconds_from_process_start_to_video: float  # frames on the host (`runtime run`: files written)
-    # Seconds per phase: deserialize, weights (Pipeline.load), text_encode, kv_cache, denoise,
-    # vae_decode; `runtime run` adds imports (process start to loading) and write.
-    phases: dict[str, float]
-    sampler: str  # the sampler and flow shift the step tables were made for
-    shift: float
-    loras: list[lora.AppliedLora]  # merged into the weights at load
-    cache: CacheOutcome  # step caching: what it skipped (`cache` None: off)
-    # A --sparse-attention build's settings and the steps that ran dense (the others: its
-    # sparse step); None: every step dense.
-    sparse_attention: SparseOutcome | None = None
-    memory: MemoryOutcome | None = None
-    step_seconds: list[float] = dataclasses.field(default_factory=list)  # each step, in order
-
-
-@dataclasses.dataclass
-class MemoryOutcome:
-    """Where the weights were kept, the peak the build predicts for that, and what the first
-    local device reports (None where it reports nothing: CPU): bytes per device."""
-
-    placement: dict[str, str]
-    predicted_peak_bytes: int
-    predicted_at: str  # the program where the prediction peaks
-    device_peak_bytes: int | None  # the process's peak so far (`memory_stats`)
-    device_limit_bytes: int | None
-
-
-@dataclasses.dataclass
-class SparseOutcome:
-    settings: str  # wan.sparse_attention's spelling, e.g. radial:0.2:12:1:128
-    dense_steps: list[int]
 
 
 LoraSpecs = Sequence[tuple[str | Path, float]]  # (file, scale) pairs

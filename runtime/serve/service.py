@@ -38,7 +38,7 @@ from runtime.serve.openai_dialect import (
     video_object,
 )
 from runtime.serve.peers import JobChannel, batch_message, exit_now
-from wan.configs import VAEKindConfig
+from wan.component_configs import VAEKindConfig
 
 if TYPE_CHECKING:  # jax: imported by runtime.cli.serve once the port is bound
     import numpy as np

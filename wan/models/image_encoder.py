@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from wan import axes
-from wan.configs import ImageEncoderConfig
+from wan.component_configs import ImageEncoderConfig
 from wan.models.partitioned import logical_init
 from wan.sharding import constrain
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from wan import axes
-from wan.configs import TextEncoderConfig
+from wan.component_configs import TextEncoderConfig
 from wan.models.partitioned import logical_init
 from wan.sharding import constrain
 

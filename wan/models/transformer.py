@@ -27,7 +27,7 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from wan import axes
-from wan.configs import TransformerConfig
+from wan.component_configs import TransformerConfig
 from wan.models.attention import CONTEXT_PARALLEL
 from wan.models.attention import attention as multi_head_attention
 from wan.models.attention import resolve as resolve_attention

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from wan import axes
-from wan.configs import VAEConfig
+from wan.component_configs import VAEConfig
 from wan.models.partitioned import logical_init
 from wan.sharding import VIDEO, constrain, current_spec
 

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from wan.configs import VAE22Config
+from wan.component_configs import VAE22Config
 from wan.models.vae import (
     Cache,
     Decoder,

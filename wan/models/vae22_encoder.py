@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from wan.configs import VAE22Config
+from wan.component_configs import VAE22Config
 from wan.models.vae import Cache, Make, MidBlock, ResidualBlock, chain, pin
 from wan.models.vae_encoder import ENCODE_CHUNK, Downsample, Encoder, WanVAEEncoder, stream
 from wan.sharding import VIDEO, constrain

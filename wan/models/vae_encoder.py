@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from wan.configs import VAEConfig
+from wan.component_configs import VAEConfig
 from wan.models.vae import (
     AttentionBlock,
     Cache,
