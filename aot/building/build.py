@@ -234,6 +234,14 @@ def _compile_all(
         if reused and progress is not None:
             by_worker = statuses[program.name] == "compiled"
             progress(f"{label} {'compiled by a worker' if by_worker else 'reused'}")
+    return _manifest(plan, entries, fingerprint, ledger), statuses
+
+
+def _manifest(
+    plan: BuildPlan, entries: dict[str, ProgramEntry], fingerprint: str, ledger: CallLedger
+) -> Manifest:
+    """The build's manifest: its programs' entries, the devices, the placement of its weights
+    and the resident peak that makes (wan.residency)."""
     devs = devices(plan.target)  # both meshes lay the devices out in this order
     process_count, local_device_count = host_layout(devs)
     notes = []
@@ -246,7 +254,7 @@ def _compile_all(
     placement, weights = _placement(plan, entries, ledger)
     memory = program_memory(entries)
     peak, at = residency.resident_peak(plan.key.programs, memory, weights, placement)
-    manifest = Manifest(
+    return Manifest(
         schema_version=SCHEMA_VERSION,
         key=plan.key,
         model_config=plan.config.to_dict(),
@@ -274,7 +282,6 @@ def _compile_all(
         resident_peak_program=at,
         signed_by=ledger.signer.key_id if ledger.signer else None,
     )
-    return manifest, statuses
 
 
 def store_program(

@@ -75,6 +75,7 @@ class BuildPlan:
         return self.sharding_plan.transformer
 
 
+# Longer than most: each default resolved in the order the next one needs it.
 def plan_build(
     model_name: str,
     config: ModelConfig,
@@ -99,19 +100,7 @@ def plan_build(
     options = plain_option_values(plain)
     quant_mode = dict(options)["quant"]
     check_quant(quant_mode, target)
-    if dict(options)["continuous"] and dict(options)["pipeline"] != "t2v":
-        raise BuildError(
-            "--continuous builds text to video only: build image to video without --continuous"
-        )
-    if dict(options)["continuous"] and dict(options)["step_cache"]:
-        raise BuildError(
-            "--continuous with --step-cache: a continuous batch's videos are at different steps, "
-            "and step caching decides for a whole batch whether its blocks run; build one or "
-            "the other"
-        )
-    radial = sparse_attention.parse(dict(options)["sparse_attention"])
-    if radial is not None:
-        check_radial(radial, config, dict(options))
+    radial = check_combinations(dict(options), config)
     default = sharding.default_mesh(
         num_devices, shape.step_batch, transformer_bytes(config, quant_mode), target.hbm_bytes
     )
@@ -164,6 +153,26 @@ def plan_build(
         options=options,
     )
     return BuildPlan(config, shape, target, layout, attention, key, mesh == default)
+
+
+def check_combinations(
+    options: dict[str, Any], config: ModelConfig
+) -> sparse_attention.Radial | None:
+    """The plain options that do not go together refused; the Radial settings, if any."""
+    if options["continuous"] and options["pipeline"] != "t2v":
+        raise BuildError(
+            "--continuous builds text to video only: build image to video without --continuous"
+        )
+    if options["continuous"] and options["step_cache"]:
+        raise BuildError(
+            "--continuous with --step-cache: a continuous batch's videos are at different steps, "
+            "and step caching decides for a whole batch whether its blocks run; build one or "
+            "the other"
+        )
+    radial = sparse_attention.parse(options["sparse_attention"])
+    if radial is not None:
+        check_radial(radial, config, options)
+    return radial
 
 
 def check_radial(radial: sparse_attention.Radial, config: ModelConfig, options: dict) -> None:

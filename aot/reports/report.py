@@ -164,9 +164,10 @@ def _memory_line(m: Manifest) -> str:
     return line
 
 
-def inspect_text(m: Manifest) -> str:
+def _inspect_head(m: Manifest) -> list[str]:
+    """The build's lines above its programs' table."""
     k = m.key
-    head = [
+    return [
         f"build      {k.folder_name()}",
         f"model      {k.model} (config {m.model_hash})",
         f"video      {k.width}x{k.height} (WxH), {k.frames} frames, batch {k.batch}, cfg {'on' if k.cfg else 'off'}",
@@ -208,6 +209,10 @@ def inspect_text(m: Manifest) -> str:
         ),
         "",
     ]
+
+
+def inspect_text(m: Manifest) -> str:
+    head = _inspect_head(m)
     rows = []
     for name, p in m.programs.items():
         mem = p.memory

@@ -481,6 +481,7 @@ def _check_shards(executable: Any, inputs: tuple[list, list], outputs: tuple[lis
             )
 
 
+# Longer than most: jax's own assembly of a Compiled, in its order, each part checked first.
 def _compiled(header: ExecutableHeader, xla: bytes, devices: Sequence[Any]) -> Any:
     """jax's Compiled, built as jax builds it after a compile (pxla.UnloadedMeshExecutable
     .from_hlo) from the header and XLA's deserialized executable."""

@@ -172,6 +172,7 @@ from wan.presets import model_spec
 @cli_options.cache_options
 @cli_options.PLACEMENT
 @cli_options.job_options
+# Longer than most: the start in order, each check before the load or the port it protects.
 def serve_cmd(
     artifacts, weights, lora_args, build_names, host, port, out_dir, job_store, replica, lease,
     max_attempts, max_queue, batch_window,

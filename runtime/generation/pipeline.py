@@ -186,19 +186,7 @@ class Pipeline:
         for the first request (`runtime run`: its transfer overlaps the rest of the load)."""
         config = config or ModelConfig.from_folder(weights)
         lora.check_experts(config.num_experts, loras_2)
-        # Placed as the first program taking them wants them: the build gives every program of
-        # a component the same parameter shardings.
-        abstracts = {}
-        for component in interface.components(config.num_experts, key.programs):
-            program = interface.first_program_taking(component, key.programs)
-            info, shardings = (
-                interface.named(program, inputs)["params"]
-                for inputs in (
-                    executables[program].args_info[0],
-                    executables[program].input_shardings[0],
-                )
-            )
-            abstracts[component] = _abstract(info, shardings)
+        abstracts = _component_abstracts(executables, key, config.num_experts)
         deltas, applied = {}, []
         for component, specs in (("transformer", loras), ("transformer_2", loras_2)):
             if specs:
@@ -242,6 +230,7 @@ class Pipeline:
         """`program` on `inputs` (by name), its outputs by name."""
         return self.exe[program](*interface.positional(program, inputs))
 
+    # Longer than most: a generation's phases in the order they run, each timed.
     def generate(
         self,
         prompt: str | list[str],
@@ -574,6 +563,25 @@ def _clip_processor(weights: str | Path, size: int) -> images.ClipProcessor:
             "model's original image_processor/preprocessor_config.json"
         )
     return processor
+
+
+def _component_abstracts(
+    executables: dict[str, Any], key: BuildKey, num_experts: int
+) -> dict[str, Any]:
+    """Each component's parameters as the first program taking them wants them (shapes,
+    dtypes, shardings): the build gives every program of a component the same shardings."""
+    abstracts = {}
+    for component in interface.components(num_experts, key.programs):
+        program = interface.first_program_taking(component, key.programs)
+        info, shardings = (
+            interface.named(program, inputs)["params"]
+            for inputs in (
+                executables[program].args_info[0],
+                executables[program].input_shardings[0],
+            )
+        )
+        abstracts[component] = _abstract(info, shardings)
+    return abstracts
 
 
 def _placement(component: str, abstract: Any) -> tuple[Any, ...]:

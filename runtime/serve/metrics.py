@@ -59,6 +59,7 @@ class _Counts(Collector):
     def __init__(self, service: Service):
         self.service = service
 
+    # Longer than most: every family /metrics gives, in the order it lists them.
     def collect(self) -> Iterator[Metric]:
         s = self.service
         m, counts = s.metrics, s.store.counts()

@@ -76,6 +76,7 @@ def _blocks(x: jax.Array, size: int) -> jax.Array:
     return x.reshape(b, s // size, size, h, d).swapaxes(0, 1)
 
 
+# Longer than most: one online softmax with its sparse and 8-bit variants (the kernels' reference).
 def blockwise_attention(
     q: jax.Array,
     k: jax.Array,
