@@ -51,7 +51,7 @@ def test_only_what_lowers_differently_is_compiled_again(tmp_path):
     assert _aot(tree, out)["skipped"]
 
     # The decode's output mapping changes: its program is compiled again, the others reused.
-    _edit(tree / "wan" / "programs.py", "/ 2 + 0.5, 0.0, 1.0)", "/ 2 + 0.25, 0.0, 1.0)")
+    _edit(tree / "wan" / "programs" / "decode.py", "/ 2 + 0.5, 0.0, 1.0)", "/ 2 + 0.25, 0.0, 1.0)")
     again = _aot(tree, out)
     assert not again["skipped"]
     assert again["programs"].pop("vae_decode") == "compiled"
