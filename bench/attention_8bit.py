@@ -12,11 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+import fixtures  # bench/fixtures.py, beside this script
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -97,27 +97,21 @@ def accuracy(tokens: int) -> dict:
     return found
 
 
-def run_cli(*args: str) -> str:
-    done = subprocess.run([str(BIN / args[0]), *args[1:]], capture_output=True, text=True)
-    if done.returncode != 0:
-        sys.exit(f"{shlex.join(args)} failed: {done.stderr.strip().splitlines()[-1:]}")
-    return done.stdout
-
-
-def pipelines(steps: int) -> dict:
+def pipelines(steps: int, frames: int, given: Path | None) -> dict:
     """Tiny builds (blockwise, cpu-8) in full precision, int8 and fp8, one request each; PSNR
-    of each 8-bit build's frames against the full-precision build's, and of another seed's."""
-    shape = ["--res", "64x128", "--frames", "17", "--batch", "1"]
+    of each 8-bit build's frames against the full-precision build's, and of another seed's.
+    `given`: the tiny weights to use (else random ones are written)."""
+    shape = ["--res", "64x128", "--frames", str(frames), "--batch", "1"]
     with tempfile.TemporaryDirectory(prefix="attention_8bit-") as scratch:
         root = Path(scratch)
-        run_cli("python", "-m", "wan.random_weights", "--model", "tiny", "--out", str(root / "w"))
+        weights = fixtures.random_weights("tiny", root / "w", given)
         frames = {}
         for name, fmt, seed in [("none", "none", 3), ("int8", "int8", 3), ("fp8", "fp8", 3),
                                 ("another seed", "none", 4)]:  # fmt: skip
             out = root / fmt
-            run_cli("aot", "build", "--model", "tiny", *shape, "--target", "cpu-8",
+            fixtures.tool("aot", "build", "--model", "tiny", *shape, "--target", "cpu-8",
                     "--attention", "blockwise", "--attention-quant", fmt, "--out", str(out))  # fmt: skip
-            run_cli("runtime", "run", "--artifacts", str(out), "--weights", str(root / "w"),
+            fixtures.tool("runtime", "run", "--artifacts", str(out), "--weights", str(weights),
                     *shape, "--prompt", "a fox in the snow", "--steps", str(steps), "--seed",
                     str(seed), "--out", str(root / f"{name}.mp4"), "--save-frames",
                     str(root / f"{name}.npy"))  # fmt: skip
@@ -133,12 +127,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=4, help="the pipelines' steps")
     parser.add_argument("--tokens", type=int, default=TOKENS, help="the attention inputs' tokens")
+    parser.add_argument("--frames", type=int, default=17, help="the pipelines' frames")
+    parser.add_argument("--weights", type=Path, help="tiny weights (default: random, written)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/attention_8bit.json")
     args = parser.parse_args()
     row = {
         "command": shlex.join(["python", "bench/attention_8bit.py", *sys.argv[1:]]),
         "accuracy_against_bf16": accuracy(args.tokens),
-        "pipeline_psnr_db_against_full_precision": pipelines(args.steps),
+        "pipeline_psnr_db_against_full_precision": pipelines(args.steps, args.frames, args.weights),
     }
     record.save(args.out, row)
     print(json.dumps(row, indent=1))

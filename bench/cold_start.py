@@ -29,6 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import fixtures  # bench/fixtures.py, beside this script
 import record  # bench/record.py, beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,17 +77,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         artifacts, cache = tmp / "artifacts", tmp / "jax-cache"
-        weights = args.weights or tmp / "weights"
-        if not args.weights:
-            subprocess.run([str(BIN / "python"), "-m", "wan.random_weights", "--model", args.model,
-                            "--out", str(weights)], check=True, capture_output=True)  # fmt: skip
-        build = subprocess.run([str(BIN / "aot"), "build", "--model", args.model, *shape,
-                                "--target", args.target, "--out", str(artifacts), "--json"],
-                               check=True, capture_output=True, text=True)  # fmt: skip
-        compile_seconds = sum(
-            p["compile_seconds"]
-            for p in json.loads(build.stdout)[0]["manifest"]["programs"].values()
-        )
+        weights = fixtures.random_weights(args.model, tmp / "weights", args.weights)
+        (build,) = fixtures.build("--model", args.model, *shape, "--target", args.target,
+                                  "--out", artifacts)  # fmt: skip
+        compile_seconds = sum(p["compile_seconds"] for p in build["manifest"]["programs"].values())
         report = tmp / "report.json"
         variants = {
             "A_runtime": ([str(BIN / "runtime"), "run", "--artifacts", str(artifacts), "--weights",

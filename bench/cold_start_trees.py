@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+import fixtures  # bench/fixtures.py, beside this script
 import record  # bench/record.py, beside this script
 
 BIN = Path(sys.executable).parent
@@ -30,11 +29,6 @@ PHASES = {
     "deserialize": lambda r: r["phases"]["deserialize"],
     "total": lambda r: r["seconds_from_process_start_to_video"],
 }
-
-
-def tool(tree: Path, name: str, *args: str) -> None:
-    env = {**os.environ, "PYTHONPATH": str(tree.resolve())}
-    subprocess.run([str(BIN / name), *args], check=True, capture_output=True, env=env)
 
 
 def main() -> None:
@@ -52,26 +46,23 @@ def main() -> None:
     trees = {"before": args.before, "after": args.after}
     with tempfile.TemporaryDirectory() as scratch:
         root = Path(scratch)
-        weights = args.weights or root / "w"
-        if not args.weights:
-            tool(args.after, "python", "-m", "wan.random_weights", "--model", "tiny",
-                 "--out", str(weights))  # fmt: skip
+        weights = fixtures.random_weights("tiny", root / "w", args.weights, args.after)
         artifacts: dict[Path, Path] = {}  # each tree's build: the same tree twice builds once
         for name, tree in trees.items():
             if tree.resolve() not in artifacts:
                 artifacts[tree.resolve()] = root / name
-                tool(tree, "aot", "build", "--model", "tiny", *shape, "--target", "cpu-8",
-                     "--out", str(root / name))  # fmt: skip
+                fixtures.build("--model", "tiny", *shape, "--target", "cpu-8", "--out",
+                               root / name, tree=tree)  # fmt: skip
         runs: dict[str, list[dict]] = {name: [] for name in trees}
         loads = []
         for _ in range(args.repeats):
             loads.append(record.host_load())
             for name, tree in trees.items():
                 report = root / f"{name}.json"
-                tool(tree, "runtime", "run", "--artifacts", str(artifacts[tree.resolve()]),
-                     "--weights", str(weights), *shape, "--prompt", "a cat",
-                     "--steps", str(args.steps), "--out", str(root / "v.mp4"),
-                     "--report", str(report))  # fmt: skip
+                fixtures.tool("runtime", "run", "--artifacts", artifacts[tree.resolve()],
+                              "--weights", weights, *shape, "--prompt", "a cat",
+                              "--steps", str(args.steps), "--out", root / "v.mp4",
+                              "--report", report, tree=tree)  # fmt: skip
                 runs[name].append(json.loads(report.read_text()))
     seconds = {
         name: {phase: record.spread([read(r) for r in reports]) for phase, read in PHASES.items()}

@@ -18,12 +18,12 @@ from __future__ import annotations
 import argparse
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import fixtures  # bench/fixtures.py, beside this script
 import record  # noqa: E402  (bench/record.py, beside this script)
 
 BIN = Path(sys.executable).parent
@@ -53,15 +53,11 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        full = args.weights or root / "weights"
-        if not args.weights:
-            subprocess.run([str(BIN / "python"), "-m", "wan.random_weights", "--model", args.model,
-                            "--out", str(full)], check=True)  # fmt: skip
+        full = fixtures.random_weights(args.model, root / "weights", args.weights)
         stored = quantize_checkpoint(full, "w8a8-int8", root / "weights-int8")
         for mode in ("none", "w8a8-int8"):
-            subprocess.run([str(BIN / "aot"), "build", "--model", args.model, *shape, "--target",
-                            "cpu-8", "--quant", mode, "--out", str(root / "artifacts")],
-                           check=True)  # fmt: skip
+            fixtures.build("--model", args.model, *shape, "--target", "cpu-8", "--quant", mode,
+                           "--out", root / "artifacts")  # fmt: skip
         builds = sorted(p for p in (root / "artifacts").iterdir() if not p.name.startswith("."))
         plain, int8 = (next(b for b in builds if ("_w8a8" in b.name) == q) for q in (False, True))
         config = ModelConfig.from_folder(full)

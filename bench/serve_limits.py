@@ -16,27 +16,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import socket
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import fixtures  # bench/fixtures.py, beside this script
 import httpx
 from record import host_load, save, spread
-from serve_load import free_port
 
-BIN = Path(sys.executable).parent
 SHAPE = ["--res", "64x96", "--frames", "5", "--batch", "1"]
 BODY_MB = 200
-
-
-def env_of(tree: Path) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(tree.resolve())}
 
 
 def rss_mib(pid: int) -> int:
@@ -71,22 +64,10 @@ def is_closed(s: socket.socket) -> bool:
 
 
 def measure(tree: Path, artifacts: Path, weights: Path, out: Path, heads: int, wait: float) -> dict:
-    port = free_port()
-    server = subprocess.Popen(
-        [str(BIN / "runtime"), "serve", "--artifacts", str(artifacts), "--weights", str(weights),
-         "--port", str(port), "--out-dir", str(out)],
-        env=env_of(tree), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300)
+    server, url = fixtures.serve(artifacts, weights, out, tree=tree)
+    port = int(url.rsplit(":", 1)[1])
+    client = httpx.Client(base_url=url, timeout=300)
     try:
-        while True:
-            try:
-                if client.get("/healthz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                if server.poll() is not None:  # it failed to start: say so, never wait forever
-                    raise SystemExit(f"runtime serve exited with {server.returncode}") from None
-                time.sleep(0.2)
         result = {}
         prompt = b"x" * (BODY_MB << 20)
         declared = b'{"prompt": "' + prompt + b'", "size": "64x96", "frames": 5}'
@@ -147,18 +128,13 @@ def main() -> None:
     runs: dict[str, list[dict]] = {"before": [], "after": []}
     with tempfile.TemporaryDirectory() as scratch:
         root = Path(scratch)
-        weights = args.weights or root / "weights"
-        if not args.weights:
-            subprocess.run([str(BIN / "python"), "-m", "wan.random_weights", "--model", "tiny",
-                            "--out", str(weights)],
-                           env=env_of(args.after), check=True, capture_output=True)  # fmt: skip
+        weights = fixtures.random_weights("tiny", root / "weights", args.weights, args.after)
         built: dict[Path, Path] = {}  # each tree's build: the same tree twice builds once
         for name, tree in (("before", args.before), ("after", args.after)):
             if tree.resolve() not in built:
                 built[tree.resolve()] = root / name
-                subprocess.run([str(BIN / "aot"), "build", "--model", "tiny", *SHAPE, "--target",
-                                "cpu-8", "--out", str(root / name)],
-                               env=env_of(tree), check=True, capture_output=True)  # fmt: skip
+                fixtures.build("--model", "tiny", *SHAPE, "--target", "cpu-8", "--out",
+                               root / name, tree=tree)  # fmt: skip
         for round_ in range(args.rounds):  # the trees alternate: the host's load hits both
             for name, tree in (("before", args.before), ("after", args.after)):
                 load = host_load()

@@ -32,10 +32,8 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import contextlib
 import json
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,12 +42,13 @@ import time
 import urllib.request
 from pathlib import Path
 
+import fixtures  # bench/fixtures.py, beside this script
 import numpy as np
 from record import host_load, rows, save, spread
 
 ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
-POLL_S = 0.1
+BIN = fixtures.BIN
+POLL_S = fixtures.POLL_S
 
 
 def call(url: str, body: dict | None = None) -> dict:
@@ -69,12 +68,6 @@ def metrics(url: str) -> dict[str, float]:
     }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def trace(n: int, rate: float, seed: int = 0) -> list[float]:
     """Arrival seconds of n requests, Poisson at `rate` a second, the first at 0: the same draws
     for every rate, scaled."""
@@ -88,26 +81,9 @@ def body(i: int, args: argparse.Namespace) -> dict:
 
 
 def start_servers(artifacts: Path, weights: Path, outs: list[Path], *extra: str) -> list:
-    """`runtime serve` processes, one per folder of `outs` (a fleet: one folder, shared),
-    started together; (process, url) each once healthy."""
-    servers = []
-    for out in outs:
-        port = free_port()
-        process = subprocess.Popen(
-            [str(BIN / "runtime"), "serve", "--artifacts", str(artifacts), "--weights",
-             str(weights), "--port", str(port), "--out-dir", str(out), *extra],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        servers.append((process, f"http://127.0.0.1:{port}"))
-    for process, url in servers:
-        while True:
-            with contextlib.suppress(OSError):
-                if call(f"{url}/healthz")["status"] == "ok":
-                    break
-            if process.poll() is not None:
-                raise SystemExit(f"runtime serve exited with {process.returncode}")
-            time.sleep(POLL_S)
-    return servers
+    """`runtime serve` processes, one per folder of `outs` (a fleet: one folder, shared), each
+    once healthy: (process, url) each."""
+    return [fixtures.serve(artifacts, weights, out, *extra) for out in outs]
 
 
 def stop_servers(servers: list) -> None:
@@ -361,18 +337,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         artifacts = args.artifacts or work / "artifacts"
-        weights = args.weights or work / "weights"
-        if not args.weights:
-            subprocess.run([sys.executable, "-m", "wan.random_weights", "--model", args.model,
-                            "--out", str(weights)], check=True, capture_output=True)  # fmt: skip
+        weights = fixtures.random_weights(args.model, work / "weights", args.weights)
         names = []  # the build folders, in the order built: batch 1, batch B, continuous
         commands = (["--batch", "1", "--batch", str(args.batch)],
                     ["--batch", str(args.batch), "--continuous"])  # fmt: skip
         for extra in commands[: 1 if args.replicas else 2]:  # a fleet serves the batch build
-            built = subprocess.run([str(BIN / "aot"), "build", *shape, *extra, "--out",
-                                    str(artifacts), "--json"],
-                                   check=True, capture_output=True, text=True)  # fmt: skip
-            names += [Path(report["folder"]).name for report in json.loads(built.stdout)]
+            built = fixtures.build(*shape, *extra, "--out", artifacts)
+            names += [Path(report["folder"]).name for report in built]
         b = args.batch
         if args.replicas:
             row = {"command": command, "model": args.model, "res": args.res,

@@ -24,12 +24,12 @@ from __future__ import annotations
 import argparse
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import fixtures  # bench/fixtures.py, beside this script
 import record  # noqa: E402  (bench/record.py, beside this script)
 
 BIN = Path(sys.executable).parent
@@ -42,13 +42,9 @@ DEFAULTS = {
 
 
 def _build(model: str, shape: list[str], target: str, out: Path) -> Path:
-    subprocess.run(
-        [str(BIN / "aot"), "build", "--model", model, *shape, "--target", target,
-         "--step-cache", "--out", str(out)],
-        check=True,
-    )  # fmt: skip
-    (folder,) = [p for p in out.iterdir() if p.name.endswith("_stepcache")]
-    return folder
+    (built,) = fixtures.build("--model", model, *shape, "--target", target, "--step-cache",
+                              "--out", out)  # fmt: skip
+    return Path(built["folder"])
 
 
 def measured(model: str, shape: list[str], repeats: int, steps: int, weights: Path | None) -> dict:
@@ -62,13 +58,7 @@ def measured(model: str, shape: list[str], repeats: int, steps: int, weights: Pa
     from wan.configs import ModelConfig
 
     with tempfile.TemporaryDirectory() as tmp:
-        if weights is None:
-            weights = Path(tmp) / "weights"
-            subprocess.run(
-                [str(BIN / "python"), "-m", "wan.random_weights", "--model", model,
-                 "--out", str(weights)],
-                check=True,
-            )  # fmt: skip
+        weights = fixtures.random_weights(model, Path(tmp) / "weights", weights)
         folder = _build(model, shape, "cpu-8", Path(tmp) / "artifacts")
         config = ModelConfig.from_folder(weights)
         pipe = Pipeline.from_build(folder, read_manifest(folder), weights, config)
