@@ -42,20 +42,13 @@ def commit() -> str | None:
     None outside a git checkout (a copy of the tree on a device host keeps its .git)."""
     import subprocess
 
-    root = Path(__file__).resolve().parents[1]
+    def git(*args: str) -> str:
+        root = str(Path(__file__).resolve().parents[1])
+        return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True,
+                              check=True).stdout.strip()  # fmt: skip
+
     try:
-        head = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
+        head, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "-uno")
     except (OSError, subprocess.CalledProcessError):
         return None
     return head + ("+changes" if dirty else "")
