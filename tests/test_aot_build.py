@@ -265,9 +265,19 @@ def test_compile_failures_read_as_one_line():
         "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space "
         "vmem. Used 36.69M of 16.00M vmem. Exceeded vmem capacity by 20.69M.\n\nProgram vmem..."
     )
+    hint = (
+        "; try another --vae-vmem: larger where one allocation is over its limit, smaller where "
+        "the VMEM as a whole is"
+    )
     assert compile_failure(decode, v4) == (
         "vae_decode does not compile for this target (RESOURCE_EXHAUSTED: Used 36.69M of 16.00M "
-        "vmem); try a smaller --vae-vmem"
+        "vmem)" + hint
+    )
+    # TI2V-5B's decode at 1280x704 on v5e at the default 4 MiB: one allocation over the limit.
+    v5e = "RESOURCE_EXHAUSTED: Scoped allocation with size 4.71M and limit 4.00M exceeded."
+    assert compile_failure(decode, v5e) == (
+        "vae_decode does not compile for this target (RESOURCE_EXHAUSTED: Scoped allocation with "
+        "size 4.71M and limit 4.00M)" + hint
     )
     other = compile_failure(text_encode, "INTERNAL: something else\nmore")
     assert other == "text_encode does not compile for this target (INTERNAL: something else)"

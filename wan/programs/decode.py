@@ -55,7 +55,11 @@ def latents_handoff_program(
 # What the decode programs are besides their inputs: the host reads their frames; their
 # convolutions compile for the build's scoped VMEM; the build records their all-gathers.
 _DECODE = dict(
-    host_outputs=True, scoped_vmem=True, analyses=("vae_gathers",), vmem_hint="a smaller --vae-vmem"
+    host_outputs=True,
+    scoped_vmem=True,
+    analyses=("vae_gathers",),
+    vmem_hint="another --vae-vmem: larger where one allocation is over its limit, smaller where "
+    "the VMEM as a whole is",
 )
 
 
