@@ -70,7 +70,7 @@ class CallLedger:
     force: bool = False
     signer: SigningKey | None = None  # --sign-key: signs each manifest and store entry
     # --policy: its memory budget decides which weights are transient (wan.residency.plan)
-    policy: check.Policy | None = None
+    policy: check.Policy = dataclasses.field(default_factory=check.load_policy)
     compiled: set[str] = dataclasses.field(default_factory=set)
     reported: set[str] = dataclasses.field(default_factory=set)
     lowerings: dict[BuildKey, list[tuple[LoweredProgram, str]]] = dataclasses.field(
@@ -174,8 +174,7 @@ def _placement(
         c: entries[interface.first_program_taking(c, plan.key.programs)].param_bytes
         for c in interface.components(plan.config.num_experts, plan.key.programs)
     }
-    policy = ledger.policy or check.load_policy()
-    budget = policy.memory_rule(plan.key.target).budget(plan.target.hbm_bytes)
+    budget = ledger.policy.memory_rule(plan.key.target).budget(plan.target.hbm_bytes)
     return residency.plan(plan.key.programs, program_memory(entries), weights, budget), weights
 
 
