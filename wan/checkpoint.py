@@ -13,6 +13,7 @@ import concurrent.futures
 import json
 import os
 import shutil
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -253,6 +254,13 @@ def _in_threads(fn: Callable[[weights.Path_], Any], paths: Iterable[weights.Path
         return dict(zip(paths, pool.map(fn, paths), strict=True))
 
 
+# One host-to-device copy at a time, each finished before the next starts: concurrent copies of
+# large arrays each stage a host buffer of their own, and on the v5e host 11.4 GB placed from 13
+# threads at once took 12.8 s against 2 s one by one (bench/chip_transfer.py). The host's work
+# (conversions, LoRA merges, quantizing) still runs in parallel, outside the lock.
+_TRANSFER = threading.Lock()
+
+
 def _place(
     value: np.ndarray, target: jax.ShapeDtypeStruct, delta: ParamDelta | None = None
 ) -> jax.Array:
@@ -260,16 +268,23 @@ def _place(
     made once on the host (a view when nothing changes) and put on the devices holding it."""
     sharding = getattr(target, "sharding", None)
     if sharding is None:
-        return jax.device_put(_block(value, (), target.dtype, delta))
+        host = _block(value, (), target.dtype, delta)
+        with _TRANSFER:
+            return jax.block_until_ready(jax.device_put(host))
     blocks: dict[tuple, np.ndarray] = {}
-
-    def block(index: tuple[slice, ...]) -> np.ndarray:
-        bounds = tuple(s.indices(n) for s, n in zip(index, value.shape, strict=True))
+    for index in sharding.addressable_devices_indices_map(value.shape).values():
+        bounds = _bounds(index, value.shape)
         if bounds not in blocks:
             blocks[bounds] = _block(value, index, target.dtype, delta)
-        return blocks[bounds]
+    with _TRANSFER:
+        placed = jax.make_array_from_callback(
+            value.shape, sharding, lambda index: blocks[_bounds(index, value.shape)]
+        )
+        return jax.block_until_ready(placed)
 
-    return jax.make_array_from_callback(value.shape, sharding, block)
+
+def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple:
+    return tuple(s.indices(n) for s, n in zip(index, shape, strict=True))
 
 
 def _block(
@@ -288,7 +303,7 @@ def _merge_placed(array: jax.Array, delta: ParamDelta) -> jax.Array:
     memory: one shard; no device program, so nothing compiles)."""
     groups: dict[tuple, list[Any]] = {}
     for shard in array.addressable_shards:
-        bounds = tuple(s.indices(n) for s, n in zip(shard.index, array.shape, strict=True))
+        bounds = _bounds(shard.index, array.shape)
         groups.setdefault(bounds, []).append(shard)
     placed = {}
     for shards in groups.values():

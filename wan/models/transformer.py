@@ -195,13 +195,24 @@ def rope_tables(grid: tuple[int, int, int], head_dim: int) -> tuple[jax.Array, j
     return table(np.cos), table(np.sin)
 
 
+def _pair_swap(dim: int) -> np.ndarray:
+    """(dim, dim) matrix P with (x P)[2i] = -x[2i+1] and (x P)[2i+1] = x[2i]."""
+    swap = np.zeros((dim, dim), np.float32)
+    swap[1::2, 0::2] = -np.eye(dim // 2)
+    swap[0::2, 1::2] = np.eye(dim // 2)
+    return swap
+
+
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate consecutive channel pairs (x[2i], x[2i+1]) of (B, S, heads, D) by the angles."""
-    pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)
-    x1, x2 = pairs[..., 0], pairs[..., 1]
-    cos, sin = cos[None, :, None], sin[None, :, None]
-    rotated = jnp.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
-    return rotated.reshape(x.shape).astype(x.dtype)
+    """Rotate consecutive channel pairs (x[2i], x[2i+1]) of (B, S, heads, D) by the angles:
+    x[2i] cos - x[2i+1] sin and x[2i] sin + x[2i+1] cos, in fp32. Each channel's partner (signed)
+    comes from a matmul by a fixed +-1 permutation (each output one input, so exact): a pair axis
+    of 2 instead puts the sequence in the TPU's lanes and costs relayout copies of q and k in
+    every block (bench/chip_profile.py)."""
+    cos, sin = (jnp.repeat(t, 2, axis=-1)[None, :, None] for t in (cos, sin))
+    swap = jnp.asarray(_pair_swap(x.shape[-1]), x.dtype)
+    partner = jnp.einsum("...d,de->...e", x, swap, precision="highest")  # exact: one term each
+    return (x.astype(jnp.float32) * cos + partner.astype(jnp.float32) * sin).astype(x.dtype)
 
 
 class Attention(nnx.Module):
