@@ -5,8 +5,11 @@ fresh host memory.
 
     python bench/chip_transfer.py --weights W [--component text_encoder] [--repeat 2] --out FILE
 
-Every figure is seconds and GB/s of the component's stored bytes; the results go to FILE
-(bench/record.py rows).
+`load_component` places one parameter at a time, each copy finished before the next starts;
+"put from the map, N threads" queues every parameter's copy from N threads and waits at the
+end (`jax.device_put` returns before its copy is done, so even from 1 thread the copies are in
+flight together). Every figure is seconds and GB/s of the component's stored bytes; the results
+go to FILE (bench/record.py rows).
 """
 
 from __future__ import annotations
@@ -97,7 +100,7 @@ def main() -> None:
         measure(f"read, {cores} threads", lambda: read_parallel(stored, cores))
     record.save(args.out, {
         "command": shlex.join(sys.argv), "date": time.strftime("%Y-%m-%d"), "commit": record.commit(),
-        "device": str(devices[0].device_kind), "component": args.component, "gb": round(gb, 3),
+        "device": str(devices[0].device_kind), "component": args.component, "gb": round(gb, 3), "bytes": round(gb * 1e9),
         "tensors": len(stored), "largest_gb": round(max(a.nbytes for a in stored.values()) / 1e9, 3),
         "import_s": round(imported - started, 3), "devices_s": round(devices_s, 3),
         "seconds": runs, "gb_per_s": {k: [round(gb / max(s, 1e-3), 2) for s in v] for k, v in runs.items()},

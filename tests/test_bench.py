@@ -382,6 +382,18 @@ def test_chip_profile(tmp_path, tiny_build, tiny_weights):
     assert summary["plane"] is None and summary["memory"]["placement"]["transformer"] == "resident"
 
 
+def test_chip_transfer(tmp_path, tiny_weights):
+    """Placing a component as the runtime does and the copies beside it, on this host's devices:
+    every measurement timed, the component's bytes counted."""
+    out = tmp_path / "transfer.json"
+    bench("chip_transfer.py", "--weights", tiny_weights, "--component", "transformer",
+          "--repeat", "1", "--out", out)  # fmt: skip
+    (row,) = rows(out)
+    assert row["bytes"] > 0 and row["tensors"] > 1 and row["devices_s"] >= 0
+    assert set(row["seconds"]) >= {"load_component", "put from the map, 1 thread"}
+    assert all(len(times) == 1 for times in row["seconds"].values())
+
+
 def test_chip_attention_variants():
     """The kernel variants the chip times (TPU only: here they are made, not run), the dense
     default first and the Radial densities the build's arithmetic gives."""

@@ -254,10 +254,11 @@ def _in_threads(fn: Callable[[weights.Path_], Any], paths: Iterable[weights.Path
         return dict(zip(paths, pool.map(fn, paths), strict=True))
 
 
-# One host-to-device copy at a time, each finished before the next starts: concurrent copies of
-# large arrays each stage a host buffer of their own, and on the v5e host 11.4 GB placed from 13
-# threads at once took 12.8 s against 2 s one by one (bench/chip_transfer.py). The host's work
-# (conversions, LoRA merges, quantizing) still runs in parallel, outside the lock.
+# One host-to-device copy at a time, each finished before the next starts: copies in flight
+# together each stage a host buffer of their own, and on the v5e host the 11.4 GB text encoder
+# took 11.5 s placed from 13 threads at once, 22-23 s queued from one, 2.4 s one at a time
+# (bench/results/chip_transfer_1.json, chip_transfer_2.json). The host's work (conversions,
+# LoRA merges, quantizing) still runs in parallel, outside the lock.
 _TRANSFER = threading.Lock()
 
 
