@@ -48,4 +48,4 @@ lint: $(VENV)/.test-installed
 # --dist loadscope: a module's tests share one worker, so its module-scoped builds are made
 # once, not once per worker.
 test: lint $(CHROMIUM)
-	$(BIN)/pytest -n 2 --dist loadscope -q
+	$(BIN)/pytest -n 2 --dist loadscope -q --durations=30
