@@ -8,6 +8,7 @@ the per-device bytes the runtime actually holds are summed from its arrays' shar
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -165,8 +166,24 @@ def test_a_budget_decides_the_placement_and_check_holds_the_resident_peak(tiny_b
     (violation,) = json.loads(result.stdout)["violations"]
     assert violation["rule"] == "memory" and violation["actual"] == freed
     assert "resident peak" in violation["message"] and "--quant w8a8-int8" in violation["message"]
+    # What is still resident lowers nothing there (the plan moved what did): none is named.
+    assert "transient" not in violation["message"], violation["message"]
     build = json.loads(result.stdout)["builds"][0]
     assert build["resident_peak_bytes"] == freed and build["placement"] == chosen
+
+
+def test_the_memory_violation_names_only_moves_that_lower_the_peak(tiny_build):
+    """All resident over the budget: the tiny build's peak is its text encoder's program, so
+    the hint names the VAE (transient, it leaves that peak) and not the encoder, which is in it."""
+    from aot.reports.check import resident_violation
+
+    manifest = read_manifest(tiny_build)
+    every = dataclasses.replace(manifest, placement=dict.fromkeys(manifest.weight_bytes, RESIDENT))
+    peak, at = every.resident_peak()
+    assert at == "text_encode"
+    message = resident_violation(tiny_build, every, peak - 1).message
+    assert "make vae transient (`runtime run --placement vae=transient`)" in message, message
+    assert "text_encoder transient" not in message
 
 
 def test_runtime_run_takes_a_placement_and_reports_it(tiny_build, tiny_weights, tmp_path):
