@@ -78,7 +78,8 @@ def main() -> None:
     devices_s, devices = timed(jax.devices)
     sharding = jax.sharding.SingleDeviceSharding(devices[0])
     stored = dict(weights.read_safetensors(file))
-    gb = sum(a.nbytes for a in stored.values()) / 1e9
+    total = sum(a.nbytes for a in stored.values())
+    gb = total / 1e9
     abstract = weights.unflatten({
         tuple(n.split("/")): jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
         for n, a in stored.items()
@@ -100,7 +101,7 @@ def main() -> None:
         measure(f"read, {cores} threads", lambda: read_parallel(stored, cores))
     record.save(args.out, {
         "command": shlex.join(sys.argv), "date": time.strftime("%Y-%m-%d"), "commit": record.commit(),
-        "device": str(devices[0].device_kind), "component": args.component, "gb": round(gb, 3), "bytes": round(gb * 1e9),
+        "device": str(devices[0].device_kind), "component": args.component, "gb": round(gb, 3), "bytes": total,
         "tensors": len(stored), "largest_gb": round(max(a.nbytes for a in stored.values()) / 1e9, 3),
         "import_s": round(imported - started, 3), "devices_s": round(devices_s, 3),
         "seconds": runs, "gb_per_s": {k: [round(gb / max(s, 1e-3), 2) for s in v] for k, v in runs.items()},
