@@ -93,15 +93,20 @@ def variants() -> dict[str, tuple[Callable, float]]:
         name = f"{quant or 'dense'} {q}/{kv}/{kvc}"
         out[name] = (attention.resolve(f"splash:{q}:{kv}:{kvc}", quant=quant), 1.0)
 
-    def radial(block: int, q: int, kv: int, how: str = "", quant: str | None = None) -> None:
+    def radial(
+        block: int, q: int, kv: int, how: str = "", quant: str | None = None, kvc: int = 0
+    ) -> None:
         spec = RadialSpec(FRAMES, TOKENS_PER_FRAME, block=block)
-        kept = density(spec, *attention.SplashBlocks(q, kv, kv).balanced(n, n))
-        name = " ".join(filter(None, [quant, f"radial{block} {q}/{kv}/{kv}", how]))
-        out[name] = (attention.resolve(f"splash:{q}:{kv}:{kv}", sparse=spec, quant=quant), kept)
+        kvc = kvc or kv
+        kept = density(spec, *attention.SplashBlocks(q, kv, kvc).balanced(n, n))
+        name = " ".join(filter(None, [quant, f"radial{block} {q}/{kv}/{kvc}", how]))
+        impl = f"splash:{q}:{kv}:{kvc}"
+        out[name] = (attention.resolve(impl, sparse=spec, quant=quant), kept)
 
     dense(2048, 1024, 512)
     out["dense 2048/1024/512 segment ids"] = (with_segment_ids, 1.0)
     radial(1024, 1024, 1024)
+    radial(1024, 1024, 1024, kvc=512)
     radial(128, 512, 512)
     radial(128, 512, 512, "computed")
     radial(512, 512, 512)

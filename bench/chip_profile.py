@@ -34,8 +34,8 @@ from wan.configs import ModelConfig, VideoShape
 
 # Kinds of device op, first match wins, on the op's HLO text (the trace names each op by it).
 # Control flow (the layer loop's `while`, `conditional`, `call`) encloses the ops it runs and
-# is not counted again.
-CONTAINERS = re.compile(r"^%?(while|conditional|call)[.\s=]")
+# is not counted again: by its opcode (`%cond.8 = (...) conditional(...)`) or its name.
+CONTAINERS = re.compile(r"^%?(while|conditional|call)[.\s=]|\s(while|conditional|call)\(")
 KINDS = [
     ("attention kernel", re.compile(r"splash|flash|quant_splash|_mha_", re.I)),
     ("matmul", re.compile(r"^%?\w*convolution|^%?dot|kind=kOutput", re.I)),
@@ -67,7 +67,7 @@ def summarize(xspace: Path, steps: int) -> dict:
         if line.name != "XLA Ops":
             continue
         for event in line.events:
-            if CONTAINERS.match(event.name):
+            if CONTAINERS.search(event.name):
                 continue
             op = ops[event.name]
             op["ns"] += event.duration_ns

@@ -15,6 +15,7 @@ from wan.models.attention import (
     balanced_block,
     blockwise_attention,
     dot_product_attention,
+    padded_length,
     resolve,
     splash_attention,
 )
@@ -109,6 +110,34 @@ def test_splash_equals_reference(q_len, kv_len, heads):
     q, k, v = _qkv(q_len, kv_len, heads, dim=16)
     got = splash_attention(q, k, v, blocks=SplashBlocks(128, 256, 128), interpret=True)
     np.testing.assert_allclose(got, _reference(q, k, v), atol=1e-5, rtol=0)
+
+
+def _padded(x: jax.Array, length: int) -> jax.Array:
+    """x with garbage tokens appended up to `length` (what padding must never let through)."""
+    junk = jnp.full((x.shape[0], length - x.shape[1], *x.shape[2:]), 1e3, x.dtype)
+    return jnp.concatenate([x, junk], axis=1)
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "radial"])
+def test_splash_on_tokens_padded_to_its_length(sparse):
+    """Self-attention over tokens a transformer padded to `padded_length` (its pads hold
+    anything): the real tokens' rows equal attention over the real tokens alone."""
+    impl, n = "splash:128:128:128", RADIAL.tokens  # 260 tokens -> 384
+    length = padded_length(impl, n)
+    assert length == 384 and padded_length("dot", n) == n
+    assert padded_length(impl, n, quant="int8") == n  # the 8-bit kernel pads by itself
+    q, k, v = (_padded(t, length) for t in _qkv(n, n, heads=2))
+    spec = RADIAL if sparse else None
+    got = jax.jit(lambda q, k, v: attention(q, k, v, impl, sparse=spec, kv_len=n))(q, k, v)
+    real = [t[:, :n] for t in (q, k, v)]
+    want = _masked_reference(*real, RADIAL) if sparse else _reference(*real)
+    np.testing.assert_allclose(got[:, :n], want, atol=2e-5, rtol=0)
+
+
+def test_padded_keys_a_kernel_cannot_take_are_refused():
+    q, k, v = (_padded(t, 300) for t in _qkv(260, 260, heads=2))
+    with pytest.raises(ValueError, match="attention 'dot' takes keys padded to 260"):
+        attention(q, k, v, "dot", kv_len=260)
 
 
 def test_balanced_blocks():

@@ -382,6 +382,21 @@ def test_chip_profile(tmp_path, tiny_build, tiny_weights):
     assert summary["plane"] is None and summary["memory"]["placement"]["transformer"] == "resident"
 
 
+def test_chip_profile_counts_control_flow_once():
+    """A trace's op names as the TPU writes them: the loop and the step cache's conditional
+    enclose ops that are counted themselves, so they are not summed again."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import chip_profile
+
+    enclosing = ["%while.3 = (s32[]) while((s32[]) %t), body=%b", "%cond.8 = (bf16[2]{0}) "
+                 "conditional(s32[] %i, bf16[2]{0} %x), branch_computations={%a, %c}"]  # fmt: skip
+    counted = ["%fusion.307 = bf16[2]{0} fusion(bf16[2]{0} %x), kind=kLoop, calls=%f",
+               "%copy.12 = bf16[2,4]{0,1} copy(bf16[2,4]{1,0} %y)"]  # fmt: skip
+    assert all(chip_profile.CONTAINERS.search(name) for name in enclosing)
+    assert not any(chip_profile.CONTAINERS.search(name) for name in counted)
+    assert [chip_profile.kind_of(name) for name in counted] == ["norm/elementwise", "layout copy"]
+
+
 def test_chip_transfer(tmp_path, tiny_weights):
     """Placing a component as the runtime does and the copies beside it, on this host's devices:
     every measurement timed, the component's bytes counted."""
@@ -406,4 +421,5 @@ def test_chip_attention_variants():
     assert next(iter(made)) == "dense 2048/1024/512"
     spec = RadialSpec(chip_attention.FRAMES, chip_attention.TOKENS_PER_FRAME, block=1024)
     assert made["radial1024 1024/1024/1024"][1] == density(spec, 1024, 1024)
+    assert made["radial1024 1024/1024/512"][1] == density(spec, 1024, 1024)  # keys 512 a step
     assert made["dense 2048/1024/512 segment ids"][0] is chip_attention.with_segment_ids

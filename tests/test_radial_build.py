@@ -153,7 +153,7 @@ def test_a_sparse_build_s_auto_splash_blocks_let_the_mask_save():
             sparse_attention=canonical(radial),
         ).attention  # fmt: skip
 
-    assert auto("radial") == "splash:1024:1024:1024"
+    assert auto("radial") == "splash:1024:1024:512"
     assert auto("none") == "splash:3072:2048:1024"
     tpu = plan_build(
         "wan2.1-t2v-14b", model, VideoShape(1280, 720, 81, 1), parse_target("tpu-v6e-8"), 8,

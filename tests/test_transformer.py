@@ -134,6 +134,20 @@ def test_blockwise_attention_equals_dot(pair):
     )
 
 
+def test_splash_on_padded_tokens_equals_dot(pair):
+    """With splash, the blocks run on tokens padded to its blocks (60 -> 128 here) and the
+    output is the unpadded model's: no token attends to the pads."""
+    _, graphdef, state = pair
+    cfg = nnx.merge(graphdef, state).config
+    latents, timestep, text = _inputs(cfg, *SHAPES[0])
+    np.testing.assert_allclose(
+        _forward(_graphdef(cfg, "splash:128:128:128"), state, latents, timestep, text),
+        _forward(graphdef, state, latents, timestep, text),
+        atol=2e-5,
+        rtol=0,
+    )
+
+
 def test_sharding_constraints_under_a_mesh(pair):
     """Under a mesh with the transformer rules every `constrain` applies (so its logical axes
     must fit the array ranks) and the result does not change."""

@@ -32,9 +32,10 @@ DEVICELESS_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 # run (the keys per compute step of v4, v5e and v5p).
 # A sparse build's splash blocks, and the Radial block it takes by default: whole kept blocks
 # (a smaller Radial block leaves kernel blocks kept in part, each masked from a stored block).
-# On v5e at 832x480x81 one attention call took 60.4 ms here against 86.6 dense, 71.4 at 512
-# (bench/chip_attention.py; docs/benchmarks.md, "On a TPU v5e chip").
-SPARSE_SPLASH_BLOCKS = (1024, 1024, 1024)
+# On v5e at 832x480x81 one attention call took 52.5 ms here against 86.6 dense, 58.4 with
+# keys computed 1024 at a time, 71.4 at 512 blocks (bench/chip_attention.py; docs/benchmarks.md,
+# "On a TPU v5e chip").
+SPARSE_SPLASH_BLOCKS = (1024, 1024, 512)
 # Build options the chip showed slower than the plain path, by TPU generation: refused there,
 # with the measurement (docs/benchmarks.md, "On a TPU v5e chip").
 SLOWER_ON_CHIP = {

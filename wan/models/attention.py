@@ -215,21 +215,23 @@ def splash_attention(
     blocks: SplashBlocks,
     interpret: bool,
     sparse: RadialSpec | None = None,
+    kv_len: int | None = None,
 ) -> jax.Array:
     """Pallas splash attention (TPU; `interpret` runs the same kernel in plain JAX elsewhere);
     with `sparse`, its Radial mask as splash's block-sparse mask: blocks it drops whole are
     skipped, blocks it keeps in part are masked inside the kernel.
 
     Lengths need not be block multiples: queries and keys are zero-padded to their blocks,
-    padded keys never contribute and the padded query rows are sliced off."""
-    _check_sparse(sparse, q.shape[1], k.shape[1])
+    padded keys never contribute and the padded query rows are sliced off. `kv_len`: the keys
+    past it are padding already (a transformer's tokens padded to `padded_length`)."""
     b, q_len, heads, d = q.shape
-    kv_len = k.shape[1]
+    kv_len = k.shape[1] if kv_len is None else kv_len
+    _check_sparse(sparse, q_len, kv_len, k.shape[1])
     bq, bkv = blocks.balanced(q_len, kv_len)
     bkv_compute = balanced_block(bkv, min(blocks.kv_compute, bkv), SPLASH_LANES)
     if bkv % bkv_compute:
         bkv_compute = bkv
-    q_pad, kv_pad = _round_up(q_len, bq), _round_up(kv_len, bkv)
+    q_pad, kv_pad = _round_up(q_len, bq), _round_up(k.shape[1], bkv)
     # Videos fold into the kernel's heads: a vmap over the batch would batch the kernel's VMEM
     # scratch too (x2 with CFG), over the scoped VMEM its blocks were sized for.
     # Dense: padded keys get another segment id than every query. Sparse: the stored mask
@@ -242,15 +244,20 @@ def splash_attention(
         else RadialSplashMask(sparse, (q_pad, kv_pad))
     )
     mask = splash_mask.MultiHeadMask([one] * (b * heads))
+    # Keys sequence-minor: the layout XLA gives their projection, norm and rope on TPU
+    # (transformer.linear), so they reach the kernel without a copy. Values come out
+    # head-dim-minor; queries too are taken head-dim-minor (a copy), which the kernel computes
+    # faster than transposing them itself in every step (bench/chip_profile.py).
     kernel = splash_kernel.make_splash_mha(
         mask,
         block_sizes=splash_kernel.BlockSizes(
-            block_q=bq, block_kv=bkv, block_kv_compute=bkv_compute
+            block_q=bq, block_kv=bkv, block_kv_compute=bkv_compute,
+            k_layout=splash_kernel.QKVLayout.SEQ_MINOR,
         ),
         head_shards=1,
         q_seq_shards=1,
         interpret=interpret,
-    )
+    )  # fmt: skip
 
     def heads_major(x: jax.Array, length: int) -> jax.Array:  # (B, S, H, D) -> (B*H, S', D)
         padded = jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0), (0, 0)))
@@ -265,6 +272,16 @@ def splash_attention(
         heads_major(scaled, q_pad), heads_major(k, kv_pad), heads_major(v, kv_pad), segments
     )
     return out.reshape(b, heads, q_pad, d).transpose(0, 2, 1, 3)[:, :q_len].astype(q.dtype)
+
+
+def padded_length(impl: str, length: int, quant: str | None = None) -> int:
+    """The length self-attention over `length` tokens is computed at: splash's padded length
+    where its query block is a multiple of its key block (both then divide it), else (and for
+    the other kernels) `length`. A transformer pads its tokens to it once a pass."""
+    if kernel_name(impl) != "splash" or quant is not None:
+        return length
+    bq, bkv = splash_blocks(impl).balanced(length, length)
+    return _round_up(length, bq) if bq % bkv == 0 else length
 
 
 @dataclasses.dataclass(frozen=True)
@@ -396,9 +413,12 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     return jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
 
 
-def _check_sparse(sparse: RadialSpec | None, q_len: int, kv_len: int) -> None:
-    """A Radial mask is over one video's tokens: self-attention of exactly that length."""
-    if sparse is not None and not q_len == kv_len == sparse.tokens:
+def _check_sparse(
+    sparse: RadialSpec | None, q_len: int, kv_len: int, padded: int | None = None
+) -> None:
+    """A Radial mask is over one video's tokens: self-attention of exactly that length, or of
+    its tokens `padded` (queries and keys alike) with `kv_len` of them real."""
+    if sparse is not None and not (q_len == (padded or kv_len) and kv_len == sparse.tokens):
         raise ValueError(
             f"radial attention is self-attention over the {sparse.tokens} video tokens of its "
             f"spec, not {q_len} queries and {kv_len} keys"
@@ -555,10 +575,12 @@ def attention(
     context_parallel: str = "gather",
     sparse: RadialSpec | None = None,
     quant: str | None = None,
+    kv_len: int | None = None,
 ) -> jax.Array:
     """Multi-head attention by the kernel `impl` names (see `resolve`), laid out on the current
     mesh by `context_parallel` ('gather' or 'ulysses'; k and v must then be as long as q);
-    `sparse`: a Radial mask over the whole sequence; `quant`: in 8 bits (int8 or fp8)."""
+    `sparse`: a Radial mask over the whole sequence; `quant`: in 8 bits (int8 or fp8);
+    `kv_len`: the real keys, those after them padding (tokens padded to `padded_length`)."""
     if context_parallel not in CONTEXT_PARALLEL:
         raise ValueError(f"context parallelism {context_parallel!r}: use gather or ulysses")
     mesh = jax.sharding.get_abstract_mesh()
@@ -566,6 +588,13 @@ def attention(
     runs_on = KERNEL_PLATFORM.get(kernel_name(impl))
     interpret = runs_on is not None and platform != runs_on
     kernel = resolve(impl, interpret=interpret, sparse=sparse, quant=quant)
+    if kv_len is not None and kv_len != k.shape[1]:
+        if padded_length(impl, kv_len, quant) != k.shape[1]:
+            raise ValueError(
+                f"{k.shape[1]} keys of which {kv_len} real: attention {impl!r} takes keys "
+                f"padded to {padded_length(impl, kv_len, quant)}"
+            )
+        kernel = functools.partial(kernel, kv_len=kv_len)
     kv_axes = Q_AXES if context_parallel == "ulysses" else KV_AXES
     q_spec = sharding.current_spec(Q_AXES, q.shape)
     kv_spec = sharding.current_spec(kv_axes, k.shape)

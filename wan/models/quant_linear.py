@@ -13,18 +13,24 @@ from wan.models.partitioned import logical_init
 from wan.quant import Scheme
 
 
-def quantized_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array, s: Scheme) -> jax.Array:
-    """x (..., in) @ the dequantized kernel, in float32: on 8-bit operands for w8a8."""
-    dims = (((x.ndim - 1,), (0,)), ((), ()))
+def quantized_matmul(
+    x: jax.Array, kernel: jax.Array, scale: jax.Array, s: Scheme, contract: int = 1
+) -> jax.Array:
+    """x's last `contract` axes against the kernel's first as many, with the dequantized kernel,
+    in float32: on 8-bit operands for w8a8. `scale` has the kernel's remaining (output) axes."""
+    x_axes = tuple(range(x.ndim - contract, x.ndim))
+    dims = ((x_axes, tuple(range(contract))), ((), ()))
     if not s.activations:
         w = kernel.astype(x.dtype) * scale.astype(x.dtype)
         return jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
     x32 = x.astype(jnp.float32)
-    x_scale = quant.nonzero_scale(jnp.abs(x32).max(axis=-1, keepdims=True) / s.qmax, jnp)
-    xq = quant.to_8bit(x32 / x_scale, s.weight_dtype, jnp)
+    # One scale per token: the largest |x| over the features it contracts.
+    x_scale = quant.nonzero_scale(jnp.abs(x32).max(axis=x_axes) / s.qmax, jnp)
+    xq = quant.to_8bit(x32 / x_scale.reshape(*x_scale.shape, *[1] * contract), s.weight_dtype, jnp)
     accumulate = jnp.int32 if s.weight_dtype == "int8" else jnp.float32
     acc = jax.lax.dot_general(xq, kernel, dims, preferred_element_type=accumulate)
-    return acc.astype(jnp.float32) * x_scale * scale
+    out_axes = kernel.ndim - contract
+    return acc.astype(jnp.float32) * x_scale.reshape(*x_scale.shape, *[1] * out_axes) * scale
 
 
 def _param(value: jax.Array, logical: tuple[str | None, ...]) -> nnx.Param:
@@ -56,6 +62,14 @@ class QuantLinear(nnx.Module):
         self.scheme = s
         self.dtype = dtype
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        y = quantized_matmul(x.astype(self.dtype), self.kernel[...], self.scale[...], self.scheme)
-        return y.astype(self.dtype) + self.bias[...].astype(self.dtype)
+    def __call__(
+        self, x: jax.Array, contract: int = 1, out: tuple[int, ...] | None = None
+    ) -> jax.Array:
+        """x's last `contract` axes (the layer's input features) -> the output features, split
+        into the axes `out` if given (transformer.linear)."""
+        kernel = self.kernel[...]
+        out = out or kernel.shape[1:]
+        kernel = kernel.reshape(*x.shape[x.ndim - contract :], *out)
+        scale, bias = (p[...].reshape(out) for p in (self.scale, self.bias))
+        y = quantized_matmul(x.astype(self.dtype), kernel, scale, self.scheme, contract)
+        return y.astype(self.dtype) + bias.astype(self.dtype)

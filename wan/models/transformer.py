@@ -28,7 +28,7 @@ from jax.typing import DTypeLike
 
 from wan import axes
 from wan.component_configs import TransformerConfig
-from wan.models.attention import CONTEXT_PARALLEL
+from wan.models.attention import CONTEXT_PARALLEL, padded_length
 from wan.models.attention import attention as multi_head_attention
 from wan.models.attention import resolve as resolve_attention
 from wan.models.partitioned import logical_init
@@ -99,6 +99,38 @@ def _linear(
         bias_init=logical_init(nnx.initializers.zeros_init(), logical[1:]),
         rngs=rngs,
     )
+
+
+def linear(
+    layer: nnx.Linear | QuantLinear,
+    x: jax.Array,
+    contract: int = 1,
+    out: tuple[int, ...] | None = None,
+) -> jax.Array:
+    """`layer` on the last `contract` axes of x (together its input features), its output
+    features split into the axes `out` if given. The kernel is reshaped, not the activations:
+    XLA then writes each head's rows where the attention kernel reads them, where a split of
+    the output costs layout copies of q, k, v and the attention's result in every block
+    (bench/chip_profile.py)."""
+    if isinstance(layer, QuantLinear):
+        return layer(x, contract, out)
+    kernel, bias = layer.kernel[...], layer.bias[...]
+    out = out or kernel.shape[1:]
+    kernel = kernel.reshape(*x.shape[x.ndim - contract :], *out)
+    x, kernel, bias = layer.promote_dtype((x, kernel, bias.reshape(out)), dtype=layer.dtype)
+    dims = ((tuple(range(x.ndim - contract, x.ndim)), tuple(range(contract))), ((), ()))
+    return jax.lax.dot_general(x, kernel, dims, precision=layer.precision) + bias
+
+
+def rms_norm(norm: nnx.RMSNorm, x: jax.Array, axes: int = 1) -> jax.Array:
+    """`norm` (its features: the last `axes` axes of x together) as nnx.RMSNorm computes it:
+    fp32 statistics, the scale folded into the reciprocal."""
+    scale = norm.scale[...].reshape(x.shape[x.ndim - axes :])
+    x, scale = norm.promote_dtype((x, scale), dtype=norm.dtype)
+    x32 = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    features = tuple(range(x.ndim - axes, x.ndim))
+    var = jnp.mean(jnp.square(x32), axis=features, keepdims=True)
+    return (x32 * (jax.lax.rsqrt(var + norm.epsilon) * scale)).astype(norm.dtype or x.dtype)
 
 
 def _layer_norm(dim: int, eps: float, *, affine: bool, rngs: nnx.Rngs) -> nnx.LayerNorm:
@@ -256,7 +288,8 @@ class Attention(nnx.Module):
         self.attention_quant = attention_quant
 
     def key_value(self, source: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Normalised keys and values of `source` (B, L, dim), heads not yet split."""
+        """Normalised keys and values of `source` (B, L, dim), heads not yet split (the
+        cross-attention's cache)."""
         return self.norm_k(self.to_k(source)), self.to_v(source)
 
     def image_key_value(self, image: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -266,24 +299,36 @@ class Attention(nnx.Module):
     def __call__(
         self,
         x: jax.Array,
-        k: jax.Array,
-        v: jax.Array,
+        kv: tuple[jax.Array, jax.Array] | None = None,
         rope: tuple[jax.Array, jax.Array] | None = None,
         image_kv: tuple[jax.Array, jax.Array] | None = None,
         sparse: RadialSpec | None = None,
+        tokens: int | None = None,
     ) -> jax.Array:
-        """`sparse`: self-attention through this Radial mask (radial_step)."""
-        q = self._heads(self.norm_q(self.to_q(x)))
-        k, v = self._heads(k), self._heads(v)
+        """Attention of x (B, S, dim) to itself, or with `kv` (key_value's) to those;
+        `sparse`: self-attention through this Radial mask (radial_step); `tokens`: x's real
+        tokens, the rest padding (WanTransformer pads to the kernel's length)."""
+        q = self._project(self.to_q, x, self.norm_q)
+        if kv is None:
+            k, v = self._project(self.to_k, x, self.norm_k), self._project(self.to_v, x)
+        else:
+            k, v = map(self._heads, kv)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         out = multi_head_attention(
-            q, k, v, self.impl, self.context_parallel, sparse, self.attention_quant
+            q, k, v, self.impl, self.context_parallel, sparse, self.attention_quant, tokens
         )
         if image_kv is not None:
             k_img, v_img = map(self._heads, image_kv)
             out = out + multi_head_attention(q, k_img, v_img, self.impl, self.context_parallel)
-        return self.to_out(out.reshape(*x.shape[:-1], -1))
+        return linear(self.to_out, out, contract=2)
+
+    def _project(
+        self, layer: nnx.Linear | QuantLinear, x: jax.Array, norm: nnx.RMSNorm | None = None
+    ) -> jax.Array:
+        """layer(x) split into heads (B, S, heads, head_dim), RMS-normalised over all heads."""
+        t = linear(layer, x, out=(self.heads, x.shape[-1] // self.heads))
+        return t if norm is None else rms_norm(norm, t, axes=2)
 
     def _heads(self, t: jax.Array) -> jax.Array:
         return t.reshape(*t.shape[:-1], self.heads, -1)
@@ -330,11 +375,13 @@ class WanBlock(nnx.Module):
         rope: tuple[jax.Array, jax.Array],
         first: tuple[jax.Array, int] | None = None,
         sparse: RadialSpec | None = None,
+        tokens: int | None = None,
     ) -> jax.Array:
         """x (B, S, dim); cross_kv this layer's text keys and values (B, L, dim), then the
         image's when the model takes image features; time6 the timestep projection
         (B, 6, dim); `first`: another projection for the first tokens, and their count;
-        `sparse`: the self-attention's Radial mask (cross-attention stays dense)."""
+        `sparse`: the self-attention's Radial mask (cross-attention stays dense); `tokens`:
+        x's real tokens, the rest padding that no token attends to."""
         table = self.scale_shift_table[...]
         mod = table + time6.astype(jnp.float32)
         mod_first, first_tokens = (None, 0) if first is None else (table + first[0], first[1])
@@ -353,7 +400,7 @@ class WanBlock(nnx.Module):
         # instruction comes from.
         with jax.named_scope("self_attention"):
             h = (self.norm1(x32) * (1 + scale) + shift).astype(self.dtype)
-            attended = self.attn1(h, *self.attn1.key_value(h), rope, sparse=sparse)
+            attended = self.attn1(h, rope=rope, sparse=sparse, tokens=tokens)
             x = (x32 + attended * gate).astype(self.dtype)
 
         with jax.named_scope("cross_attention"):
@@ -363,7 +410,7 @@ class WanBlock(nnx.Module):
                 else x
             )
             image_kv = cross_kv[2:] or None
-            x = x + self.attn2(h, *cross_kv[:2], image_kv=image_kv)
+            x = x + self.attn2(h, cross_kv[:2], image_kv=image_kv)
 
         with jax.named_scope("ffn"):
             x32 = x.astype(jnp.float32)
@@ -464,6 +511,7 @@ class WanTransformer(nnx.Module):
         kw = dict(dtype=dtype, param_dtype=param_dtype)
         self.config = cfg
         self.dtype = dtype
+        self.attention, self.attention_quant = attention, attention_8bit
         self.patch_embedding = nnx.Conv(
             cfg.in_channels,
             dim,
@@ -565,16 +613,17 @@ class WanTransformer(nnx.Module):
         """The tokens after every block: one scanned block body."""
         graphdef, params = nnx.split(self.blocks)
         first = self._block_first(embedded)
+        x, rope, tokens = self._padded(embedded.tokens, embedded.rope)
 
         @jax.named_scope("blocks")
         def layer(x, inputs):
             p, kv = inputs
             block = nnx.merge(graphdef, p)
-            x = block(constrain(x, HIDDEN), kv, embedded.time6, embedded.rope, first)
+            x = block(constrain(x, HIDDEN), kv, embedded.time6, rope, first, tokens=tokens)
             return constrain(x, HIDDEN), None
 
-        x, _ = jax.lax.scan(layer, embedded.tokens, (params, tuple(kv_cache)))
-        return x
+        x, _ = jax.lax.scan(layer, x, (params, tuple(kv_cache)))
+        return x[:, :tokens]
 
     def run_block_range(
         self,
@@ -590,6 +639,7 @@ class WanTransformer(nnx.Module):
         self-attention through this Radial mask."""
         graphdef, params = nnx.split(self.blocks)
         first = self._block_first(embedded)
+        x, rope, tokens = self._padded(x, embedded.rope)
 
         @jax.named_scope("blocks")
         def layer(i, x):
@@ -598,10 +648,24 @@ class WanTransformer(nnx.Module):
                 (params, tuple(kv_cache)),
             )
             block = nnx.merge(graphdef, p)
-            x = block(constrain(x, HIDDEN), kv, embedded.time6, embedded.rope, first, sparse)
+            x = block(constrain(x, HIDDEN), kv, embedded.time6, rope, first, sparse, tokens)
             return constrain(x, HIDDEN)
 
-        return jax.lax.fori_loop(start, stop, layer, x)
+        return jax.lax.fori_loop(start, stop, layer, x)[:, :tokens]
+
+    def _padded(
+        self, x: jax.Array, rope: tuple[jax.Array, jax.Array]
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array], int]:
+        """The tokens x (B, S, dim) and their rope tables zero-padded to the length the
+        self-attention kernel computes (attention.padded_length), and S: padded once a pass,
+        the blocks' q, k and v come out of their projections at the kernel's length (padding
+        them in every block costs a copy of each)."""
+        tokens = x.shape[1]
+        pad = padded_length(self.attention, tokens, self.attention_quant) - tokens
+        if not pad:
+            return x, rope, tokens
+        rope = tuple(jnp.pad(t, ((0, pad), (0, 0))) for t in rope)
+        return jnp.pad(x, ((0, 0), (0, pad), (0, 0))), rope, tokens
 
     def head(self, x: jax.Array, embedded: Embedded) -> jax.Array:
         """The blocks' output tokens -> flow (B, T, H, W, C_out)."""
