@@ -246,8 +246,8 @@ def splash_attention(
     mask = splash_mask.MultiHeadMask([one] * (b * heads))
     # Keys sequence-minor: the layout XLA gives their projection, norm and rope on TPU
     # (transformer.linear), so they reach the kernel without a copy. Values come out
-    # head-dim-minor; queries too are taken head-dim-minor (a copy), which the kernel computes
-    # faster than transposing them itself in every step (bench/chip_profile.py).
+    # head-dim-minor. Queries too are taken head-dim-minor (a copy): sequence-minor, the kernel
+    # would transpose them in every key step (docs/benchmarks.md, "Where a dense step goes").
     kernel = splash_kernel.make_splash_mha(
         mask,
         block_sizes=splash_kernel.BlockSizes(
