@@ -243,7 +243,7 @@ def test_bad_requests_are_one_line_errors(tmp_path, args, message):
 def test_a_program_the_target_cannot_fit_is_a_one_line_error(tmp_path, jobs):
     """Splash blocks over v5e's 16 MiB of scoped VMEM: XLA's refusal is one line that names
     the program, what overflowed and what to change; no build folder appears."""
-    result = run_cli("aot", "build", "--model", "tiny", "--res", "768x768", "--frames", "49",
+    result = run_cli("aot", "build", "--model", "tiny", "--res", "768x768", "--frames", "17",
                      "--batch", "1", "--target", "tpu-v5e-8", "--attention",
                      "splash:3072:2048:1024", "--out", str(tmp_path), "--json", "--jobs", jobs,
                      check=False)  # fmt: skip

@@ -18,9 +18,18 @@ from conftest import TINY_SHAPE, run_cli, with_its_store
 
 from runtime.builds.artifact import program_memory, read_manifest
 from runtime.generation.pipeline import Pipeline
+from runtime.generation.request import RequestError
 from wan import interface
 from wan.configs import ModelConfig
-from wan.residency import RESIDENT, TRANSIENT, ProgramMemory, parse_override, plan, resident_peak
+from wan.residency import (
+    RESIDENT,
+    TRANSIENT,
+    ProgramMemory,
+    movable,
+    parse_override,
+    plan,
+    resident_peak,
+)
 
 T2V = interface.PIPELINES["t2v"]
 MEMORY = {  # per device, made up: the text encoder's program is the largest
@@ -63,21 +72,30 @@ def test_the_plan_frees_what_lowers_the_peak_most_and_only_what_the_budget_needs
         "text_encoder": TRANSIENT, "transformer": RESIDENT, "vae": RESIDENT
     }  # fmt: skip
     # Under every plan's peak: everything movable that lowers it transient, the transformer
-    # never.
-    assert plan(T2V, MEMORY, WEIGHTS, 10) == {
-        "text_encoder": TRANSIENT, "transformer": RESIDENT, "vae": TRANSIENT
+    # too (placed for its request's kv_cache and steps), but not one of two experts, nor a
+    # continuous build's.
+    assert plan(T2V, MEMORY, WEIGHTS, 10) == dict.fromkeys(WEIGHTS, TRANSIENT)
+    experts = {**WEIGHTS, "transformer_2": 20}
+    assert plan(T2V, MEMORY, experts, 10) == {
+        "text_encoder": TRANSIENT, "transformer": RESIDENT, "transformer_2": RESIDENT,
+        "vae": TRANSIENT,
     }  # fmt: skip
-    # A component whose program is the peak gains nothing transient: the other is chosen.
+    assert movable(T2V, experts) == ("text_encoder", "vae")
+    continuous = [*T2V, *interface.CONTINUOUS_PROGRAMS["denoise_step"]]
+    assert movable(continuous, WEIGHTS) == ("text_encoder", "vae")
+    assert movable(T2V, WEIGHTS) == ("text_encoder", "vae", "transformer")
+    # A component whose program is the peak gains nothing transient: of the others, the one
+    # that lowers it most is chosen (the transformer's 20 over the VAE's 5), then no more.
     encoder_bound = {**MEMORY, "text_encode": ProgramMemory(peak=300, code=1)}
     assert plan(T2V, encoder_bound, WEIGHTS, 320) == {
-        "text_encoder": RESIDENT, "transformer": RESIDENT, "vae": TRANSIENT
+        "text_encoder": RESIDENT, "transformer": TRANSIENT, "vae": RESIDENT
     }  # fmt: skip
 
 
 @pytest.mark.parametrize(
     "text, says",
     [("text_encoder", "COMPONENT=PLACEMENT"), ("text_encoder=away", "resident, transient"),
-     ("transformer=transient", "cannot be transient"), ("=transient", "nothing cannot")],
+     ("transformer_2=transient", "cannot be transient"), ("=transient", "nothing cannot")],
 )  # fmt: skip
 def test_placement_overrides_are_checked(text, says):
     with pytest.raises(ValueError, match=says) as refused:
@@ -109,34 +127,42 @@ def test_the_manifest_records_each_components_bytes_per_device(tiny_build, tiny_
         assert _shard_bytes(pipe.params[component], device) == recorded, component
 
 
-def test_a_transient_encoder_lives_for_its_program_only(tiny_build, tiny_weights):
-    """Placed beside the others at load (prefetch), deleted once the prompt is encoded, placed
-    again for the next generation, and the frames are those of a resident encoder's."""
+def test_transient_weights_live_for_their_programs_only(tiny_build, tiny_weights):
+    """A transient encoder is placed beside the others at load (prefetch) and deleted once the
+    prompt is encoded; a transient transformer lives from the kv_cache to the last step and is
+    gone before the decode. Both are placed again for the next generation, and the frames are
+    those of resident weights."""
     manifest = read_manifest(tiny_build)
     config = ModelConfig.from_folder(tiny_weights)
+    placement = {"text_encoder": TRANSIENT, "transformer": TRANSIENT}
     transient = Pipeline.from_build(
-        tiny_build, manifest, tiny_weights, config, placement={"text_encoder": TRANSIENT},
-        prefetch=True,
-    )  # fmt: skip
+        tiny_build, manifest, tiny_weights, config, placement=placement, prefetch=True
+    )
     first = transient.params["text_encoder"]
     live_during_steps = []
 
     def on_step(done: int, total: int) -> None:
-        live_during_steps.append("text_encoder" in transient.params)
+        live_during_steps.append(tuple(c in transient.params for c in placement))
 
     frames, report = transient.generate("a red cat", steps=2, seed=3, on_step=on_step)
-    assert live_during_steps == [False, False]
+    assert live_during_steps == [(False, True), (False, True)]
     assert all(leaf.is_deleted() for leaf in jax.tree.leaves(first))
-    assert report.memory.placement["text_encoder"] == TRANSIENT
+    assert not set(placement) & set(transient.params)
+    assert report.memory.placement == {**manifest.placement, **placement}
     assert (
         report.memory.predicted_peak_bytes
-        == manifest.resident_peak({**manifest.placement, "text_encoder": TRANSIENT})[0]
+        == manifest.resident_peak({**manifest.placement, **placement})[0]
     )
     again, _ = transient.generate("a red cat", steps=2, seed=3)
     resident = Pipeline.from_build(tiny_build, manifest, tiny_weights, config)
     want, _ = resident.generate("a red cat", steps=2, seed=3)
     np.testing.assert_array_equal(frames, want)
     np.testing.assert_array_equal(again, want)
+    with pytest.raises(RequestError, match="has no transformer_2") as refused:
+        Pipeline.from_build(
+            tiny_build, manifest, tiny_weights, config, placement={"transformer_2": TRANSIENT}
+        )
+    assert "\n" not in str(refused.value)
 
 
 def test_a_budget_decides_the_placement_and_check_holds_the_resident_peak(tiny_build, tmp_path):
@@ -166,15 +192,21 @@ def test_a_budget_decides_the_placement_and_check_holds_the_resident_peak(tiny_b
     (violation,) = json.loads(result.stdout)["violations"]
     assert violation["rule"] == "memory" and violation["actual"] == freed
     assert "resident peak" in violation["message"] and "--quant w8a8-int8" in violation["message"]
-    # What is still resident lowers nothing there (the plan moved what did): none is named.
-    assert "transient" not in violation["message"], violation["message"]
+    # The plan moved the VAE (the tiny one outweighs the tiny transformer); what still lowers
+    # the peak is named, not the encoder, whose program the peak is.
+    assert chosen["vae"] == TRANSIENT and chosen["transformer"] == RESIDENT
+    assert (
+        "make transformer transient (`runtime run --placement transformer=transient`)"
+        in (violation["message"])
+    )
     build = json.loads(result.stdout)["builds"][0]
     assert build["resident_peak_bytes"] == freed and build["placement"] == chosen
 
 
 def test_the_memory_violation_names_only_moves_that_lower_the_peak(tiny_build):
     """All resident over the budget: the tiny build's peak is its text encoder's program, so
-    the hint names the VAE (transient, it leaves that peak) and not the encoder, which is in it."""
+    the hint names the VAE and the transformer (transient, they leave that peak) and not the
+    encoder, which is in it."""
     from aot.reports.check import resident_violation
 
     manifest = read_manifest(tiny_build)
@@ -182,7 +214,7 @@ def test_the_memory_violation_names_only_moves_that_lower_the_peak(tiny_build):
     peak, at = every.resident_peak()
     assert at == "text_encode"
     message = resident_violation(tiny_build, every, peak - 1).message
-    assert "make vae transient (`runtime run --placement vae=transient`)" in message, message
+    assert "make vae, transformer transient (`runtime run --placement vae=transient`)" in message
     assert "text_encoder transient" not in message
 
 
@@ -197,7 +229,7 @@ def test_runtime_run_takes_a_placement_and_reports_it(tiny_build, tiny_weights, 
     assert memory["device_peak_bytes"] is None  # a CPU reports none
     refused = run_cli("runtime", "run", "--artifacts", str(tiny_build.parent), "--weights",
                       str(tiny_weights), *TINY_SHAPE, "--prompt", "a cat", "--out",
-                      str(tmp_path / "w.mp4"), "--placement", "transformer=transient",
+                      str(tmp_path / "w.mp4"), "--placement", "transformer_2=transient",
                       check=False)  # fmt: skip
     assert refused.returncode == 2 and "cannot be transient" in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1

@@ -1,8 +1,9 @@
 """Which weights stay on the devices between programs, and the memory peak that makes.
 
 Each weight component is *resident* (placed when the pipeline loads, kept for every request)
-or *transient* (placed before the program that takes it, deleted right after: the text encoder
-of a 1.3B build on one 16 GB chip, 10.6 GiB used once per prompt). The resident peak of a
+or *transient* (placed before the programs that take it, deleted right after the last: the
+text encoder of a 1.3B build on one 16 GB chip, 10.6 GiB used once per prompt; at 1280x720 its
+transformer too, deleted after the last step so that the VAE decode fits). The resident peak of a
 build is, per device, the largest over its programs of that program's own peak (its arguments,
 the weights it takes among them, outputs and temporaries) plus the resident weights it does not
 take, plus every loaded program's code. `aot build` records the placement and that peak in the
@@ -18,15 +19,26 @@ Flax-free: the runtime imports it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
-from wan.interface import SIGNATURES
+from wan.interface import CONTINUOUS_PROGRAMS, SIGNATURES
 
 RESIDENT, TRANSIENT = "resident", "transient"
 PLACEMENTS = (RESIDENT, TRANSIENT)
-# What may be transient, each used by one program once per request. The transformers are not:
-# every step reads them.
-MOVABLE = ("text_encoder", "image_encoder", "vae_encoder", "vae")
+# What may be transient: the encoders and the VAE, each taken by one program once a request,
+# and a one-expert model's transformer, taken by the request's kv_cache and steps: placed before
+# the first, deleted after the last step (before the decode; each request then places it again).
+# Not the experts of a two-expert model (their kv caches are made together, so both would be
+# placed at once), nor a continuous build's transformer (its steps never end).
+MOVABLE = ("text_encoder", "image_encoder", "vae_encoder", "vae", "transformer")
+CONTINUOUS = frozenset(p for ps in CONTINUOUS_PROGRAMS.values() for p in ps)
+
+
+def movable(programs: Collection[str], components: Collection[str]) -> tuple[str, ...]:
+    """The components of a build (its `programs`, its weights' `components`) that may be
+    transient (MOVABLE)."""
+    steps_end = "transformer_2" not in components and not CONTINUOUS & set(programs)
+    return tuple(c for c in MOVABLE if c in components and (c != "transformer" or steps_end))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +94,7 @@ def plan(
                 -weights[c],
                 c,
             )
-            for c in MOVABLE
+            for c in movable(programs, weights)
             if placement.get(c) == RESIDENT
         ]
         if not options or min(options)[0] >= peak:

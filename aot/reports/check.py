@@ -376,7 +376,7 @@ def resident_violation(folder: Path, manifest: Manifest, budget: int) -> Violati
     # the transformer at a peak reached in vae_decode, which takes it.
     movable = [
         c
-        for c in residency.MOVABLE
+        for c in residency.movable(manifest.key.programs, manifest.weight_bytes)
         if manifest.placement.get(c) == residency.RESIDENT
         and manifest.resident_peak({**manifest.placement, c: residency.TRANSIENT})[0] < peak
     ]

@@ -416,7 +416,8 @@ def _check_pipeline(fields: dict[str, Any]) -> None:
 
 
 def _check_placement(fields: dict[str, Any]) -> None:
-    """Weights and a placement of the build's own components, the transformers resident."""
+    """Weights and a placement of the build's own components, transient only where they may
+    be (wan.residency.movable)."""
     components = set(interface.components(2, fields["key"].programs))
     for name in ("weight_bytes", "placement"):
         if unknown := sorted(set(fields[name]) - components):
@@ -425,7 +426,8 @@ def _check_placement(fields: dict[str, Any]) -> None:
         raise jc.malformed("placement", "must place every component of weight_bytes")
     if fixed := sorted(
         c for c, p in fields["placement"].items()
-        if p != residency.RESIDENT and c not in residency.MOVABLE
+        if p != residency.RESIDENT
+        and c not in residency.movable(fields["key"].programs, fields["weight_bytes"])
     ):  # fmt: skip
         raise jc.malformed("placement", f"cannot make {', '.join(fixed)} transient")
 

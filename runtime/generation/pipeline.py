@@ -151,6 +151,7 @@ class Pipeline:
         start = time.perf_counter()
         exe = load_build(folder, manifest, jax.devices(), trusted)
         loaded = time.perf_counter()
+        _check_placement(folder.name, manifest, placement or {})
         chosen = {**manifest.placement, **(placement or {})}
         pipe = cls.assemble(
             exe, weights, manifest.key, folder.name, config, loras, loras_2, placed, chosen,
@@ -201,7 +202,7 @@ class Pipeline:
         # A transient component is read from the weights again each time it is placed (on the
         # v5e host the 1.3B's text encoder took 11.6-14.3 s: bench/chip_profile.py).
         transient = {
-            c: functools.partial(checkpoint.load_component, weights, c, a)
+            c: functools.partial(checkpoint.load_component, weights, c, a, deltas.get(c))
             for c, a in abstracts.items()
             if placement.get(c, residency.RESIDENT) == residency.TRANSIENT
         }
@@ -291,10 +292,13 @@ class Pipeline:
             if pictures is not None:
                 conditioning = self.image_conditioning(pictures, lasts)
                 marks["image_encode"] = time.perf_counter() - start
-            kv = self.kv_caches(emb, experts, conditioning)
-            del emb, conditioning  # each program's inputs only (wan.residency's peak)
-            marks["kv_cache"] = time.perf_counter() - start
-            x = self._denoise(latents, state, tables, kv, expert_at, on_step, denoiser)
+            try:
+                kv = self.kv_caches(emb, experts, conditioning)
+                del emb, conditioning  # each program's inputs only (wan.residency's peak)
+                marks["kv_cache"] = time.perf_counter() - start
+                x = self._denoise(latents, state, tables, kv, expert_at, on_step, denoiser)
+            finally:  # a transient transformer leaves before the decode, or a failed step
+                self.release(*experts)
             del kv
             marks["denoise"] = time.perf_counter() - start
             frames = self._decode(x)
@@ -487,7 +491,7 @@ class Pipeline:
         (and an image-to-video build's condition, from `conditioning`)."""
         inputs = {"embeddings": emb, **(conditioning or {})}
         return jax.block_until_ready(
-            {e: self.run(self.kv_program, params=self.params[e], **inputs)["kv"] for e in experts}
+            {e: self.run(self.kv_program, params=self.weights(e), **inputs)["kv"] for e in experts}
         )
 
     def _denoise(
@@ -517,7 +521,7 @@ class Pipeline:
                 i,
                 expert,
                 dict(
-                    params=self.params[expert],
+                    params=self.weights(expert),
                     latents=out["latents"],
                     kv=jax.tree.map(handoff, kv[expert], step_in["kv"]),
                     row={k: place(v, step_in["row"][k]) for k, v in tables.row(i).items()},
@@ -547,6 +551,22 @@ class Pipeline:
         frames = np.asarray(self.run("vae_decode", params=self.weights("vae"), latents=x)["frames"])
         self.release("vae")
         return frames
+
+
+def _check_placement(name: str, manifest: Manifest, placement: Mapping[str, str]) -> None:
+    """A placement override of the build's own components, transient only where they may be."""
+    movable = residency.movable(manifest.key.programs, manifest.weight_bytes)
+    for component, where in placement.items():
+        if component not in manifest.weight_bytes:
+            raise RequestError(
+                f"--placement {component}={where}: build {name} has no {component} (its "
+                f"components: {', '.join(manifest.weight_bytes)})"
+            )
+        if where == residency.TRANSIENT and component not in movable:
+            raise RequestError(
+                f"--placement {component}=transient: build {name} keeps its {component} "
+                f"resident (its components that can be transient: {', '.join(movable)})"
+            )
 
 
 def _clip_processor(weights: str | Path, size: int) -> images.ClipProcessor:
