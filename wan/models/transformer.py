@@ -109,9 +109,9 @@ def linear(
 ) -> jax.Array:
     """`layer` on the last `contract` axes of x (together its input features), its output
     features split into the axes `out` if given. The kernel is reshaped, not the activations:
-    XLA then writes each head's rows where the attention kernel reads them, where a split of
-    the output costs layout copies of q, k, v and the attention's result in every block
-    (bench/chip_profile.py)."""
+    on TPU, XLA then lays each head's rows out as the attention kernel reads them, where
+    splitting the output afterwards cost layout copies of q, k, v and of the attention's result
+    in every block (docs/benchmarks.md, "Where a dense step goes")."""
     if isinstance(layer, QuantLinear):
         return layer(x, contract, out)
     kernel, bias = layer.kernel[...], layer.bias[...]
