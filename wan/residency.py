@@ -41,6 +41,14 @@ def movable(programs: Collection[str], components: Collection[str]) -> tuple[str
     return tuple(c for c in MOVABLE if c in components and (c != "transformer" or steps_end))
 
 
+def unmovable(
+    programs: Collection[str], components: Collection[str], placement: Mapping[str, str]
+) -> list[str]:
+    """The components `placement` makes transient that the build may not (`movable`)."""
+    free = movable(programs, components)
+    return sorted(c for c, p in placement.items() if p != RESIDENT and c not in free)
+
+
 @dataclasses.dataclass(frozen=True)
 class ProgramMemory:
     """Per device: a program's own peak (arguments included) and its generated code."""

@@ -424,11 +424,9 @@ def _check_placement(fields: dict[str, Any]) -> None:
             raise jc.malformed(name, f"names components the build has not: {', '.join(unknown)}")
     if set(fields["placement"]) != set(fields["weight_bytes"]):
         raise jc.malformed("placement", "must place every component of weight_bytes")
-    if fixed := sorted(
-        c for c, p in fields["placement"].items()
-        if p != residency.RESIDENT
-        and c not in residency.movable(fields["key"].programs, fields["weight_bytes"])
-    ):  # fmt: skip
+    if fixed := residency.unmovable(
+        fields["key"].programs, fields["weight_bytes"], fields["placement"]
+    ):
         raise jc.malformed("placement", f"cannot make {', '.join(fixed)} transient")
 
 

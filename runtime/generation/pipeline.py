@@ -555,18 +555,18 @@ class Pipeline:
 
 def _check_placement(name: str, manifest: Manifest, placement: Mapping[str, str]) -> None:
     """A placement override of the build's own components, transient only where they may be."""
-    movable = residency.movable(manifest.key.programs, manifest.weight_bytes)
     for component, where in placement.items():
         if component not in manifest.weight_bytes:
             raise RequestError(
                 f"--placement {component}={where}: build {name} has no {component} (its "
                 f"components: {', '.join(manifest.weight_bytes)})"
             )
-        if where == residency.TRANSIENT and component not in movable:
-            raise RequestError(
-                f"--placement {component}=transient: build {name} keeps its {component} "
-                f"resident (its components that can be transient: {', '.join(movable)})"
-            )
+    programs, components = manifest.key.programs, manifest.weight_bytes
+    if fixed := residency.unmovable(programs, components, placement):
+        raise RequestError(
+            f"--placement {fixed[0]}=transient: build {name} keeps its {fixed[0]} resident (its "
+            f"components that can be transient: {', '.join(residency.movable(programs, components))})"
+        )
 
 
 def _clip_processor(weights: str | Path, size: int) -> images.ClipProcessor:

@@ -589,10 +589,10 @@ def attention(
     interpret = runs_on is not None and platform != runs_on
     kernel = resolve(impl, interpret=interpret, sparse=sparse, quant=quant)
     if kv_len is not None and kv_len != k.shape[1]:
-        if padded_length(impl, kv_len, quant) != k.shape[1]:
+        if (takes := padded_length(impl, kv_len, quant)) != k.shape[1]:
             raise ValueError(
                 f"{k.shape[1]} keys of which {kv_len} real: attention {impl!r} takes keys "
-                f"padded to {padded_length(impl, kv_len, quant)}"
+                f"padded to {takes}"
             )
         kernel = functools.partial(kernel, kv_len=kv_len)
     kv_axes = Q_AXES if context_parallel == "ulysses" else KV_AXES
