@@ -1,6 +1,8 @@
-"""One self-attention call of a step, timed on the accelerator attached, per kernel variant: dense
-splash at several block sizes, Radial Attention's mask (splash's stored block mask; the computed
-mask it replaced, as the control), 8-bit attention. Compiled there (jit): a bench, not a build.
+"""One self-attention call of a step, timed on the accelerator attached, per kernel variant: JAX's
+splash ("dense ...", "radial...") at several block sizes, Radial Attention's mask (splash's stored
+block mask; the computed mask it replaced, as the control), 8-bit attention, and this project's
+flash kernel ("flash ...", wan.models.tpu_flash; its output compared with splash's under the same
+mask). Compiled there (jit): a bench, not a build.
 
 The call is one transformer block's video self-attention at the step's shape: with CFG two
 videos, the 1.3B's 12 heads of 128, 832x480x81's 32,760 tokens (21 latent frames of 30 x 52).
@@ -30,7 +32,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import (
 )
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
-from wan.models import attention, radial_mask
+from wan.models import attention, radial_mask, tpu_flash
 from wan.models.radial_mask import RadialSpec, density, radial_keep
 
 FRAMES, TOKENS_PER_FRAME, HEADS, DIM = 21, 30 * 52, 12, 128
@@ -60,7 +62,7 @@ def with_segment_ids(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """The control for the dense default: splash as builds ran it before the key mask, every
     key block compared by segment ids (the pad keys' id differs from the queries')."""
     b, length, heads, d = q.shape
-    blocks = attention.SplashBlocks(2048, 1024, 512)
+    blocks = attention.TpuBlocks(2048, 1024, 512)
     bq, bkv = blocks.balanced(length, length)
     pad = -(-length // bkv) * bkv
     kernel = splash_kernel.make_splash_mha(
@@ -82,6 +84,20 @@ def with_segment_ids(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     return out.reshape(b, heads, pad, d).transpose(0, 2, 1, 3)[:, :length]
 
 
+def flash_kernel(
+    blocks: tuple[int, int, int], spec: RadialSpec | None, pv_dtype: jnp.dtype, vmem_mib: int
+) -> Callable:
+    """wan.models.tpu_flash's kernel at `blocks` (they divide the padded step length)."""
+    return lambda q, k, v: tpu_flash.flash_attention(
+        q, k, v, blocks=blocks, interpret=False, sparse=spec, pv_dtype=pv_dtype,
+        vmem_limit_bytes=vmem_mib << 20 if vmem_mib else None,
+    )  # fmt: skip
+
+
+# Each flash variant's output is compared with splash's under the same mask.
+REFERENCE = {"flash dense": "dense 2048/1024/512", "flash radial1024": "radial1024 1024/1024/512"}
+
+
 def variants() -> dict[str, tuple[Callable, float]]:
     """name -> (attention(q, k, v), fraction of key blocks computed), the most telling first
     (the run stops at --budget): the dense default, the Radial mask stored and computed at the
@@ -98,15 +114,42 @@ def variants() -> dict[str, tuple[Callable, float]]:
     ) -> None:
         spec = RadialSpec(FRAMES, TOKENS_PER_FRAME, block=block)
         kvc = kvc or kv
-        kept = density(spec, *attention.SplashBlocks(q, kv, kvc).balanced(n, n))
+        kept = density(spec, *attention.TpuBlocks(q, kv, kvc).balanced(n, n))
         name = " ".join(filter(None, [quant, f"radial{block} {q}/{kv}/{kvc}", how]))
         impl = f"splash:{q}:{kv}:{kvc}"
         out[name] = (attention.resolve(impl, sparse=spec, quant=quant), kept)
 
+    def flash(
+        q: int, kv: int, kvc: int, block: int = 0, pv: str = "bf16", vmem_mib: int = 0
+    ) -> None:
+        spec = RadialSpec(FRAMES, TOKENS_PER_FRAME, block=block) if block else None
+        kept = density(spec, q, kv) if spec else 1.0
+        name = f"flash {f'radial{block}' if block else 'dense'} {q}/{kv}/{kvc}"
+        name += " f32 pv" if pv == "f32" else ""
+        name += f" vmem{vmem_mib}" if vmem_mib else ""
+        out[name] = (
+            flash_kernel(
+                (q, kv, kvc), spec, {"bf16": jnp.bfloat16, "f32": jnp.float32}[pv], vmem_mib
+            ),
+            kept,
+        )
+
     dense(2048, 1024, 512)
+    radial(1024, 1024, 1024, kvc=512)
+    flash(2048, 1024, 512)
+    flash(2048, 1024, 512, pv="f32")
+    flash(1024, 1024, 512, block=1024)
+    flash(2048, 1024, 256)
+    flash(1024, 1024, 256, block=1024)
+    flash(2048, 1024, 128)
+    flash(1024, 1024, 128, block=1024)
+    flash(2048, 2048, 256, vmem_mib=64)
+    flash(4096, 1024, 256, vmem_mib=64)
+    flash(2048, 2048, 256, block=2048, vmem_mib=64)
+    flash(2048, 2048, 512, vmem_mib=64)
+    flash(4096, 1024, 512, vmem_mib=64)
     out["dense 2048/1024/512 segment ids"] = (with_segment_ids, 1.0)
     radial(1024, 1024, 1024)
-    radial(1024, 1024, 1024, kvc=512)
     radial(128, 512, 512)
     radial(128, 512, 512, "computed")
     radial(512, 512, 512)
@@ -135,13 +178,13 @@ def time_variant(name: str, fn: Callable, inputs: tuple[jax.Array, ...], runs: i
         compile_s = time.perf_counter() - start
     finally:
         attention.RadialSplashMask = saved
-    jax.block_until_ready(compiled(*inputs))
+    result = jax.block_until_ready(compiled(*inputs))
     seconds = []
     for _ in range(runs):
         start = time.perf_counter()
         jax.block_until_ready(compiled(*inputs))
         seconds.append(1000 * (time.perf_counter() - start))
-    return {"compile_s": round(compile_s, 1), "ms": record.spread(seconds, 2)}
+    return {"compile_s": round(compile_s, 1), "ms": record.spread(seconds, 2)}, result
 
 
 def markdown(results: list[dict]) -> str:
@@ -179,7 +222,7 @@ def main() -> None:
     keys = jax.random.split(jax.random.key(0), 3)
     inputs = tuple(jax.random.normal(k, shape, jnp.bfloat16) for k in keys)
     flops = attention.flops(shape, shape[1])
-    began, rows = time.perf_counter(), []
+    began, rows, outputs = time.perf_counter(), [], {}
     for name, (fn, kept) in variants().items():
         if args.only and name not in args.only:
             continue
@@ -187,12 +230,16 @@ def main() -> None:
             rows.append({"variant": name, "skipped": "over --budget"})
             continue
         try:
-            row = {
-                "variant": name,
-                "density": round(kept, 4),
-                **time_variant(name, fn, inputs, args.runs),
-            }
+            timing, outputs[name] = time_variant(name, fn, inputs, args.runs)
+            row = {"variant": name, "density": round(kept, 4), **timing}
             row["dense_tflops"] = round(flops / row["ms"]["median"] / 1e9, 1)
+            reference = next((r for p, r in REFERENCE.items() if name.startswith(p + " ")), None)
+            if reference in outputs:
+                diff = jnp.abs(outputs[name].astype(jnp.float32) - outputs[reference])
+                row[f"vs {reference}"] = {
+                    "max_abs": float(diff.max()),
+                    "mean_abs": float(diff.mean()),
+                }
         except Exception as e:  # a variant the chip cannot compile (VMEM) is a row, not the end
             row = {"variant": name, "error": (str(e).splitlines() or [type(e).__name__])[0][:300]}
         print(json.dumps(row), flush=True)

@@ -1,6 +1,8 @@
 """Every attention kernel equals plain softmax attention, at any length and on any layout;
 blockwise memory is linear."""
 
+import functools
+
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -9,17 +11,21 @@ import pytest
 from conftest import deviceless_tpu_devices
 
 from wan import sharding
+from wan.models import tpu_flash
 from wan.models.attention import (
-    SplashBlocks,
+    TPU_KERNELS,
+    TpuBlocks,
     attention,
     balanced_block,
     blockwise_attention,
     dot_product_attention,
+    flash_attention,
     padded_length,
     resolve,
     splash_attention,
+    tpu_blocks,
 )
-from wan.models.radial_mask import RadialSpec, block_mask, radial_keep
+from wan.models.radial_mask import RadialSpec, block_mask, kernel_blocks_kept, radial_keep
 
 
 def _qkv(q_len: int, kv_len: int, heads: int = 3, dim: int = 8, seed: int = 0):
@@ -97,6 +103,7 @@ def test_blockwise_temporaries_are_linear_in_length():
     assert blockwise < 64 * seq * heads * dim * 4  # a few copies of q/k/v plus one score block
 
 
+@pytest.mark.parametrize("kernel", TPU_KERNELS)
 @pytest.mark.parametrize(
     "q_len, kv_len, heads",
     [
@@ -105,11 +112,40 @@ def test_blockwise_temporaries_are_linear_in_length():
         (128, 256, 1),  # exact blocks
     ],
 )
-def test_splash_equals_reference(q_len, kv_len, heads):
-    """Pallas splash in interpret mode, fp32; padded keys never contribute."""
+def test_tpu_kernels_equal_reference(kernel, q_len, kv_len, heads):
+    """The Pallas TPU kernels in interpret mode, fp32 (flash's P V in bf16 as on the chip:
+    within 2e-2); padded keys never contribute."""
     q, k, v = _qkv(q_len, kv_len, heads, dim=16)
-    got = splash_attention(q, k, v, blocks=SplashBlocks(128, 256, 128), interpret=True)
-    np.testing.assert_allclose(got, _reference(q, k, v), atol=1e-5, rtol=0)
+    got = resolve(f"{kernel}:128:256:128", interpret=True)(q, k, v)
+    atol = 2e-2 if kernel == "flash" else 1e-5
+    np.testing.assert_allclose(got, _reference(q, k, v), atol=atol, rtol=0)
+
+
+def test_flash_with_p_v_in_float32_is_exact():
+    """The flash kernel's arithmetic, P V in float32: the reference within 1e-4 (scores of
+    std ~45 here, exponentials in base 2 of prescaled queries)."""
+    q, k, v = _qkv(300, 300, 3, dim=128)
+    got = tpu_flash.flash_attention(
+        q, k, v, blocks=(128, 256, 128), interpret=True, pv_dtype=jnp.float32
+    )
+    np.testing.assert_allclose(got, _reference(q, k, v), atol=1e-4, rtol=0)
+
+
+def test_flash_visits_only_the_blocks_it_computes():
+    """A Radial mask at the kernel's blocks: dropped blocks are no visit, kept ones whole (no
+    mask) but the key column holding padding; a query block the mask would empty gets one
+    visit (its zero output); the dense plan masks only the padded column."""
+    spec = RadialSpec(frames=8, tokens_per_frame=100, block=128, decay=0.5)  # 800: 7 blocks
+    plan = tpu_flash.visits(spec, spec.tokens, 7, 7, 128, 128)
+    kept = kernel_blocks_kept(spec, 128, 128)
+    assert len(plan.kinds) == kept.sum() < kept.size
+    assert (plan.kinds[plan.kv_blocks < 6] == tpu_flash.WHOLE).all()
+    assert (plan.kinds[plan.kv_blocks == 6] == tpu_flash.PAD_KEYS).all()
+    assert set(plan.q_blocks.tolist()) == set(range(7))
+    dense = tpu_flash.visits(None, 900, 4, 8, 256, 128)
+    assert dense.kinds.reshape(4, 8)[:, -1].tolist() == [tpu_flash.PAD_KEYS] * 4
+    assert (dense.kinds.reshape(4, 8)[:, :-1] == tpu_flash.WHOLE).all()
+    assert tpu_flash.visits(None, 700, 4, 8, 256, 128).kv_blocks.max() == 5  # 768+: no visit
 
 
 def _padded(x: jax.Array, length: int) -> jax.Array:
@@ -118,11 +154,12 @@ def _padded(x: jax.Array, length: int) -> jax.Array:
     return jnp.concatenate([x, junk], axis=1)
 
 
+@pytest.mark.parametrize("kernel", TPU_KERNELS)
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "radial"])
-def test_splash_on_tokens_padded_to_its_length(sparse):
+def test_tpu_kernels_on_tokens_padded_to_their_length(kernel, sparse):
     """Self-attention over tokens a transformer padded to `padded_length` (its pads hold
     anything): the real tokens' rows equal attention over the real tokens alone."""
-    impl, n = "splash:128:128:128", RADIAL.tokens  # 260 tokens -> 384
+    impl, n = f"{kernel}:128:128:128", RADIAL.tokens  # 260 tokens -> 384
     length = padded_length(impl, n)
     assert length == 384 and padded_length("dot", n) == n
     assert padded_length(impl, n, quant="int8") == n  # the 8-bit kernel pads by itself
@@ -131,7 +168,7 @@ def test_splash_on_tokens_padded_to_its_length(sparse):
     got = jax.jit(lambda q, k, v: attention(q, k, v, impl, sparse=spec, kv_len=n))(q, k, v)
     real = [t[:, :n] for t in (q, k, v)]
     want = _masked_reference(*real, RADIAL) if sparse else _reference(*real)
-    np.testing.assert_allclose(got[:, :n], want, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(got[:, :n], want, atol=_atol(kernel), rtol=0)
 
 
 def test_padded_keys_a_kernel_cannot_take_are_refused():
@@ -147,8 +184,13 @@ def test_balanced_blocks():
     assert balanced_block(77, 2048, 128) == 128
 
 
-def test_splash_block_sizes_checked():
-    for bad in ("splash:100:256:128", "splash:128:384:256", "splash:128"):
+def _atol(impl: str) -> float:
+    """fp32 inputs: flash runs P V in bf16 (as on the chip), the others in fp32."""
+    return 2e-2 if impl.startswith("flash") else 2e-5
+
+
+def test_tpu_block_sizes_checked():
+    for bad in ("splash:100:256:128", "flash:128:384:256", "flash:128"):
         with pytest.raises(ValueError):
             resolve(bad)
 
@@ -163,15 +205,16 @@ def _pallas_calls(jaxpr: jax.extend.core.Jaxpr):
                 yield from _pallas_calls(inner)
 
 
-def test_splash_folds_videos_into_heads():
+@pytest.mark.parametrize("kernel", [flash_attention, splash_attention])
+def test_tpu_kernels_fold_videos_into_heads(kernel):
     """A batch of videos runs as one kernel over batch x heads, not vmapped per video: Pallas'
     vmap batches the kernel's VMEM scratch too (x2 with CFG took the 14B at 832x480 on v6e to
     32.7 MiB, over the 32 MiB its blocks were sized for)."""
     spec = jax.ShapeDtypeStruct((2, 512, 3, 128), jnp.bfloat16)
-    blocks = SplashBlocks(256, 256, 128)
-    jaxpr = jax.make_jaxpr(
-        lambda q, k, v: splash_attention(q, k, v, blocks=blocks, interpret=False)
-    )(spec, spec, spec)
+    blocks = TpuBlocks(256, 256, 128)
+    jaxpr = jax.make_jaxpr(lambda q, k, v: kernel(q, k, v, blocks=blocks, interpret=False))(
+        spec, spec, spec
+    )
     calls = list(_pallas_calls(jaxpr.jaxpr))
     assert calls
     operands = {v.aval.shape for call in calls for v in call.invars if v.aval.shape[-1:] == (128,)}
@@ -185,19 +228,19 @@ def _generation_targets() -> dict[str, str]:
 
 
 @pytest.mark.parametrize("generation", sorted(_generation_targets()))
-def test_splash_blocks_fit_each_generations_vmem(generation, monkeypatch):
-    """The splash kernel at its generation's largest blocks (sequences long enough that no
+def test_flash_blocks_fit_each_generations_vmem(generation, monkeypatch):
+    """The flash kernel at its generation's largest blocks (sequences long enough that no
     block is shrunk, WAN's head dim 128) compiles for a deviceless chip of that generation:
     the kernel's scratch fits its scoped VMEM."""
     from aot import targets
 
     target = targets.parse_target(_generation_targets()[generation])
     device = deviceless_tpu_devices(monkeypatch, target)[0]
-    blocks = SplashBlocks(*targets.SPLASH_BLOCKS[generation])
+    blocks = TpuBlocks(*targets.ATTENTION_BLOCKS[generation])
     on_chip = jax.sharding.SingleDeviceSharding(device)
     q = jax.ShapeDtypeStruct((2, 2 * blocks.q, 2, 128), jnp.bfloat16, sharding=on_chip)
     kv = jax.ShapeDtypeStruct((2, 2 * blocks.kv, 2, 128), jnp.bfloat16, sharding=on_chip)
-    kernel = jax.jit(lambda q, k, v: splash_attention(q, k, v, blocks=blocks, interpret=False))
+    kernel = jax.jit(lambda q, k, v: flash_attention(q, k, v, blocks=blocks, interpret=False))
     with jax.default_matmul_precision("default"):  # as built: conftest asks for "highest"
         kernel.lower(q, kv, kv).compile()
 
@@ -211,20 +254,20 @@ def _on_mesh(fn, *args):
         return jax.jit(fn)(*args)
 
 
-@pytest.mark.parametrize("impl", ["dot", "blockwise:32:32", "splash:128:128:128"])
+@pytest.mark.parametrize("impl", ["dot", "blockwise:32:32", "flash:128:128:128"])
 def test_gather_with_heads_that_do_not_divide_the_context_axis(impl):
     """3 heads, 40 tokens over context=4: every device's queries see all keys."""
     q, k, v = _qkv(40, 40, heads=3)
     got = _on_mesh(lambda q, k, v: attention(q, k, v, impl, "gather"), q, k, v)
-    np.testing.assert_allclose(got, _reference(q, k, v), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(got, _reference(q, k, v), atol=_atol(impl), rtol=0)
 
 
-@pytest.mark.parametrize("impl", ["dot", "splash:128:128:128"])
+@pytest.mark.parametrize("impl", ["dot", "flash:128:128:128", "splash:128:128:128"])
 def test_ulysses_equals_reference(impl):
     """8 heads, 2 per sequence shard after the all-to-all; 36 tokens, 9 per device."""
     q, k, v = _qkv(36, 36, heads=8)
     got = _on_mesh(lambda q, k, v: attention(q, k, v, impl, "ulysses"), q, k, v)
-    np.testing.assert_allclose(got, _reference(q, k, v), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(got, _reference(q, k, v), atol=_atol(impl), rtol=0)
 
 
 def test_ulysses_refuses_heads_that_do_not_divide():
@@ -268,12 +311,30 @@ def test_sparse_blockwise_is_masked_attention(q_block, kv_block):
     assert np.abs(want - _reference(q, k, v)).max() > 0.1
 
 
-def test_sparse_splash_is_masked_attention():
-    """The splash kernel (interpret mode) with the Radial mask, length padded to its blocks."""
-    q, k, v = _qkv(RADIAL.tokens, RADIAL.tokens, heads=2)
-    got = jax.jit(lambda q, k, v: splash_attention(
-        q, k, v, blocks=SplashBlocks(128, 128, 128), interpret=True, sparse=RADIAL))(q, k, v)  # fmt: skip
-    np.testing.assert_allclose(got, _masked_reference(q, k, v, RADIAL), atol=2e-5, rtol=0)
+@pytest.mark.parametrize(
+    "impl, spec",
+    [
+        ("splash:128:128:128", RADIAL),
+        ("flash:128:128:128", RADIAL),  # kernel blocks over 4 mask blocks: masked per entry
+        # the mask's blocks: kept whole, but for the padded key column
+        ("flash:128:128:128", RadialSpec(frames=8, tokens_per_frame=100, block=128, decay=0.5)),
+    ],
+)
+def test_sparse_tpu_kernels_are_masked_attention(impl, spec):
+    """The TPU kernels (interpret mode) with the Radial mask, length padded to their blocks;
+    flash's P V in float32 here, so that the comparison is tight."""
+    q, k, v = _qkv(spec.tokens, spec.tokens, heads=2)
+    blocks = tpu_blocks(impl)
+    if impl.startswith("flash"):
+        kernel = functools.partial(
+            tpu_flash.flash_attention,
+            blocks=blocks.fitted(spec.tokens, spec.tokens),
+            pv_dtype=jnp.float32,
+        )
+    else:
+        kernel = functools.partial(splash_attention, blocks=blocks)
+    got = jax.jit(lambda q, k, v: kernel(q, k, v, interpret=True, sparse=spec))(q, k, v)
+    np.testing.assert_allclose(got, _masked_reference(q, k, v, spec), atol=2e-5, rtol=0)
 
 
 @pytest.mark.parametrize("blocks", ["triton", "triton:32:16", "triton:64:64"])
@@ -287,28 +348,28 @@ def test_sparse_triton_is_masked_attention(blocks):
 
 
 @pytest.mark.parametrize(
-    "impl,context_parallel", [("splash:128:128:128", "ulysses"), ("blockwise:64:64", "gather")]
+    "impl,context_parallel", [("flash:128:128:128", "ulysses"), ("blockwise:64:64", "gather")]
 )
 def test_sparse_attention_on_a_mesh(impl, context_parallel):
-    """Tokens sharded over context=4: splash under Ulysses (whole sequences per device), the
+    """Tokens sharded over context=4: flash under Ulysses (whole sequences per device), the
     blockwise kernel left to XLA's partitioner; both the masked softmax."""
     q, k, v = _qkv(RADIAL.tokens, RADIAL.tokens, heads=8)
     got = _on_mesh(lambda q, k, v: attention(q, k, v, impl, context_parallel, RADIAL), q, k, v)
-    np.testing.assert_allclose(got, _masked_reference(q, k, v, RADIAL), atol=2e-5, rtol=0)
+    np.testing.assert_allclose(got, _masked_reference(q, k, v, RADIAL), atol=_atol(impl), rtol=0)
 
 
 @pytest.mark.parametrize(
     "blocks, spec",
     [
-        (SplashBlocks(512, 512, 512), RadialSpec(frames=5, tokens_per_frame=600)),
-        (SplashBlocks(128, 128, 128), RadialSpec(frames=5, tokens_per_frame=600)),
+        (TpuBlocks(512, 512, 512), RadialSpec(frames=5, tokens_per_frame=600)),
+        (TpuBlocks(128, 128, 128), RadialSpec(frames=5, tokens_per_frame=600)),
         # 240 tokens a frame: the distances of 2-3 frames are kept every other one (a split
         # period), a select Mosaic once could not lay out
-        (SplashBlocks(128, 128, 128), RadialSpec(frames=5, tokens_per_frame=240)),
+        (TpuBlocks(128, 128, 128), RadialSpec(frames=5, tokens_per_frame=240)),
     ],
 )
-def test_sparse_splash_compiles_for_a_deviceless_tpu(blocks, spec, monkeypatch):
-    """The Radial mask inside the splash kernel (its partly kept blocks evaluated in the
+def test_sparse_flash_compiles_for_a_deviceless_tpu(blocks, spec, monkeypatch):
+    """The Radial mask inside the flash kernel (its partly kept blocks evaluated in the
     kernel) compiles for a v6e chip without one: Mosaic takes the mask's integer arithmetic."""
     from aot import targets
 
@@ -316,7 +377,7 @@ def test_sparse_splash_compiles_for_a_deviceless_tpu(blocks, spec, monkeypatch):
     on_chip = jax.sharding.SingleDeviceSharding(device)
     q = jax.ShapeDtypeStruct((1, spec.tokens, 2, 128), jnp.bfloat16, sharding=on_chip)
     kernel = jax.jit(
-        lambda q, k, v: splash_attention(q, k, v, blocks=blocks, interpret=False, sparse=spec)
+        lambda q, k, v: flash_attention(q, k, v, blocks=blocks, interpret=False, sparse=spec)
     )
     with jax.default_matmul_precision("default"):
         kernel.lower(q, q, q).compile()
@@ -337,9 +398,9 @@ def test_sparse_triton_lowers_for_cuda():
 def test_sparse_attention_refusals():
     q, k, v = _qkv(RADIAL.tokens, RADIAL.tokens, heads=8)
     with pytest.raises(ValueError, match="needs ulysses context parallelism"):
-        _on_mesh(lambda q, k, v: attention(q, k, v, "splash:128:128:128", "gather", RADIAL),
+        _on_mesh(lambda q, k, v: attention(q, k, v, "flash:128:128:128", "gather", RADIAL),
                  q, k, v)  # fmt: skip
-    with pytest.raises(ValueError, match="radial attention runs in splash or triton or blockwise"):
+    with pytest.raises(ValueError, match="radial attention runs in flash or splash or triton"):
         resolve("cudnn", sparse=RADIAL)
     with pytest.raises(ValueError, match="self-attention over the 260 video tokens"):
         blockwise_attention(*_qkv(RADIAL.tokens, 7), sparse=RADIAL)

@@ -6,7 +6,7 @@ steps of a generation and the first `dense_layers` blocks of every step stay den
 official Wan script; the other steps run `radial_step`, whose remaining blocks attend through
 the mask of `block`-token blocks and temporal `decay`. A block left out is the kernel's own,
 which the build resolves (`aot.building.plan.choose_radial`): the official 128 where the kernel's blocks
-fit in it, splash's 1024 on TPU, whose kernel computes a block it keeps whole and loses time on
+fit in it, 1024 on TPU, whose kernels compute a block kept whole unmasked and lose time on
 partly kept ones.
 """
 
@@ -28,7 +28,7 @@ FLAG_HELP = (
     "none, or radial[:<decay>[:<dense_steps>[:<dense_layers>[:<block>]]]]: Radial Attention's "
     f"static mask in the video self-attention (defaults: decay {WAN_DECAY}, the first "
     f"{WAN_DENSE_STEPS} steps and {WAN_DENSE_LAYERS} block dense, as the official Wan script; "
-    f"blocks of the kernel's: {WAN_BLOCK} tokens as the official one, 1024 in TPU splash). A "
+    f"blocks of the kernel's: {WAN_BLOCK} tokens as the official one, 1024 on TPU). A "
     "build then also holds radial_step, run after the dense steps."
 )
 

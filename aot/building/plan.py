@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 
-from aot.targets import SPLASH_BLOCKS, VAE_VMEM_MIB, Target, devices
+from aot.targets import ATTENTION_BLOCKS, VAE_VMEM_MIB, Target, devices
 from runtime.builds.artifact import BuildKey, plain_values
 from runtime.builds.build_options import OPTIONS
 from runtime.trust.json_checks import ArtifactError
@@ -25,22 +25,17 @@ from wan.models import attention as attention_lib
 from wan.models.radial_mask import RadialSpec
 
 DEVICELESS_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
-# Splash blocks of a --sparse-attention build (auto): at 720p/81 frames the Radial mask keeps
-# 45.5% of 512-token blocks, 32.4% of 256 (128 overflows splash's scalar memory there), and
-# every block of the dense builds' 2048-3072. Which is fastest per useful FLOP on each
-# generation is unmeasured (no TPU was lent): 512 is the smallest block the dense builds already
-# run (the keys per compute step of v4, v5e and v5p).
-# A sparse build's splash blocks, and the Radial block it takes by default: whole kept blocks
-# (a smaller Radial block leaves kernel blocks kept in part, each masked from a stored block).
-# On v5e at 832x480x81 one attention call took 52.5 ms here against 86.6 dense, 58.4 with
-# keys computed 1024 at a time, 71.4 at 512 blocks (bench/chip_attention.py; docs/benchmarks.md,
+# A sparse build's TPU kernel blocks, and the Radial block it takes by default: whole kept
+# blocks (a smaller Radial block leaves kernel blocks kept in part, each masked entry by entry).
+# On v5e at 832x480x81 one flash call took 46.7 ms here against 78.2 dense, 69.7 with keys 128
+# a matmul; splash took 53.4 at 1024/1024/512 (bench/chip_attention.py; docs/benchmarks.md,
 # "On a TPU v5e chip").
-SPARSE_SPLASH_BLOCKS = (1024, 1024, 512)
+SPARSE_TPU_BLOCKS = (1024, 1024, 256)
 # Build options the chip showed slower than the plain path, by TPU generation: refused there,
 # with the measurement (docs/benchmarks.md, "On a TPU v5e chip").
 SLOWER_ON_CHIP = {
     ("attention_quant", "v5e"): (
-        "int8 attention took 102.9 ms a call against bf16 splash's 86.6 (0.84x) on a v5e chip "
+        "int8 attention took 102.9 ms a call against bf16 flash's 78.2 (0.76x) on a v5e chip "
         "at 832x480x81 (bench/chip_attention.py)"
     ),
 }
@@ -195,14 +190,14 @@ def check_radial(radial: sparse_attention.Radial, config: ModelConfig, options: 
 
 
 def choose_radial(radial: sparse_attention.Radial, attention: str) -> sparse_attention.Radial:
-    """The Radial settings with their block: the kernel's (splash's SPARSE_SPLASH_BLOCKS, else
-    the official one) where not given. In splash, a block smaller than the kernel's blocks is
-    refused: the blocks it keeps in part cost more than the mask saves."""
-    splash = attention_lib.kernel_name(attention) == "splash"
+    """The Radial settings with their block: the kernel's (a TPU kernel's SPARSE_TPU_BLOCKS,
+    else the official one) where not given. In a TPU kernel, a block smaller than the kernel's
+    blocks is refused: the blocks it keeps in part cost more than the mask saves."""
+    tpu = attention_lib.kernel_name(attention) in attention_lib.TPU_KERNELS
     if radial.block is None:
-        block = SPARSE_SPLASH_BLOCKS[0] if splash else sparse_attention.WAN_BLOCK
+        block = SPARSE_TPU_BLOCKS[0] if tpu else sparse_attention.WAN_BLOCK
         return dataclasses.replace(radial, block=block)
-    blocks = attention_lib.splash_blocks(attention) if splash else None
+    blocks = attention_lib.tpu_blocks(attention) if tpu else None
     if blocks is not None and radial.block < max(blocks.q, blocks.kv):
         raise BuildError(
             f"--sparse-attention {radial.text()} in {attention}: a Radial block smaller than "
@@ -247,7 +242,7 @@ def check_attention_quant(fmt: str, target: Target) -> None:
     if platform == "gpu":
         raise BuildError(
             f"--attention-quant {fmt}: {target.name} has no 8-bit attention kernel here (it runs "
-            "in splash on TPU and blockwise on CPU): leave it out"
+            "in flash or splash on TPU and blockwise on CPU): leave it out"
         )
     chip = target.chip
     if chip is not None and chip.eight_bit != fmt:
@@ -329,13 +324,14 @@ def choose_attention(
     requested: str | None, target: Target, tokens: int, sparse: bool = False
 ) -> str:
     """The attention kernel of a build, with its block sizes: `auto` (None) is dot for short
-    sequences, else the target's flash kernel (splash on TPU, cuDNN on a GPU present, the Pallas
-    Triton kernel for a deviceless GPU target, blockwise on CPU). A `sparse` build's splash
-    takes SPARSE_SPLASH_BLOCKS: at the dense builds' blocks every block holds an entry the mask
-    keeps, and the mask would save nothing."""
+    sequences, else the target's flash kernel (wan's flash on TPU, cuDNN on a GPU present, the
+    Pallas Triton kernel for a deviceless GPU target, blockwise on CPU). A TPU kernel named
+    without blocks takes the generation's ATTENTION_BLOCKS, or in a `sparse` build
+    SPARSE_TPU_BLOCKS: at the dense builds' blocks every block holds an entry the mask keeps,
+    and the mask would save nothing."""
     platform = target_platform(target)
     if requested is None:
-        flash = {"tpu": "splash", "gpu": "cudnn"}.get(platform, "blockwise")
+        flash = {"tpu": "flash", "gpu": "cudnn"}.get(platform, "blockwise")
         flash = "triton" if target.deviceless_gpu else flash
         requested = "dot" if tokens <= BLOCKWISE_MIN_TOKENS else flash
     kernel = attention_lib.kernel_name(requested)
@@ -351,9 +347,9 @@ def choose_attention(
             f"a deviceless {target.name} build would not run: use triton (the default), "
             "blockwise or dot, or build on the GPU host with --target current"
         )
-    if requested == "splash":
-        blocks = SPARSE_SPLASH_BLOCKS if sparse else SPLASH_BLOCKS[target.generation]
-        requested = "splash:" + ":".join(map(str, blocks))
+    if requested in attention_lib.TPU_KERNELS:
+        blocks = SPARSE_TPU_BLOCKS if sparse else ATTENTION_BLOCKS[target.generation]
+        requested = f"{requested}:" + ":".join(map(str, blocks))
     try:
         attention_lib.resolve(requested)
     except ValueError as e:
@@ -479,7 +475,7 @@ def ulysses_all_to_alls(plan: BuildPlan) -> int:
 
 def kernel_flops(plan: BuildPlan, radial: bool = False) -> float:
     """FLOPs per device per denoise step of the attention kernels that the HLO counts as opaque
-    custom calls (splash, Triton, cuDNN): self- and cross-attention of every layer (the image
+    custom calls (flash, splash, Triton, cuDNN): self- and cross-attention of every layer (the image
     tokens' too, in a build whose steps attend to CLIP features), self-attention as built
     (`radial`: radial_step's); 0 for XLA kernels."""
     if attention_lib.kernel_name(plan.attention) in attention_lib.PARTITIONABLE:

@@ -43,10 +43,10 @@ class Generation:
     peak_8bit_per_chip: float  # dense OP/s of `eight_bit`; for a later quantized step
     eight_bit: str  # the 8-bit format of that rate
     devices_per_chip: int  # JAX devices per chip in the layout the real VMs run
-    # Largest splash attention blocks (queries, keys, keys per compute step), balanced to each
-    # sequence at trace time (wan.models.attention.balanced_block); the kernel's scratch must fit the
-    # generation's scoped VMEM (tests/test_attention.py compiles each).
-    splash_blocks: tuple[int, int, int]
+    # Largest blocks of the TPU attention kernels (queries, keys, keys per matmul), balanced to
+    # each sequence at trace time (wan.models.attention.balanced_block); the kernels' scratch must
+    # fit the generation's scoped VMEM (tests/test_attention.py compiles each).
+    attention_blocks: tuple[int, int, int]
     chip_config: str | None = None  # libtpu chip config the VMs run (default: libtpu's)
 
     @property
@@ -73,36 +73,39 @@ class Generation:
         return self.peak_8bit_per_chip / self.devices_per_chip
 
 
-# Splash blocks: 3072/2048/1024 take 25.9 MiB of scoped VMEM, over the 16 MiB of v4, v5e and
-# v5p (2048/2048/512 take 19 MiB); 6400/2048/2048 overflow tpu7x's 64 MiB (81.8 MiB at 14B
-# 720p), hence its smaller query blocks. VMs: v5e and v6e up to 8 chips (2x4) a host, v4, v5p
+# Attention blocks: on v5e, flash at 2048/1024/256 took 78.2 ms a call at 832x480x81, 84.6 at
+# 2048/1024/512, 126.0 at 2048/1024/128; 2048/2048/256 took 75.6 given 64 MiB of scoped VMEM
+# (2048/2048/512 overflowed the 16 MiB a kernel gets by default on v4, v5e and v5p):
+# docs/benchmarks.md, "On a TPU v5e chip". v6e and tpu7x take larger blocks, unmeasured there;
+# 6400/2048/2048 overflowed tpu7x's 64 MiB in splash (81.8 MiB at 14B 720p), hence its smaller
+# query blocks. VMs: v5e and v6e up to 8 chips (2x4) a host, v4, v5p
 # and tpu7x 4 (2x2x1); libtpu's own default is 4 for every generation. Devices a chip: as libtpu
 # lays out `vm_topology` with `chip_config` (tests/test_targets.py).
 GENERATIONS = {
     g.name: g
     for g in [
         # name, VM alias, VM chips, HBM a chip, bf16 FLOP/s a chip, 8-bit OP/s a chip, 8-bit
-        # format, devices a chip, splash blocks.
+        # format, devices a chip, attention blocks.
         # A v4 VM runs megacore: a chip's two TensorCores are one device (libtpu's default
         # chip config has 2 devices a chip, which that VM does not have). v4 has no int8 path
         # faster than bf16: its 8-bit rate is its bf16 rate.
         Generation("v4", "tpu-v4-8", "2x2x1", 32 * GiB, 275e12, 275e12, "int8", 1,
-                   (2048, 1024, 512), chip_config="megacore"),
+                   (2048, 1024, 256), chip_config="megacore"),
         Generation("v5e", "tpu-v5e-8", "2x4", 16 * GiB, 197e12, 394e12, "int8", 1,
-                   (2048, 1024, 512)),
+                   (2048, 1024, 256)),
         # v5p: megacore is libtpu's default chip config.
         Generation("v5p", "tpu-v5p-8", "2x2x1", 95 * GiB, 459e12, 918e12, "int8", 1,
-                   (2048, 1024, 512)),
+                   (2048, 1024, 256)),
         Generation("v6e", "tpu-v6e-8", "2x4", 32 * GiB, 918e12, 1836e12, "int8", 1,
-                   (3072, 2048, 1024)),
+                   (3072, 2048, 512)),
         # Two TensorCores a chip, each its own device (libtpu has no megacore config for it).
         Generation("tpu7x", "tpu7x-8", "2x2x1", 192 * GiB, 2307e12, 4614e12, "fp8", 2,
-                   (2048, 2048, 1024)),
+                   (2048, 2048, 512)),
     ]
 }  # fmt: skip
 # Views of the table by generation, per device, for the callers that need one fact.
 TPU_HBM = {g.name: g.hbm_bytes for g in GENERATIONS.values()}
-SPLASH_BLOCKS = {g.name: g.splash_blocks for g in GENERATIONS.values()}
+ATTENTION_BLOCKS = {g.name: g.attention_blocks for g in GENERATIONS.values()}
 # Short names for the common single-host VMs: one process with all of the host's chips.
 TPU_ALIASES = {g.alias: g.vm_topology for g in GENERATIONS.values()}
 # Peak dense bf16 FLOP/s of a GPU `current` target's device, by device kind (deviceless GPU

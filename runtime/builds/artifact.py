@@ -65,7 +65,7 @@ class BuildKey:
     mesh: tuple[tuple[str, int], ...]  # transformer mesh axes in order, e.g. (("data", 2), ...)
     vae_mesh: tuple[int, int]  # (redundant, vae_spatial)
     vae_axis: str  # "width" or "height": the VAE's sharded spatial axis, chosen once
-    attention: str  # kernel and its largest blocks, e.g. "splash:3072:2048:1024"
+    attention: str  # kernel and its largest blocks, e.g. "flash:3072:2048:512"
     context_parallel: str = "gather"  # or "ulysses" (wan.models.attention)
     vae_vmem_mib: int | None = None  # TPU: scoped VMEM of the VAE decode's kernels; None: XLA's
     # The plain options' values (runtime.builds.build_options.plain_options), in declaration order.

@@ -130,9 +130,10 @@ _DECLARED = (
     ),
     BuildOption(
         "attention", "--attention",
-        "auto, dot, blockwise[:<q>:<kv>], splash[:<q>:<kv>:<kv_compute>] (TPU), triton (GPU) "
-        "or cudnn (a GPU present). auto: dot up to 8192 tokens, else splash on TPU, triton for "
-        "a deviceless GPU target, cudnn on a GPU present (--target current), blockwise on CPU.",
+        "auto, dot, blockwise[:<q>:<kv>], flash[:<q>:<kv>:<kv_compute>] (TPU), "
+        "splash[:<q>:<kv>:<kv_compute>] (TPU; JAX's kernel, slower on v5e), triton (GPU) or "
+        "cudnn (a GPU present). auto: dot up to 8192 tokens, else flash on TPU, triton for a "
+        "deviceless GPU target, cudnn on a GPU present (--target current), blockwise on CPU.",
         token=lambda k: "_" + k.attention.replace(":", "-"),
         argv=lambda k: ["--attention", k.attention],
     ),
@@ -193,7 +194,7 @@ _DECLARED = (
         "attention_quant", "--attention-quant",
         "The video self-attention in 8 bits (wan.models.attention_quant, SageAttention's "
         "scheme: K smoothed, Q and K quantized per block): int8 (Q K^T on the int8 unit, P V in "
-        "bf16: v4, v5e, v5p, v6e) or fp8 (both on fp8: tpu7x), in splash on TPU and blockwise "
+        "bf16: v4, v5e, v5p, v6e) or fp8 (both on fp8: tpu7x), in flash or splash on TPU and blockwise "
         "(the reference) on CPU; or none.",
         ATTENTION_QUANT_MODES,
         token_prefix="_attn",

@@ -2,8 +2,9 @@
 
 Kernels: `dot` materialises the full score matrix; `blockwise` is the flash-attention recurrence
 in pure JAX (online softmax over key blocks, linear memory: at 720p x 81 frames, 75,600 tokens
-and 40 heads, the full score matrix alone would be ~0.9 TB in fp32); `splash` is the Pallas TPU
-flash kernel; `triton` a Pallas Triton flash kernel for NVIDIA GPUs, which compiles without the
+and 40 heads, the full score matrix alone would be ~0.9 TB in fp32); `flash` is this project's
+Pallas TPU flash kernel (wan.models.tpu_flash), `splash` JAX's (slower on v5e: docs/benchmarks.md,
+"On a TPU v5e chip"); `triton` a Pallas Triton flash kernel for NVIDIA GPUs, which compiles without the
 GPU (deviceless builds); `cudnn` is cuDNN's fused flash attention on NVIDIA GPUs (its graph is
 built only with the GPU attached).
 
@@ -32,7 +33,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import (
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
 from wan import axes, sharding
-from wan.models import attention_quant
+from wan.models import attention_quant, tpu_flash
 from wan.models.radial_mask import RadialSpec, RadialSplashMask, density, radial_keep
 
 Attention = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
@@ -189,9 +190,9 @@ def balanced_block(length: int, largest: int, multiple: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class SplashBlocks:
-    """Largest splash block sizes (queries, keys, keys per compute step); each call balances
-    them to its lengths. Multiples of the TPU lane width (128)."""
+class TpuBlocks:
+    """Largest block sizes of the TPU flash kernels (queries, keys, keys per matmul); each call
+    balances them to its lengths. Multiples of the TPU lane width (128)."""
 
     q: int
     kv: int
@@ -199,12 +200,39 @@ class SplashBlocks:
 
     def balanced(self, q_len: int, kv_len: int) -> tuple[int, int]:
         """The query and key blocks a call on these lengths runs."""
-        return balanced_block(q_len, self.q, SPLASH_LANES), balanced_block(
-            kv_len, self.kv, SPLASH_LANES
+        return balanced_block(q_len, self.q, TPU_LANES), balanced_block(
+            kv_len, self.kv, TPU_LANES
         )
 
+    def fitted(self, q_len: int, kv_len: int) -> tuple[int, int, int]:
+        """The query and key blocks and keys per matmul a call on these lengths runs."""
+        bq, bkv = self.balanced(q_len, kv_len)
+        bkv_compute = balanced_block(bkv, min(self.kv_compute, bkv), TPU_LANES)
+        return bq, bkv, bkv_compute if bkv % bkv_compute == 0 else bkv
 
-SPLASH_LANES = 128
+
+TPU_LANES = 128
+TPU_KERNELS = ("flash", "splash")
+
+
+def flash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    blocks: TpuBlocks,
+    interpret: bool,
+    sparse: RadialSpec | None = None,
+    kv_len: int | None = None,
+) -> jax.Array:
+    """wan.models.tpu_flash's kernel at `blocks` fitted to the lengths (queries and keys are
+    zero-padded to their blocks; `kv_len`: the keys past it are padding already)."""
+    kv_len = k.shape[1] if kv_len is None else kv_len
+    _check_sparse(sparse, q.shape[1], kv_len, k.shape[1])
+    return tpu_flash.flash_attention(
+        q, k, v, blocks=blocks.fitted(q.shape[1], kv_len), interpret=interpret, sparse=sparse,
+        kv_len=kv_len,
+    )  # fmt: skip
 
 
 def splash_attention(
@@ -212,12 +240,12 @@ def splash_attention(
     k: jax.Array,
     v: jax.Array,
     *,
-    blocks: SplashBlocks,
+    blocks: TpuBlocks,
     interpret: bool,
     sparse: RadialSpec | None = None,
     kv_len: int | None = None,
 ) -> jax.Array:
-    """Pallas splash attention (TPU; `interpret` runs the same kernel in plain JAX elsewhere);
+    """JAX's Pallas splash attention (TPU; `interpret` runs the same kernel in plain JAX elsewhere);
     with `sparse`, its Radial mask as splash's block-sparse mask: blocks it drops whole are
     skipped, blocks it keeps in part are masked inside the kernel.
 
@@ -227,10 +255,7 @@ def splash_attention(
     b, q_len, heads, d = q.shape
     kv_len = k.shape[1] if kv_len is None else kv_len
     _check_sparse(sparse, q_len, kv_len, k.shape[1])
-    bq, bkv = blocks.balanced(q_len, kv_len)
-    bkv_compute = balanced_block(bkv, min(blocks.kv_compute, bkv), SPLASH_LANES)
-    if bkv % bkv_compute:
-        bkv_compute = bkv
+    bq, bkv, bkv_compute = blocks.fitted(q_len, kv_len)
     q_pad, kv_pad = _round_up(q_len, bq), _round_up(k.shape[1], bkv)
     # Videos fold into the kernel's heads: a vmap over the batch would batch the kernel's VMEM
     # scratch too (x2 with CFG), over the scoped VMEM its blocks were sized for.
@@ -275,12 +300,12 @@ def splash_attention(
 
 
 def padded_length(impl: str, length: int, quant: str | None = None) -> int:
-    """The length self-attention over `length` tokens is computed at: splash's padded length
-    where its query block is a multiple of its key block (both then divide it), else (and for
-    the other kernels) `length`. A transformer pads its tokens to it once a pass."""
-    if kernel_name(impl) != "splash" or quant is not None:
+    """The length self-attention over `length` tokens is computed at: a TPU kernel's padded
+    length where its query block is a multiple of its key block (both then divide it), else
+    (and for the other kernels) `length`. A transformer pads its tokens to it once a pass."""
+    if kernel_name(impl) not in TPU_KERNELS or quant is not None:
         return length
-    bq, bkv = splash_blocks(impl).balanced(length, length)
+    bq, bkv = tpu_blocks(impl).balanced(length, length)
     return _round_up(length, bq) if bq % bkv == 0 else length
 
 
@@ -425,17 +450,17 @@ def _check_sparse(
         )
 
 
-def _quant_splash(
+def _quant_tpu(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
     *,
-    blocks: SplashBlocks,
+    blocks: TpuBlocks,
     fmt: str,
     interpret: bool,
     sparse: RadialSpec | None,
 ) -> jax.Array:
-    """The 8-bit splash kernel at the blocks splash would run these lengths with."""
+    """The 8-bit TPU kernel at the blocks the bf16 kernels would run these lengths with."""
     _check_sparse(sparse, q.shape[1], k.shape[1])
     return attention_quant.quant_splash_attention(
         q, k, v, blocks=blocks.balanced(q.shape[1], k.shape[1]), fmt=fmt, interpret=interpret,
@@ -443,16 +468,16 @@ def _quant_splash(
     )  # fmt: skip
 
 
-# The kernels 8-bit attention runs in: splash's 8-bit variant (TPU), blockwise (the reference).
-QUANT_KERNELS = ("splash", "blockwise")
+# The kernels 8-bit attention runs in: the TPU kernels' 8-bit variant, blockwise (the reference).
+QUANT_KERNELS = (*TPU_KERNELS, "blockwise")
 # The kernels a Radial mask runs in: the TPU and GPU kernels skip the blocks it drops, the
 # XLA kernels (CPU, short sequences) mask entry by entry.
-SPARSE_KERNELS = ("splash", "triton", "blockwise", "dot")
+SPARSE_KERNELS = (*TPU_KERNELS, "triton", "blockwise", "dot")
 CONTEXT_PARALLEL = ("gather", "ulysses")
 # Kernels XLA's SPMD partitioner can split by itself; the others run inside shard_map.
 PARTITIONABLE = ("dot", "blockwise")
 # The platform each hardware kernel runs on (elsewhere only interpreted); the rest run anywhere.
-KERNEL_PLATFORM = {"splash": "tpu", "triton": "gpu", "cudnn": "gpu"}
+KERNEL_PLATFORM = {"flash": "tpu", "splash": "tpu", "triton": "gpu", "cudnn": "gpu"}
 Q_AXES = (axes.BATCH, axes.LENGTH, axes.HEADS, None)
 KV_AXES = (axes.BATCH, axes.KV_LENGTH, axes.HEADS, None)  # gathered: every query sees every key
 
@@ -473,11 +498,11 @@ def flops(q_shape: tuple[int, ...], kv_length: int) -> int:
 @functools.cache  # a build asks once per analysis of each step program
 def kernel_density(impl: str, sparse: RadialSpec) -> float:
     """The fraction of query/key blocks the kernel `impl` computes in self-attention under the
-    mask `sparse` (radial_mask.density at its blocks): splash skips every block the mask drops,
+    mask `sparse` (radial_mask.density at its blocks): the TPU kernels skip every block the mask drops,
     Triton those it drops whole where its blocks fit in the mask's, the XLA kernels none."""
     name, n = kernel_name(impl), sparse.tokens
-    if name == "splash":
-        return density(sparse, *splash_blocks(impl).balanced(n, n))
+    if name in TPU_KERNELS:
+        return density(sparse, *tpu_blocks(impl).balanced(n, n))
     if name == "triton" and (blocks := _triton_blocks(impl)).skips(sparse, n, n):
         return density(sparse, *blocks.fitted(n, n))
     return 1.0
@@ -491,10 +516,10 @@ def resolve(
     quant: str | None = None,
 ) -> Attention:
     """The attention function an implementation name selects: 'dot', 'blockwise' (default
-    blocks), 'blockwise:<q_block>:<kv_block>', 'splash:<q>:<kv>:<kv_compute>' (largest block
-    sizes), 'triton[:<q>:<kv>]' or 'cudnn'. `interpret`: run Pallas kernels in interpret mode
+    blocks), 'blockwise:<q_block>:<kv_block>', 'flash:<q>:<kv>:<kv_compute>' or
+    'splash:<q>:<kv>:<kv_compute>' (largest block sizes), 'triton[:<q>:<kv>]' or 'cudnn'. `interpret`: run Pallas kernels in interpret mode
     (not on their hardware); `sparse`: a Radial mask (SPARSE_KERNELS only); `quant`: 8-bit
-    attention, "int8" or "fp8" (QUANT_KERNELS only; splash's is wan.models.attention_quant's
+    attention, "int8" or "fp8" (QUANT_KERNELS only; on TPU wan.models.attention_quant's
     kernel)."""
     if quant is not None:
         if kernel_name(impl) not in QUANT_KERNELS:
@@ -506,10 +531,10 @@ def resolve(
             raise ValueError(
                 f"8-bit attention {quant!r}: use {' or '.join(attention_quant.FORMATS)}"
             )
-        if kernel_name(impl) == "splash":
-            blocks = splash_blocks(impl)
+        if kernel_name(impl) in TPU_KERNELS:
+            blocks = tpu_blocks(impl)
             return functools.partial(
-                _quant_splash, blocks=blocks, fmt=quant, interpret=interpret, sparse=sparse
+                _quant_tpu, blocks=blocks, fmt=quant, interpret=interpret, sparse=sparse
             )
         return functools.partial(resolve(impl, sparse=sparse), quant=quant)
     if sparse is not None:
@@ -529,15 +554,17 @@ def resolve(
         return functools.partial(blockwise_attention, q_block=int(sizes[1]), kv_block=int(sizes[2]))
     if kernel_name(impl) == "triton":
         return functools.partial(triton_attention, blocks=_triton_blocks(impl), interpret=interpret)
-    if kernel_name(impl) == "splash":
-        return functools.partial(splash_attention, blocks=splash_blocks(impl), interpret=interpret)
+    if kernel_name(impl) in TPU_KERNELS:
+        kernel = flash_attention if kernel_name(impl) == "flash" else splash_attention
+        return functools.partial(kernel, blocks=tpu_blocks(impl), interpret=interpret)
     raise _unknown(impl)
 
 
 def _unknown(impl: str) -> ValueError:
     return ValueError(
         f"unknown attention implementation {impl!r}: use 'dot', 'blockwise[:<q>:<kv>]', "
-        "'splash:<q>:<kv>:<kv_compute>', 'triton[:<q>:<kv>]' or 'cudnn'"
+        "'flash:<q>:<kv>:<kv_compute>', 'splash:<q>:<kv>:<kv_compute>', 'triton[:<q>:<kv>]' "
+        "or 'cudnn'"
     )
 
 
@@ -552,17 +579,15 @@ def _triton_blocks(impl: str) -> TritonBlocks:
     return blocks
 
 
-def splash_blocks(impl: str) -> SplashBlocks:
-    if not (sizes := re.fullmatch(f"splash{_SIZES}{_SIZES}{_SIZES}", impl)):
+def tpu_blocks(impl: str) -> TpuBlocks:
+    """The blocks of 'flash:<q>:<kv>:<kv_compute>' or 'splash:...'."""
+    if not (sizes := re.fullmatch(f"(?:{'|'.join(TPU_KERNELS)}){_SIZES}{_SIZES}{_SIZES}", impl)):
         raise _unknown(impl)
-    blocks = SplashBlocks(*(int(s) for s in sizes.groups()))
-    if (
-        any(n % SPLASH_LANES for n in (blocks.q, blocks.kv_compute))
-        or blocks.kv % blocks.kv_compute
-    ):
+    blocks = TpuBlocks(*(int(s) for s in sizes.groups()))
+    if any(n % TPU_LANES for n in (blocks.q, blocks.kv_compute)) or blocks.kv % blocks.kv_compute:
         raise ValueError(
-            f"attention {impl!r}: splash block sizes q and kv_compute must be multiples of "
-            f"{SPLASH_LANES}, and kv a multiple of kv_compute"
+            f"attention {impl!r}: {kernel_name(impl)} block sizes q and kv_compute must be "
+            f"multiples of {TPU_LANES}, and kv a multiple of kv_compute"
         )
     return blocks
 

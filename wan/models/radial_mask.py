@@ -237,10 +237,9 @@ class RadialSplashMask(splash_mask.Mask):
         return hash((type(self), self.shape, self.spec))
 
 
-def kernel_blocks_kept(spec: RadialSpec, q_block: int, kv_block: int) -> np.ndarray:
-    """(query blocks, key blocks) bool over the tokens padded to each kernel block: True where
-    a block holds an entry `RadialSplashMask` keeps (pad keys never kept, pad queries dense),
-    i.e. the blocks a block-sparse kernel computes."""
+def _kernel_block_counts(spec: RadialSpec, q_block: int, kv_block: int):
+    """Per (query block, key block) of a kernel over the tokens padded to its blocks: the
+    mask's kept blocks among those it overlaps (keys: real ones only), and how many it overlaps."""
     qb, kb, b, n = q_block, kv_block, spec.block, spec.tokens
     q_count, kv_count = -(-n // qb), -(-n // kb)
     table = RadialSplashMask(spec, (q_count * qb, kv_count * kb))._table.astype(np.int64)
@@ -254,7 +253,21 @@ def kernel_blocks_kept(spec: RadialSpec, q_block: int, kv_block: int) -> np.ndar
         - sums[r1[:, None], c0[None, :]]
         + sums[r0[:, None], c0[None, :]]
     )
-    return kept > 0
+    return kept, (r1 - r0)[:, None] * (c1 - c0)[None, :]
+
+
+def kernel_blocks_kept(spec: RadialSpec, q_block: int, kv_block: int) -> np.ndarray:
+    """(query blocks, key blocks) bool over the tokens padded to each kernel block: True where
+    a block holds an entry `RadialSplashMask` keeps (pad keys never kept, pad queries dense),
+    i.e. the blocks a block-sparse kernel computes."""
+    return _kernel_block_counts(spec, q_block, kv_block)[0] > 0
+
+
+def kernel_blocks_whole(spec: RadialSpec, q_block: int, kv_block: int) -> np.ndarray:
+    """As `kernel_blocks_kept`, True where the mask keeps every entry of the block whose key
+    is real: a kernel computes it unmasked but for its pad keys."""
+    kept, overlapped = _kernel_block_counts(spec, q_block, kv_block)
+    return kept == overlapped
 
 
 def density(spec: RadialSpec, kernel_block: int, kv_block: int | None = None) -> float:

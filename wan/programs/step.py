@@ -126,7 +126,7 @@ def _step_program(
         "transformer",
         donate=("latents", "state", *donate),  # a step holds one copy of each
         analyses=analyses,
-        vmem_hint="smaller --attention splash blocks (e.g. splash:1024:1024:512)",
+        vmem_hint="smaller --attention flash blocks (e.g. flash:1024:1024:256)",
     )  # fmt: skip
 
 
