@@ -322,8 +322,9 @@ def test_scanned_flops_equal_unrolled(monkeypatch):
     "target, requested, chosen",
     [
         ("cpu-8", None, "blockwise"),  # 720p tokens on CPU
-        ("tpu-v6e-8", None, "splash:3072:2048:1024"),
-        ("tpu7x-8", None, "splash:2048:2048:1024"),
+        ("tpu-v6e-8", None, "flash:3072:2048:512"),
+        ("tpu7x-8", None, "flash:2048:2048:512"),
+        ("tpu-v5e-8", "splash", "splash:2048:1024:256"),
         ("tpu-v6e-8", "splash:1024:1024:512", "splash:1024:1024:512"),
     ],
 )

@@ -141,8 +141,8 @@ def test_a_splash_radial_step_counts_the_blocks_its_mask_keeps():
     assert self_attention(plan, radial=False).flops == dense  # the dense step: every block
 
 
-def test_a_sparse_build_s_auto_splash_blocks_let_the_mask_save():
-    """auto on TPU: the dense builds' splash blocks for a dense build, 1024 for a sparse one
+def test_a_sparse_build_s_auto_tpu_blocks_let_the_mask_save():
+    """auto on TPU: the dense builds' flash blocks for a dense build, 1024 for a sparse one
     (at 2048-3072 every block holds a kept entry), and the Radial block the kernel's, so that
     every block is kept whole or skipped; elsewhere the official 128."""
     model = resolve_model("wan2.1-t2v-14b")
@@ -153,8 +153,8 @@ def test_a_sparse_build_s_auto_splash_blocks_let_the_mask_save():
             sparse_attention=canonical(radial),
         ).attention  # fmt: skip
 
-    assert auto("radial") == "splash:1024:1024:512"
-    assert auto("none") == "splash:3072:2048:1024"
+    assert auto("radial") == "flash:1024:1024:256"
+    assert auto("none") == "flash:3072:2048:512"
     tpu = plan_build(
         "wan2.1-t2v-14b", model, VideoShape(1280, 720, 81, 1), parse_target("tpu-v6e-8"), 8,
         sparse_attention=canonical("radial"),
@@ -165,13 +165,14 @@ def test_a_sparse_build_s_auto_splash_blocks_let_the_mask_save():
     assert cpu.key.option("sparse_attention") == "radial:0.2:12:1:128"
 
 
-def test_a_radial_block_under_the_splash_blocks_is_refused():
+@pytest.mark.parametrize("kernel", ["flash", "splash"])
+def test_a_radial_block_under_the_tpu_kernel_blocks_is_refused(kernel):
     """On v5e, 128-token Radial blocks in 512-token splash blocks ran at 0.67x the dense
     call's speed (bench/chip_attention.py): a partly kept block costs more than the mask
     saves."""
     with pytest.raises(BuildError, match="smaller than the kernel's blocks"):
-        splash_plan("radial:0.2:12:1:128", attention="splash:512:512:512")
-    assert splash_plan("radial:0.2:12:1:512", attention="splash:512:512:512")
+        splash_plan("radial:0.2:12:1:128", attention=f"{kernel}:512:512:512")
+    assert splash_plan("radial:0.2:12:1:512", attention=f"{kernel}:512:512:512")
 
 
 @pytest.mark.parametrize(

@@ -397,11 +397,11 @@ FOUR_HEADS = dataclasses.replace(
     [
         (TINY, "dot", "gather", 1e-5),
         (FOUR_HEADS, "blockwise:16:16", "ulysses", 1e-5),
-        # Pallas splash in interpret mode inside shard_map, q/k/v all-to-all'd to heads.
-        (FOUR_HEADS, "splash:128:128:128", "ulysses", 1e-4),
+        # The Pallas kernels in interpret mode inside shard_map, q/k/v all-to-all'd to heads.
+        (FOUR_HEADS, "flash:128:128:128", "ulysses", 1e-4),
         (TINY, "splash:128:128:128", "gather", 1e-4),
     ],
-    ids=["dot-gather", "blockwise-ulysses", "splash-ulysses", "splash-gather"],
+    ids=["dot-gather", "blockwise-ulysses", "flash-ulysses", "splash-gather"],
 )
 def test_denoise_step_sharded_equals_single_device(config, attention, context_parallel, atol):
     """data=2 x context=4 on 8 host devices == the single-device dot step."""
@@ -583,7 +583,7 @@ def test_the_image_encode_has_the_decodes_collectives_in_both_orientations():
     assert "all-to-all" not in summaries["width"]
 
 
-def test_720p_denoise_step_runs_splash_on_tpu(tpu_devices):
+def test_720p_denoise_step_runs_flash_on_tpu(tpu_devices):
     """`--attention auto` for tpu-v6e-8 at a 720p-length sequence (75,600 tokens): the
     self-attention is the Mosaic kernel, and no blockwise loop is left (the layer scan is the
     only while loop)."""
@@ -593,7 +593,7 @@ def test_720p_denoise_step_runs_splash_on_tpu(tpu_devices):
     target = targets.parse_target("tpu-v6e-8")
     plan = plan_build("tiny", TINY, shape, target, len(tpu_devices))
     assert shape.tokens(TINY) == 75600
-    assert plan.attention == "splash:3072:2048:1024"
+    assert plan.attention == "flash:3072:2048:512"
     assert plan.key.context_parallel == "gather"  # 2 heads do not divide over 4 shards
     mesh = transformer_mesh(tpu_devices, plan.mesh)
     program = programs.denoise_step_program(TINY, shape, programs.ProgramOptions(plan.attention))

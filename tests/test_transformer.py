@@ -134,14 +134,15 @@ def test_blockwise_attention_equals_dot(pair):
     )
 
 
-def test_splash_on_padded_tokens_equals_dot(pair):
-    """With splash, the blocks run on tokens padded to its blocks (60 -> 128 here) and the
-    output is the unpadded model's: no token attends to the pads."""
+@pytest.mark.parametrize("kernel", ["flash", "splash"])
+def test_tpu_kernels_on_padded_tokens_equal_dot(pair, kernel):
+    """With a TPU kernel, the blocks run on tokens padded to its blocks (60 -> 128 here) and
+    the output is the unpadded model's: no token attends to the pads."""
     _, graphdef, state = pair
     cfg = nnx.merge(graphdef, state).config
     latents, timestep, text = _inputs(cfg, *SHAPES[0])
     np.testing.assert_allclose(
-        _forward(_graphdef(cfg, "splash:128:128:128"), state, latents, timestep, text),
+        _forward(_graphdef(cfg, f"{kernel}:128:128:128"), state, latents, timestep, text),
         _forward(graphdef, state, latents, timestep, text),
         atol=2e-5,
         rtol=0,

@@ -200,9 +200,7 @@ class TpuBlocks:
 
     def balanced(self, q_len: int, kv_len: int) -> tuple[int, int]:
         """The query and key blocks a call on these lengths runs."""
-        return balanced_block(q_len, self.q, TPU_LANES), balanced_block(
-            kv_len, self.kv, TPU_LANES
-        )
+        return balanced_block(q_len, self.q, TPU_LANES), balanced_block(kv_len, self.kv, TPU_LANES)
 
     def fitted(self, q_len: int, kv_len: int) -> tuple[int, int, int]:
         """The query and key blocks and keys per matmul a call on these lengths runs."""

@@ -147,13 +147,14 @@ def flash_attention(
     interpret: bool,
     sparse: RadialSpec | None = None,
     kv_len: int | None = None,
-    pv_dtype=jnp.bfloat16,
+    pv_dtype: jnp.dtype | None = None,
     vmem_limit_bytes: int | None = None,
 ) -> jax.Array:
     """softmax(q k^T / sqrt(D)) v, (B, Sq, H, D) -> (B, Sq, H, D), by the module's kernel with
     (query, key, key-per-matmul) blocks `blocks` (multiples of 128 dividing the padded lengths
     the caller chose); keys past `kv_len` are padding, and with `sparse` only the entries its
-    Radial mask keeps count. `interpret` runs the kernel in plain JAX (off TPU)."""
+    Radial mask keeps count. `interpret` runs the kernel in plain JAX (off TPU); P V runs in
+    `pv_dtype` (V's dtype unless given)."""
     b, q_len, heads, d = q.shape
     kv_len = k.shape[1] if kv_len is None else kv_len
     bq, bkv, bkv_compute = blocks
@@ -167,7 +168,7 @@ def flash_attention(
     scaled = (q.astype(jnp.float32) * (math.log2(math.e) / math.sqrt(d))).astype(q.dtype)
     kernel = functools.partial(
         _kernel, bkv=bkv, bkv_compute=bkv_compute, kv_len=kv_len, sparse=sparse,
-        pv_dtype=pv_dtype, kinds=tuple(sorted(set(np.unique(plan.kinds).tolist()) - {SKIP})),
+        pv_dtype=pv_dtype or v.dtype, kinds=tuple(sorted(set(np.unique(plan.kinds).tolist()) - {SKIP})),
     )  # fmt: skip
     out = pl.pallas_call(
         kernel,
