@@ -118,8 +118,8 @@ def test_tpu_kernels_equal_reference(kernel, q_len, kv_len, heads):
 
 def test_flash_in_bfloat16_is_within_its_rounding():
     """bf16 q, k, v as on the chip (P V then in bf16): the float64 reference of the same
-    inputs within a few bf16 ulps (outputs up to ~5: 2e-2 + 1%); at WAN's head dim."""
-    q, k, v = (t.astype(jnp.bfloat16) for t in _qkv(300, 300, 3, dim=128))
+    inputs within a few bf16 ulps (2e-2 + 1%); at WAN's head dim."""
+    q, k, v = ((t / 2).astype(jnp.bfloat16) for t in _qkv(300, 300, 3, dim=128))  # scores ~1
     got = tpu_flash.flash_attention(q, k, v, blocks=(128, 256, 128), interpret=True)
     assert got.dtype == jnp.bfloat16
     np.testing.assert_allclose(got.astype(jnp.float32), _reference(q, k, v), atol=2e-2, rtol=1e-2)
