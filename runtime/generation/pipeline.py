@@ -183,8 +183,9 @@ class Pipeline:
         read). `placed`: the weights other builds placed with the same weights and LoRAs; a
         component found there in the same shardings is reused, the others are added to it.
         `placement` (wan.residency; default: all resident): a transient component is placed
-        before its program and deleted after; with `prefetch`, placed now beside the others
-        for the first request (`runtime run`: its transfer overlaps the rest of the load)."""
+        before its program and deleted after; with `prefetch`, those the first program takes
+        are placed now beside the others (`runtime run`: their transfer overlaps the rest of
+        the load; the others would outgrow the build's predicted peak)."""
         config = config or ModelConfig.from_folder(weights)
         lora.check_experts(config.num_experts, loras_2)
         abstracts = _component_abstracts(executables, key, config.num_experts)
@@ -214,7 +215,8 @@ class Pipeline:
                 c: pool.submit(checkpoint.load_component, weights, c, abstracts[c], deltas.get(c))
                 for c in resident
             }
-            early = {c: pool.submit(load) for c, load in transient.items() if prefetch}
+            first = residency.taken_by(key.programs[0], list(transient)) if prefetch else ()
+            early = {c: pool.submit(transient[c]) for c in first}
             placed.update({keys[c]: load.result() for c, load in loads.items()})
             params = {c: placed[keys[c]] for c in abstracts if c not in transient}
             params.update({c: load.result() for c, load in early.items()})
