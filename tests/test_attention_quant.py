@@ -240,7 +240,7 @@ def test_the_splash_kernel_s_8bit_flops_and_the_lower_bound():
         ("tpu-v6e-8", "fp8", "splash:512:512:512", "no fp8 matrix unit"),
         ("gpu-h100", "int8", "triton", "no 8-bit attention kernel"),
         ("cpu-8", "int8", "dot", "--attention-quant with --attention dot"),
-        # The chip measured it slower than bf16 splash (aot.building.plan.SLOWER_ON_CHIP).
+        # The chip measured it slower than bf16 attention (aot.building.plan.SLOWER_ON_CHIP).
         ("tpu-v5e-8", "int8", "splash:512:512:512", r"not offered for v5e: .* \(0.76x\)"),
     ],
 )
