@@ -3,10 +3,10 @@
 Kernels: `dot` materialises the full score matrix; `blockwise` is the flash-attention recurrence
 in pure JAX (online softmax over key blocks, linear memory: at 720p x 81 frames, 75,600 tokens
 and 40 heads, the full score matrix alone would be ~0.9 TB in fp32); `flash` is this project's
-Pallas TPU flash kernel (wan.models.tpu_flash), `splash` JAX's (slower on v5e: docs/benchmarks.md,
-"On a TPU v5e chip"); `triton` a Pallas Triton flash kernel for NVIDIA GPUs, which compiles without the
-GPU (deviceless builds); `cudnn` is cuDNN's fused flash attention on NVIDIA GPUs (its graph is
-built only with the GPU attached).
+Pallas TPU flash kernel (wan.models.tpu_flash), `splash` JAX's (slower on v5e:
+docs/benchmarks.md, "On a TPU v5e chip"); `triton` a Pallas Triton flash kernel for NVIDIA
+GPUs, which compiles without the GPU (deviceless builds); `cudnn` is cuDNN's fused flash
+attention on NVIDIA GPUs (its graph is built only with the GPU attached).
 
 Context parallelism (the video tokens sharded over devices): `gather` keeps queries sharded on
 length and gives every device all keys and values; `ulysses` all-to-alls q, k and v from
@@ -243,9 +243,9 @@ def splash_attention(
     sparse: RadialSpec | None = None,
     kv_len: int | None = None,
 ) -> jax.Array:
-    """JAX's Pallas splash attention (TPU; `interpret` runs the same kernel in plain JAX elsewhere);
-    with `sparse`, its Radial mask as splash's block-sparse mask: blocks it drops whole are
-    skipped, blocks it keeps in part are masked inside the kernel.
+    """JAX's Pallas splash attention (TPU; `interpret` runs the same kernel in plain JAX
+    elsewhere); with `sparse`, its Radial mask as splash's block-sparse mask: blocks it drops
+    whole are skipped, blocks it keeps in part are masked inside the kernel.
 
     Lengths need not be block multiples: queries and keys are zero-padded to their blocks,
     padded keys never contribute and the padded query rows are sliced off. `kv_len`: the keys
@@ -496,8 +496,9 @@ def flops(q_shape: tuple[int, ...], kv_length: int) -> int:
 @functools.cache  # a build asks once per analysis of each step program
 def kernel_density(impl: str, sparse: RadialSpec) -> float:
     """The fraction of query/key blocks the kernel `impl` computes in self-attention under the
-    mask `sparse` (radial_mask.density at its blocks): the TPU kernels skip every block the mask drops,
-    Triton those it drops whole where its blocks fit in the mask's, the XLA kernels none."""
+    mask `sparse` (radial_mask.density at its blocks): the TPU kernels skip every block the mask
+    drops, Triton those it drops whole where its blocks fit in the mask's, the XLA kernels
+    none."""
     name, n = kernel_name(impl), sparse.tokens
     if name in TPU_KERNELS:
         return density(sparse, *tpu_blocks(impl).balanced(n, n))
@@ -515,8 +516,8 @@ def resolve(
 ) -> Attention:
     """The attention function an implementation name selects: 'dot', 'blockwise' (default
     blocks), 'blockwise:<q_block>:<kv_block>', 'flash:<q>:<kv>:<kv_compute>' or
-    'splash:<q>:<kv>:<kv_compute>' (largest block sizes), 'triton[:<q>:<kv>]' or 'cudnn'. `interpret`: run Pallas kernels in interpret mode
-    (not on their hardware); `sparse`: a Radial mask (SPARSE_KERNELS only); `quant`: 8-bit
+    'splash:<q>:<kv>:<kv_compute>' (largest block sizes), 'triton[:<q>:<kv>]' or 'cudnn'.
+    `interpret`: run Pallas kernels in interpret mode (not on their hardware); `sparse`: a Radial mask (SPARSE_KERNELS only); `quant`: 8-bit
     attention, "int8" or "fp8" (QUANT_KERNELS only; on TPU wan.models.attention_quant's
     kernel)."""
     if quant is not None:

@@ -168,7 +168,7 @@ def flash_attention(
     scaled = (q.astype(jnp.float32) * (math.log2(math.e) / math.sqrt(d))).astype(q.dtype)
     kernel = functools.partial(
         _kernel, bkv=bkv, bkv_compute=bkv_compute, kv_len=kv_len, sparse=sparse,
-        pv_dtype=pv_dtype or v.dtype, kinds=tuple(sorted(set(np.unique(plan.kinds).tolist()) - {SKIP})),
+        pv_dtype=pv_dtype or v.dtype, kinds=tuple(sorted(set(plan.kinds.tolist()) - {SKIP})),
     )  # fmt: skip
     out = pl.pallas_call(
         kernel,
