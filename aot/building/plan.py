@@ -201,8 +201,8 @@ def choose_radial(radial: sparse_attention.Radial, attention: str) -> sparse_att
     if blocks is not None and radial.block < max(blocks.q, blocks.kv):
         raise BuildError(
             f"--sparse-attention {radial.text()} in {attention}: a Radial block smaller than "
-            "the kernel's blocks is slower than dense attention (v5e: block 128 in 512 blocks, "
-            "0.67x; docs/benchmarks.md): leave the block out (the kernel's) or give the "
+            "the kernel's blocks is slower than dense attention (v5e: block 128 in 512 splash "
+            "blocks, 0.67x; docs/benchmarks.md): leave the block out (the kernel's) or give the "
             "kernel's block"
         )
     return radial
@@ -475,8 +475,8 @@ def ulysses_all_to_alls(plan: BuildPlan) -> int:
 
 def kernel_flops(plan: BuildPlan, radial: bool = False) -> float:
     """FLOPs per device per denoise step of the attention kernels that the HLO counts as opaque
-    custom calls (flash, splash, Triton, cuDNN): self- and cross-attention of every layer (the image
-    tokens' too, in a build whose steps attend to CLIP features), self-attention as built
+    custom calls (flash, splash, Triton, cuDNN): self- and cross-attention of every layer (the
+    image tokens' too, in a build whose steps attend to CLIP features), self-attention as built
     (`radial`: radial_step's); 0 for XLA kernels."""
     if attention_lib.kernel_name(plan.attention) in attention_lib.PARTITIONABLE:
         return 0.0
