@@ -124,6 +124,8 @@ def mutated(draw, header: dict, data: bytes) -> bytes:
     out = bytearray(struct.pack("<Q", len(blob)) + blob + data)
     for op in raw_edits:
         if op == "bytes":
+            if not out:  # an earlier edit truncated the file to nothing: no byte to flip
+                continue
             for _ in range(draw(st.integers(1, 4))):
                 out[draw(st.integers(0, len(out) - 1))] ^= draw(st.integers(1, 255))
         else:
