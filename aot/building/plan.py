@@ -28,7 +28,7 @@ DEVICELESS_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 # A sparse build's TPU kernel blocks, and the Radial block it takes by default: whole kept
 # blocks (a smaller Radial block leaves kernel blocks kept in part, each masked entry by entry).
 # On v5e at 832x480x81 one flash call took 46.7 ms here against 78.2 dense, 69.7 with keys 128
-# a matmul; splash took 53.4 at 1024/1024/512 (bench/chip_attention.py; docs/benchmarks.md,
+# a matmul; splash took 53.5 at 1024/1024/512 (bench/chip_attention.py; docs/benchmarks.md,
 # "On a TPU v5e chip").
 SPARSE_TPU_BLOCKS = (1024, 1024, 256)
 # Build options the chip showed slower than the plain path, by TPU generation: refused there,
