@@ -35,6 +35,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 from wan import axes, sharding
 from wan.models import attention_quant, tpu_flash
 from wan.models.radial_mask import RadialSpec, RadialSplashMask, density, radial_keep
+from wan.models.tpu_flash import LANES, heads_major
 
 Attention = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -200,16 +201,15 @@ class TpuBlocks:
 
     def balanced(self, q_len: int, kv_len: int) -> tuple[int, int]:
         """The query and key blocks a call on these lengths runs."""
-        return balanced_block(q_len, self.q, TPU_LANES), balanced_block(kv_len, self.kv, TPU_LANES)
+        return balanced_block(q_len, self.q, LANES), balanced_block(kv_len, self.kv, LANES)
 
     def fitted(self, q_len: int, kv_len: int) -> tuple[int, int, int]:
         """The query and key blocks and keys per matmul a call on these lengths runs."""
         bq, bkv = self.balanced(q_len, kv_len)
-        bkv_compute = balanced_block(bkv, min(self.kv_compute, bkv), TPU_LANES)
+        bkv_compute = balanced_block(bkv, min(self.kv_compute, bkv), LANES)
         return bq, bkv, bkv_compute if bkv % bkv_compute == 0 else bkv
 
 
-TPU_LANES = 128
 TPU_KERNELS = ("flash", "splash")
 
 
@@ -255,8 +255,6 @@ def splash_attention(
     _check_sparse(sparse, q_len, kv_len, k.shape[1])
     bq, bkv, bkv_compute = blocks.fitted(q_len, kv_len)
     q_pad, kv_pad = _round_up(q_len, bq), _round_up(k.shape[1], bkv)
-    # Videos fold into the kernel's heads: a vmap over the batch would batch the kernel's VMEM
-    # scratch too (x2 with CFG), over the scoped VMEM its blocks were sized for.
     # Dense: padded keys get another segment id than every query. Sparse: the stored mask
     # drops them (its partly kept blocks are masked anyway; ids would be a second mask). On
     # v5e, a stored mask of the pad keys in place of the ids made the dense call 5% slower:
@@ -281,10 +279,6 @@ def splash_attention(
         q_seq_shards=1,
         interpret=interpret,
     )  # fmt: skip
-
-    def heads_major(x: jax.Array, length: int) -> jax.Array:  # (B, S, H, D) -> (B*H, S', D)
-        padded = jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0), (0, 0)))
-        return padded.transpose(0, 2, 1, 3).reshape(b * heads, length, d)
 
     scaled = (q.astype(jnp.float32) * d**-0.5).astype(q.dtype)
     segments = None
@@ -583,10 +577,10 @@ def tpu_blocks(impl: str) -> TpuBlocks:
     if not (sizes := re.fullmatch(f"(?:{'|'.join(TPU_KERNELS)}){_SIZES}{_SIZES}{_SIZES}", impl)):
         raise _unknown(impl)
     blocks = TpuBlocks(*(int(s) for s in sizes.groups()))
-    if any(n % TPU_LANES for n in (blocks.q, blocks.kv_compute)) or blocks.kv % blocks.kv_compute:
+    if any(n % LANES for n in (blocks.q, blocks.kv_compute)) or blocks.kv % blocks.kv_compute:
         raise ValueError(
             f"attention {impl!r}: {kernel_name(impl)} block sizes q and kv_compute must be "
-            f"multiples of {TPU_LANES}, and kv a multiple of kv_compute"
+            f"multiples of {LANES}, and kv a multiple of kv_compute"
         )
     return blocks
 

@@ -28,8 +28,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from wan.models.radial_mask import RadialSpec, kernel_blocks_kept, radial_keep
+from wan.models.tpu_flash import heads_major, softmax_scratch
 
-LANES = 128  # TPU lane width: the kernel's row statistics are kept lane-broadcast
 P_SCALE = 448.0  # fp8 P V: P in [0, 1] scaled to e4m3's largest normal
 
 
@@ -181,9 +181,6 @@ def quant_splash_attention(
     k8, k_scale = quantize_blocks(_pad_length(smooth_keys(k, kv_len), kv_pad), bkv, f)
     v8, v_scale = quantize_values(_pad_length(v, kv_pad), f)
 
-    def heads_major(x: jax.Array) -> jax.Array:  # (B, S, H, D) -> (B*H, S, D)
-        return x.transpose(0, 2, 1, 3).reshape(b * heads, x.shape[1], d)
-
     table = block_table(sparse, q_pad, kv_pad, bq, bkv)
     kernel = functools.partial(_kernel, fmt=f, kv_len=kv_len, sm_scale=d**-0.5, sparse=sparse)
     out = pl.pallas_call(
@@ -197,11 +194,7 @@ def quant_splash_attention(
                 pl.BlockSpec((None, bkv, d), lambda h, i, j, *_: (h, j, 0)),
             ],
             out_specs=pl.BlockSpec((None, bq, d), lambda h, i, j, *_: (h, i, 0)),
-            scratch_shapes=[
-                pltpu.VMEM((bq, LANES), jnp.float32),
-                pltpu.VMEM((bq, LANES), jnp.float32),
-                pltpu.VMEM((bq, d), jnp.float32),
-            ],
+            scratch_shapes=softmax_scratch(bq, d),
         ),
         out_shape=jax.ShapeDtypeStruct((b * heads, q_pad, d), jnp.float32),
         compiler_params=pltpu.CompilerParams(
@@ -213,9 +206,9 @@ def quant_splash_attention(
         jnp.asarray(table),
         q_scale.reshape(b * heads, -1),
         k_scale.reshape(b * heads, -1),
-        heads_major(q8),
-        heads_major(k8),
-        heads_major(v8),
+        heads_major(q8, q_pad),
+        heads_major(k8, kv_pad),
+        heads_major(v8, kv_pad),
     )
     out = out.reshape(b, heads, q_pad, d) * (pv_rescale(f) * v_scale[:, :, None, :])
     return out.transpose(0, 2, 1, 3)[:, :q_len].astype(q.dtype)

@@ -237,9 +237,11 @@ class RadialSplashMask(splash_mask.Mask):
         return hash((type(self), self.shape, self.spec))
 
 
-def _kernel_block_counts(spec: RadialSpec, q_block: int, kv_block: int):
-    """Per (query block, key block) of a kernel over the tokens padded to its blocks: the
-    mask's kept blocks among those it overlaps (keys: real ones only), and how many it overlaps."""
+def kernel_blocks(spec: RadialSpec, q_block: int, kv_block: int) -> tuple[np.ndarray, np.ndarray]:
+    """(kept, whole): (query blocks, key blocks) bool over the tokens padded to each kernel
+    block. kept: the block holds an entry `RadialSplashMask` keeps (pad keys never kept, pad
+    queries dense), i.e. a block-sparse kernel computes it; whole: the mask keeps every entry of
+    the block whose key is real (the kernel computes it unmasked but for its pad keys)."""
     qb, kb, b, n = q_block, kv_block, spec.block, spec.tokens
     q_count, kv_count = -(-n // qb), -(-n // kb)
     table = RadialSplashMask(spec, (q_count * qb, kv_count * kb))._table.astype(np.int64)
@@ -253,21 +255,12 @@ def _kernel_block_counts(spec: RadialSpec, q_block: int, kv_block: int):
         - sums[r1[:, None], c0[None, :]]
         + sums[r0[:, None], c0[None, :]]
     )
-    return kept, (r1 - r0)[:, None] * (c1 - c0)[None, :]
+    return kept > 0, kept == (r1 - r0)[:, None] * (c1 - c0)[None, :]
 
 
 def kernel_blocks_kept(spec: RadialSpec, q_block: int, kv_block: int) -> np.ndarray:
-    """(query blocks, key blocks) bool over the tokens padded to each kernel block: True where
-    a block holds an entry `RadialSplashMask` keeps (pad keys never kept, pad queries dense),
-    i.e. the blocks a block-sparse kernel computes."""
-    return _kernel_block_counts(spec, q_block, kv_block)[0] > 0
-
-
-def kernel_blocks_whole(spec: RadialSpec, q_block: int, kv_block: int) -> np.ndarray:
-    """As `kernel_blocks_kept`, True where the mask keeps every entry of the block whose key
-    is real: a kernel computes it unmasked but for its pad keys."""
-    kept, overlapped = _kernel_block_counts(spec, q_block, kv_block)
-    return kept == overlapped
+    """`kernel_blocks`' kept blocks: those a block-sparse kernel computes."""
+    return kernel_blocks(spec, q_block, kv_block)[0]
 
 
 def density(spec: RadialSpec, kernel_block: int, kv_block: int | None = None) -> float:

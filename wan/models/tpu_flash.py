@@ -28,12 +28,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from wan.models.radial_mask import (
-    RadialSpec,
-    kernel_blocks_kept,
-    kernel_blocks_whole,
-    radial_keep,
-)
+from wan.models.radial_mask import RadialSpec, kernel_blocks, radial_keep
 
 LANES = 128  # row statistics are kept lane-broadcast: (bq, LANES)
 MASKED = -0.7 * float(np.finfo(np.float32).max)
@@ -59,10 +54,9 @@ def visits(
     """The visits of a (q_blocks x bq) x (kv_blocks x bkv) call with `kv_len` real keys."""
     kinds = np.full((q_blocks, kv_blocks), WHOLE, np.int32)
     if sparse is not None:
-        kept = kernel_blocks_kept(sparse, bq, bkv)
+        kept, whole = kernel_blocks(sparse, bq, bkv)
         if kept.shape != kinds.shape:
             raise ValueError(f"a Radial mask over {kept.shape} blocks, not {kinds.shape}")
-        whole = kernel_blocks_whole(sparse, bq, bkv)
         kinds = np.where(kept, np.where(whole, WHOLE, RADIAL), SKIP).astype(np.int32)
     starts = np.arange(kv_blocks) * bkv
     kinds[:, starts >= kv_len] = SKIP
@@ -138,6 +132,24 @@ def _lanes(x: jax.Array, width: int) -> jax.Array:
     return jnp.tile(x, (1, -(-width // LANES)))[:, :width]
 
 
+def heads_major(x: jax.Array, length: int) -> jax.Array:
+    """(B, S, H, D) zero-padded to `length` tokens -> (B*H, length, D): the TPU kernels fold
+    videos into heads (a vmap over the batch would batch their VMEM scratch too)."""
+    b, s, h, d = x.shape
+    padded = jnp.pad(x, ((0, 0), (0, length - s), (0, 0), (0, 0)))
+    return padded.transpose(0, 2, 1, 3).reshape(b * h, length, d)
+
+
+def softmax_scratch(bq: int, d: int) -> list:
+    """The online softmax's VMEM scratch for a query block: running max and sum (lane-broadcast)
+    and the unnormalised output."""
+    return [
+        pltpu.VMEM((bq, LANES), jnp.float32),
+        pltpu.VMEM((bq, LANES), jnp.float32),
+        pltpu.VMEM((bq, d), jnp.float32),
+    ]
+
+
 def flash_attention(
     q: jax.Array,
     k: jax.Array,
@@ -161,10 +173,6 @@ def flash_attention(
     q_pad, kv_pad = -(-q_len // bq) * bq, -(-k.shape[1] // bkv) * bkv
     plan = visits(sparse, kv_len, q_pad // bq, kv_pad // bkv, bq, bkv)
 
-    def heads_major(x: jax.Array, length: int) -> jax.Array:  # (B, S, H, D) -> (B*H, S, D)
-        padded = jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0), (0, 0)))
-        return padded.transpose(0, 2, 1, 3).reshape(b * heads, length, d)
-
     scaled = (q.astype(jnp.float32) * (math.log2(math.e) / math.sqrt(d))).astype(q.dtype)
     kernel = functools.partial(
         _kernel, bkv=bkv, bkv_compute=bkv_compute, kv_len=kv_len, sparse=sparse,
@@ -181,11 +189,7 @@ def flash_attention(
                 pl.BlockSpec((None, bkv, d), lambda h, t, qb, kb, _: (h, kb[t], 0)),
             ],
             out_specs=pl.BlockSpec((None, bq, d), lambda h, t, qb, kb, _: (h, qb[t], 0)),
-            scratch_shapes=[
-                pltpu.VMEM((bq, LANES), jnp.float32),
-                pltpu.VMEM((bq, LANES), jnp.float32),
-                pltpu.VMEM((bq, d), jnp.float32),
-            ],
+            scratch_shapes=softmax_scratch(bq, d),
         ),
         out_shape=jax.ShapeDtypeStruct((b * heads, q_pad, d), q.dtype),
         compiler_params=pltpu.CompilerParams(
