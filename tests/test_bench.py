@@ -105,7 +105,7 @@ def test_build_jobs(tmp_path):
 
 def test_attention_8bit(tmp_path, tiny_weights):
     out = tmp_path / "attention_8bit.json"
-    bench("attention_8bit.py", "--steps", "1", "--tokens", "256", "--frames", "9",
+    bench("attention_8bit.py", "--steps", "1", "--tokens", "256", "--frames", "5",
           "--weights", tiny_weights, "--out", out)  # fmt: skip
     (row,) = rows(out)
     accuracy = row["accuracy_against_bf16"]
