@@ -30,6 +30,7 @@ from pathlib import Path
 import record  # bench/record.py, beside this script
 
 from runtime.builds.artifact import read_manifest
+from wan import interface, sparse_attention
 
 RUNTIME = [sys.executable, "-c", "import sys; from runtime.cli import main; main()"]
 PROMPT = "a red fox running through fresh snow at dawn, cinematic"
@@ -58,7 +59,8 @@ def run_variant(args: argparse.Namespace, name: str, build: str, flags: list[str
             return {"variant": name, "build": build, "flags": flags, "failed": tail}
         reports.append(json.loads(report.read_text()))
         print(f"{name} run {index}: {time.time() - started:.1f} s", flush=True)
-    program = "radial_step" if "radial_step" in manifest.programs else None
+    sparse = manifest.key.option("sparse_attention") != sparse_attention.NONE
+    program = interface.sparse_variant(manifest.key.step_program) if sparse else None
     row = {"variant": name, "build": build, "flags": flags, "steps": args.steps}
     return summarize({**row, "step_lower_bound": manifest.step_lower_bound(program)}, reports)
 

@@ -1,6 +1,6 @@
 """`aot build --sparse-attention radial`: the option, the build that holds `radial_step` beside
 the dense step (which keeps its program id), the runtime that runs the dense steps first and
-reports them, the FLOPs the manifest records, and the refusals."""
+reports them, step caching's sparse step, the FLOPs the manifest records, and the refusals."""
 
 from __future__ import annotations
 
@@ -34,29 +34,35 @@ SETTINGS = {
     "all_layers_dense": f"radial:0.2:0:{LAYERS}:8",
     "no_dense_layer": "radial:0.2:0:0:8",
 }
+CACHED = "two_dense_steps_cached"  # two_dense_steps with --step-cache
 
 
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("radial")
     folders = {}
-    for name, value in SETTINGS.items():
+    for name, args in [
+        *((name, ["--sparse-attention", value]) for name, value in SETTINGS.items()),
+        (CACHED, ["--sparse-attention", SETTINGS["two_dense_steps"], "--step-cache"]),
+    ]:
         result = run_cli(
-            "aot", "build", "--model", "tiny", *SHAPE, "--target", "cpu-8",
-            "--sparse-attention", value, "--out", str(out / name), "--json",
+            "aot", "build", "--model", "tiny", *SHAPE, "--target", "cpu-8", *args,
+            "--out", str(out / name), "--json",
         )  # fmt: skip
         (built,) = json.loads(result.stdout)
         folders[name] = Path(built["folder"])
     return folders
 
 
-def run(builds, tiny_weights, tmp_path, name: str, steps: int) -> tuple[np.ndarray, dict]:
+def run(
+    builds, tiny_weights, tmp_path, name: str, steps: int, *args: str
+) -> tuple[np.ndarray, dict]:
     frames, report_path = tmp_path / f"{name}_{steps}.npy", tmp_path / f"{name}_{steps}.json"
     run_cli(
         "runtime", "run", "--artifacts", str(builds[name].parent),
         "--weights", str(tiny_weights), *SHAPE, "--prompt", "a fox in the snow",
         "--steps", str(steps), "--seed", "3", "--out", str(tmp_path / f"{name}_{steps}.mp4"),
-        "--save-frames", str(frames), "--report", str(report_path),
+        "--save-frames", str(frames), "--report", str(report_path), *args,
     )  # fmt: skip
     return np.load(frames).astype(np.float64), json.loads(report_path.read_text())
 
@@ -105,6 +111,32 @@ def test_dense_layers_skip_the_mask(builds, tiny_weights, tmp_path):
     assert np.abs(all_dense - dense).max() <= 1.0
     # (0 apart on this host; the mask in every layer moves the frames by about 1 level in 255)
     assert np.abs(no_dense - dense).mean() > max(10 * np.abs(all_dense - dense).mean(), 0.2)
+
+
+def test_step_caching_runs_its_sparse_step_after_the_dense_steps(builds, tiny_weights, tmp_path):
+    """--step-cache with radial: cache_step for the dense steps, radial_cache_step (radial_step
+    that keeps its residuals) after them, MagCache's skips anywhere."""
+    programs = read_manifest(builds[CACHED]).programs
+    assert list(programs) == [
+        "text_encode", "kv_cache", "cache_step", "radial_cache_step", "cached_step",
+        "latents_handoff", "vae_decode",
+    ]  # fmt: skip
+    radial, _ = run(builds, tiny_weights, tmp_path / "radial", "two_dense_steps", 6)
+    # Every block computed: the radial build's frames, bit for bit.
+    uncached, report = run(builds, tiny_weights, tmp_path / "uncached", CACHED, 6)
+    np.testing.assert_array_equal(uncached, radial)
+    assert report["sparse_attention"]["dense_steps"] == [0, 1]
+    ratios = tmp_path / "ratios.json"
+    ratios.write_text(json.dumps([1.0] * 6))
+    magcache = ["--cache", "magcache", "--mag-ratios", str(ratios), "--cache-max-skip", "1",
+                "--cache-retention", "0.34"]  # fmt: skip
+    cached, report = run(builds, tiny_weights, tmp_path / "magcache", CACHED, 6, *magcache)
+    # Steps 0 and 1 kept, then a skip after each computed step: step 3's residual is sparse.
+    assert report["cache"]["skipped_steps"] == [2, 4]
+    assert report["cache"]["block_steps_run"] == 4 * LAYERS
+    assert report["sparse_attention"]["dense_steps"] == [0, 1]
+    assert report["compile_count"] == 0
+    assert np.abs(cached - radial).mean() > 0.2  # the skips act
 
 
 def test_inspect_says_what_runs_sparse(builds):
@@ -201,10 +233,10 @@ def test_bad_settings_are_one_line(text):
 
 
 def test_refusals_name_what_to_change():
-    with pytest.raises(BuildError, match="--step-cache"):
+    with pytest.raises(BuildError, match="--continuous"):
         plan_build(
             "tiny", TINY, VideoShape(192, 320, 33, 1), parse_target("cpu-8"), 8,
-            sparse_attention=canonical("radial"), step_cache=True,
+            sparse_attention=canonical("radial"), continuous=True,
         )  # fmt: skip
     with pytest.raises(BuildError, match="dense layers"):
         splash_plan(f"radial:0.2:12:{LAYERS + 1}")
@@ -217,7 +249,7 @@ def test_refusals_name_what_to_change():
 def test_the_cli_refuses_in_one_line(tmp_path):
     for args, says in [
         (["--sparse-attention", "radial:fast"], "--sparse-attention 'radial:fast'"),
-        (["--sparse-attention", "radial", "--step-cache"], "--step-cache"),
+        (["--sparse-attention", "radial", "--continuous"], "--continuous"),
     ]:
         result = run_cli(
             "aot", "build", "--model", "tiny", *SHAPE, "--target", "cpu-8", *args,

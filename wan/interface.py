@@ -21,6 +21,15 @@ class Signature:
     # expert's); None: the program takes no weights
 
 
+# Step caching (`aot build --step-cache`): a full step that also leaves the blocks' residuals on
+# the devices (and reuses them after the first block when the first-block cache's `threshold`
+# allows); with Radial attention, its sparse variant too.
+_CACHE_STEP = Signature(
+    ("params", "latents", "kv", "row", "state", "guidance", "first_residual", "residual",
+     "threshold"),
+    ("latents", "state", "first_residual", "residual", "residual_norm", "skipped"),
+    "transformer",
+)  # fmt: skip
 SIGNATURES: dict[str, Signature] = {
     "text_encode": Signature(("params", "ids", "mask"), ("embeddings",), "text_encoder"),
     "kv_cache": Signature(("params", "embeddings"), ("kv",), "transformer"),
@@ -43,24 +52,9 @@ SIGNATURES: dict[str, Signature] = {
     "radial_step": Signature(
         ("params", "latents", "kv", "row", "state", "guidance"), ("latents", "state"), "transformer"
     ),
-    # Step caching (`aot build --step-cache`): a full step that also leaves the blocks'
-    # residuals on the devices (and reuses them after the first block when the first-block
-    # cache's `threshold` allows), and MagCache's step that runs no block.
-    "cache_step": Signature(
-        (
-            "params",
-            "latents",
-            "kv",
-            "row",
-            "state",
-            "guidance",
-            "first_residual",
-            "residual",
-            "threshold",
-        ),
-        ("latents", "state", "first_residual", "residual", "residual_norm", "skipped"),
-        "transformer",
-    ),
+    "cache_step": _CACHE_STEP,  # and with Radial attention, its sparse variant:
+    "radial_cache_step": _CACHE_STEP,
+    # MagCache's step that runs no block.
     "cached_step": Signature(
         ("params", "latents", "kv", "row", "state", "guidance", "first_residual", "residual"),
         ("latents", "state"),
@@ -109,9 +103,12 @@ CONTINUOUS_PROGRAMS: dict[str, tuple[str, ...]] = {
     "latents_handoff": (),
     "vae_decode": ("slot_decode",),
 }
-# What a build with sparse attention holds in place of the step: the dense step, which the first
-# steps run, and the sparse one.
-SPARSE_PROGRAMS: dict[str, tuple[str, ...]] = {"denoise_step": ("denoise_step", "radial_step")}
+# What a build with sparse attention holds in place of a step that runs the blocks: the dense
+# step, which the first steps run, and its sparse variant (step caching's too).
+SPARSE_PROGRAMS: dict[str, tuple[str, ...]] = {
+    "denoise_step": ("denoise_step", "radial_step"),
+    "cache_step": ("cache_step", "radial_cache_step"),
+}
 RADIAL_STEP = SPARSE_PROGRAMS["denoise_step"][1]
 # Every such table; the first program of a replacement has the outputs of the one it replaces.
 REPLACEMENTS = (STEP_CACHE_PROGRAMS, CONTINUOUS_PROGRAMS, SPARSE_PROGRAMS)
@@ -120,6 +117,12 @@ REPLACEMENTS = (STEP_CACHE_PROGRAMS, CONTINUOUS_PROGRAMS, SPARSE_PROGRAMS)
 def replaced(programs: Sequence[str], table: Mapping[str, tuple[str, ...]]) -> tuple[str, ...]:
     """`programs` with the replacements of `table` (one of REPLACEMENTS) in place."""
     return tuple(p for name in programs for p in table.get(name, (name,)))
+
+
+def sparse_variant(program: str) -> str:
+    """What a sparse step of a sparse build runs in place of `program`: its sparse variant, or
+    itself where it runs no attention (MagCache's `cached_step`)."""
+    return SPARSE_PROGRAMS.get(program, (program, program))[1]
 
 
 def with_step_cache(programs: Sequence[str]) -> tuple[str, ...]:

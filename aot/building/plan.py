@@ -173,15 +173,11 @@ def check_combinations(
 
 def check_radial(radial: sparse_attention.Radial, config: ModelConfig, options: dict) -> None:
     """Radial attention with the other options of a build."""
-    for flag, on in (
-        ("--step-cache", options["step_cache"]),
-        ("--continuous", options["continuous"]),
-    ):
-        if on:
-            raise BuildError(
-                f"--sparse-attention with {flag}: its steps have no sparse variant; build one "
-                "or the other"
-            )
+    if options["continuous"]:
+        raise BuildError(
+            "--sparse-attention with --continuous: its steps have no sparse variant; build one "
+            "or the other"
+        )
     if radial.dense_layers > config.transformer.num_layers:
         raise BuildError(
             f"--sparse-attention {radial.text()}: {radial.dense_layers} dense layers, the model "

@@ -9,7 +9,7 @@ from typing import Any
 from runtime.builds.artifact import Manifest
 from runtime.builds.loader import read_builds
 from wan import residency, sparse_attention
-from wan.interface import RADIAL_STEP
+from wan.interface import sparse_variant
 
 GiB = float(1 << 30)
 
@@ -137,15 +137,16 @@ def _sparse_lines(m: Manifest) -> list[str]:
     settings = sparse_attention.parse(m.key.option("sparse_attention"))
     if settings is None:
         return []
-    dense, sparse = m.programs[m.key.step_program], m.programs[RADIAL_STEP]
-    bounds = [m.step_lower_bound(p) for p in (m.key.step_program, RADIAL_STEP)]
+    name = sparse_variant(m.key.step_program)
+    dense, sparse = m.programs[m.key.step_program], m.programs[name]
+    bounds = [m.step_lower_bound(p) for p in (m.key.step_program, name)]
     bound = (
         f"; step lower bound {bounds[1]:.3f} s against {bounds[0]:.3f} s dense" if bounds[0] else ""
     )
     return [
         f"sparse     {settings.text()}: the first {settings.dense_steps} steps dense, then "
-        f"{RADIAL_STEP} with {settings.dense_layers} dense layer(s)",
-        f"           {RADIAL_STEP}'s self-attention kernel computes {sparse.attention_density:.4f} "
+        f"{name} with {settings.dense_layers} dense layer(s)",
+        f"           {name}'s self-attention kernel computes {sparse.attention_density:.4f} "
         f"of its blocks: {sparse.self_attention_flops / 1e12:.4f} of "
         f"{dense.self_attention_flops_dense / 1e12:.4f} TFLOP per device{bound}",
     ]

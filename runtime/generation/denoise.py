@@ -3,7 +3,8 @@
 (every block, or the first-block cache's reuse, which it decides itself) or `cached_step` (no
 block: MagCache's skip). The blocks' residuals that `cache_step` returns stay on the devices
 and go back in at the same expert's next step. A `--sparse-attention radial` build runs its
-dense step for the first steps its settings keep dense, then `radial_step`.
+dense steps for the first steps its settings keep dense, then their sparse variants
+(`radial_step`, `radial_cache_step`: wan.interface.SPARSE_PROGRAMS).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class Denoiser:
         if self.sparse is not None:
             dense = self.sparse.dense_step(i)
             self.dense_steps += [i] if dense else []
-            program = program if dense else interface.RADIAL_STEP
+            program = program if dense else interface.sparse_variant(program)
         takes = interface.SIGNATURES[program].inputs
         if "residual" in takes:
             inputs = {**inputs, **(self.residuals.get(expert) or self._zero_residuals())}

@@ -46,6 +46,7 @@ from wan.programs.step import (
     denoise_step_program,
     join_kv_program,
     join_latents_program,
+    radial_cache_step_program,
     radial_step_program,
     slot_step_program,
 )
@@ -61,6 +62,7 @@ MAKERS: dict[str, Callable[[ModelConfig, VideoShape, ProgramOptions], Program]] 
     "denoise_step": denoise_step_program,
     "radial_step": radial_step_program,
     "cache_step": cache_step_program,
+    "radial_cache_step": radial_cache_step_program,
     "cached_step": cached_step_program,
     "latents_handoff": latents_handoff_program,
     "vae_decode": vae_decode_program,

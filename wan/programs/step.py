@@ -1,6 +1,6 @@
 """The denoise step and its variants: the plain step, Radial attention's (`radial_step`),
 continuous batching's slots and joins (`slot_step`, `join_kv`, `join_latents`), step caching's
-(`cache_step`, `cached_step`)."""
+(`cache_step`, `cached_step`, and with Radial attention `radial_cache_step`)."""
 
 from __future__ import annotations
 
@@ -35,6 +35,8 @@ from wan.sharding import LATENTS
 # A transformer pass of a denoise step: (model, embedded step inputs, KV cache, the program's
 # extra inputs by name) -> (the blocks' output tokens, the program's extra outputs by name).
 TransformerPass = Callable[[WanTransformer, Embedded, Any, dict[str, Any]], tuple[jax.Array, dict]]
+# What the build analyses of a step that runs every block dense (aot.building.analyses).
+DENSE_ANALYSES = ("attention_kernels", "self_attention")
 
 
 def _all_blocks(model: WanTransformer, embedded: Embedded, kv: Any, extra: dict) -> tuple:
@@ -52,7 +54,7 @@ def _step_program(
     extra_axes: dict[str, Tree] | None = None,
     extra_out_axes: dict[str, Tree] | None = None,
     donate: tuple[str, ...] = (),
-    analyses: tuple[str, ...] = ("attention_kernels", "self_attention"),
+    analyses: tuple[str, ...] = DENSE_ANALYSES,
     per_slot: bool = False,
 ) -> Program:
     """A denoise step: the transformer on the latents (both CFG passes at once), guidance and
@@ -130,30 +132,45 @@ def _step_program(
     )  # fmt: skip
 
 
-def _radial_pass(settings: sparse_attention.Radial) -> TransformerPass:
-    """Radial Attention's blocks: the first `dense_layers` dense, the others' video
-    self-attention through the mask of the step's token grid; two loops over the stacked
+BlockRange = Callable[[WanTransformer, jax.Array, Embedded, Any, int, int], jax.Array]
+
+
+def _dense_range(model, x, embedded, kv, start, stop):
+    return model.run_block_range(x, embedded, kv, start, stop)
+
+
+def _radial_range(settings: sparse_attention.Radial) -> BlockRange:
+    """Blocks start..stop-1 of a Radial step: those under `dense_layers` dense, the others'
+    video self-attention through the mask of the step's token grid; two loops over the stacked
     weights (the kernel is a trace-time choice, so one loop body cannot switch it per layer)."""
 
-    def radial_pass(model, embedded, kv, extra):
-        layers = model.config.num_layers
-        dense = min(settings.dense_layers, layers)
+    def radial_range(model, x, embedded, kv, start, stop):
+        dense = min(max(settings.dense_layers, start), stop)
         mask = RadialSpec.of(settings, embedded.grid)
-        x = model.run_block_range(embedded.tokens, embedded, kv, 0, dense)
-        return model.run_block_range(x, embedded, kv, dense, layers, mask), {}
+        if dense > start:
+            x = model.run_block_range(x, embedded, kv, start, dense)
+        return model.run_block_range(x, embedded, kv, dense, stop, mask) if stop > dense else x
 
-    return radial_pass
+    return radial_range
+
+
+def _radial_settings(options: ProgramOptions, name: str) -> sparse_attention.Radial:
+    settings = sparse_attention.parse(options.build["sparse_attention"])
+    if settings is None:
+        raise ValueError(f"{name} is a step of a --sparse-attention radial build")
+    return settings
 
 
 def radial_step_program(config: ModelConfig, shape: VideoShape, options: ProgramOptions) -> Program:
     """The denoise step of a `--sparse-attention radial` build after its dense steps."""
-    settings = sparse_attention.parse(options.build["sparse_attention"])
-    if settings is None:
-        raise ValueError("radial_step is the step of a --sparse-attention radial build")
+    blocks = _radial_range(_radial_settings(options, "radial_step"))
+
+    def radial_pass(model, embedded, kv, extra):
+        return blocks(model, embedded.tokens, embedded, kv, 0, model.config.num_layers), {}
+
     return _step_program(
-        "radial_step", config, shape, options, _radial_pass(settings),
-        analyses=("radial_attention",),
-    )  # fmt: skip
+        "radial_step", config, shape, options, radial_pass, analyses=("radial_attention",)
+    )
 
 
 def _conditioned(latents: jax.Array, condition: jax.Array, mode: str) -> jax.Array:
@@ -276,21 +293,22 @@ def _first_block_change(first: jax.Array, previous: jax.Array, cfg: bool) -> jax
     return change / size
 
 
-def _cache_pass(cfg: bool) -> TransformerPass:
+def _cache_pass(cfg: bool, blocks: BlockRange = _dense_range) -> TransformerPass:
     """The first block, then the others unless the first's residual changed by at most
     `threshold` in every context (a negative threshold always computes): the first-block
-    cache's decision, made on the devices so that a step needs no host round trip."""
+    cache's decision, made on the devices so that a step needs no host round trip. `blocks`
+    runs a range of blocks (a Radial step's: `_radial_range`)."""
 
     def cache_pass(model, embedded, kv, extra):
         x0 = embedded.tokens
         layers = model.config.num_layers
-        xa = model.run_block_range(x0, embedded, kv, 0, 1)
+        xa = blocks(model, x0, embedded, kv, 0, 1)
         first = xa - x0
         change = _first_block_change(first, extra["first_residual"], cfg)
         skip = jnp.all(change <= extra["threshold"])
 
         def computed(_):
-            x1 = model.run_block_range(xa, embedded, kv, 1, layers)
+            x1 = blocks(model, xa, embedded, kv, 1, layers)
             return x1, first, x1 - xa
 
         def reused(_):
@@ -314,19 +332,35 @@ def _cached_pass(model, embedded, kv, extra):
     return embedded.tokens + extra["first_residual"] + extra["residual"], {}
 
 
-def cache_step_program(config: ModelConfig, shape: VideoShape, options: ProgramOptions) -> Program:
-    """A full step that also leaves its residuals on the devices and their per-token norms for
-    the host (MagCache's calibration), or, under the first-block cache's threshold, reuses the
-    given residual after the first block."""
+def _cache_step(
+    name: str, config: ModelConfig, shape: VideoShape, options: ProgramOptions,
+    blocks: BlockRange, analyses: tuple[str, ...],
+) -> Program:  # fmt: skip
     residual = _residual_shape(config, shape)
     return _step_program(
-        "cache_step", config, shape, options, _cache_pass(shape.cfg),
+        name, config, shape, options, _cache_pass(shape.cfg, blocks),
         {"first_residual": residual, "residual": residual, "threshold": sds((), jnp.float32)},
         {"first_residual": RESIDUAL_AXES, "residual": RESIDUAL_AXES, "threshold": ()},
         {"first_residual": RESIDUAL_AXES, "residual": RESIDUAL_AXES,
          "residual_norm": RESIDUAL_AXES[:2], "skipped": ()},
-        donate=("first_residual", "residual"),
+        donate=("first_residual", "residual"), analyses=analyses,
     )  # fmt: skip
+
+
+def cache_step_program(config: ModelConfig, shape: VideoShape, options: ProgramOptions) -> Program:
+    """A full step that also leaves its residuals on the devices and their per-token norms for
+    the host (MagCache's calibration), or, under the first-block cache's threshold, reuses the
+    given residual after the first block."""
+    return _cache_step("cache_step", config, shape, options, _dense_range, DENSE_ANALYSES)
+
+
+def radial_cache_step_program(
+    config: ModelConfig, shape: VideoShape, options: ProgramOptions
+) -> Program:
+    """cache_step after a `--sparse-attention radial` build's dense steps: its blocks as
+    radial_step runs them."""
+    blocks = _radial_range(_radial_settings(options, "radial_cache_step"))
+    return _cache_step("radial_cache_step", config, shape, options, blocks, ("radial_attention",))
 
 
 def cached_step_program(config: ModelConfig, shape: VideoShape, options: ProgramOptions) -> Program:
