@@ -152,6 +152,22 @@ def _frames(root, weights_folder, build, tmp_path):
     return np.load(out).astype(np.float64)
 
 
+@pytest.fixture(scope="module")
+def frames_of(quant_builds, tmp_path_factory):
+    """`_frames` of a build of quant_builds with given weights, each run once in the module: the
+    full-precision build's frames are every mode's reference (one `runtime run`, not four)."""
+    root, _ = quant_builds
+    made: dict[tuple, np.ndarray] = {}
+
+    def frames(weights_folder, build):
+        if (weights_folder, build) not in made:
+            scratch = tmp_path_factory.mktemp("frames")
+            made[weights_folder, build] = _frames(root, weights_folder, build, scratch)
+        return made[weights_folder, build]
+
+    return frames
+
+
 # Measured on the tiny model (192x320, 9 frames, 4 steps) against its float32 build (this
 # test prints them): max 4-40/255, mean 0.14-1.97/255, PSNR 39.2-56.5 dB, fp8 activations
 # furthest (3 mantissa bits). A broken scheme (a wrong scale, a transposed kernel) gives noise.
@@ -160,10 +176,10 @@ MAX_MEAN = 3.0  # /255
 
 
 @pytest.mark.parametrize("mode", sorted(quant.SCHEMES))
-def test_every_mode_runs_close_to_full_precision(quant_builds, tiny_weights, tmp_path, mode):
-    root, name = quant_builds
-    full = _frames(root, tiny_weights, name, tmp_path)
-    frames = _frames(root, tiny_weights, f"{name}_{mode}", tmp_path)
+def test_every_mode_runs_close_to_full_precision(quant_builds, frames_of, tiny_weights, mode):
+    _, name = quant_builds
+    full = frames_of(tiny_weights, name)
+    frames = frames_of(tiny_weights, f"{name}_{mode}")
     diff = np.abs(frames - full)
     psnr = 10 * np.log10(255**2 / max((diff**2).mean(), 1e-12))
     print(f"{mode}: max {diff.max():.0f}/255, mean {diff.mean():.2f}/255, PSNR {psnr:.1f} dB")
@@ -171,7 +187,7 @@ def test_every_mode_runs_close_to_full_precision(quant_builds, tiny_weights, tmp
     assert diff.mean() <= MAX_MEAN and psnr >= MIN_PSNR_DB
 
 
-def test_a_quantized_checkpoint_loads_as_stored(quant_builds, tiny_weights, tmp_path):
+def test_a_quantized_checkpoint_loads_as_stored(quant_builds, frames_of, tiny_weights, tmp_path):
     """`python -m wan.quantize` writes what quantizing at load makes: the same frames; a build
     without --quant refuses it in one line."""
     root, name = quant_builds
@@ -179,9 +195,7 @@ def test_a_quantized_checkpoint_loads_as_stored(quant_builds, tiny_weights, tmp_
     stored = tmp_path / "int8"
     run_cli("python", "-m", "wan.quantize", "--weights", str(tiny_weights), "--quant",
             "w8a8-int8", "--out", str(stored))  # fmt: skip
-    assert np.array_equal(
-        _frames(root, stored, build, tmp_path / "a"), _frames(root, tiny_weights, build, tmp_path)
-    )
+    assert np.array_equal(frames_of(stored, build), frames_of(tiny_weights, build))
     refused = run_cli(
         "runtime", "run", "--artifacts", str(root), "--weights", str(stored), *TINY_SHAPE,
         "--prompt", "a", "--steps", "2", "--build", name,
