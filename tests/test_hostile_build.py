@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import BIN, SMALL, TINY_SHAPE, run_cli
+from conftest import BIN, SMALL, TINY_SHAPE, run_cli, with_its_store
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -58,11 +58,11 @@ def temporaries_under(root: Path) -> list[Path]:
 
 
 @pytest.fixture(scope="module")
-def template(tmp_path_factory) -> Path:
-    """An artifacts folder with the tiny build (copied by each test that changes it)."""
+def template(tiny_build, tmp_path_factory) -> Path:
+    """An artifacts folder with the tiny build (copied by each test that changes it): the
+    session's (TINY), with its store entries, not compiled again."""
     out = tmp_path_factory.mktemp("hostile-build") / "artifacts"
-    result = aot("build", *TINY, "--out", str(out))
-    assert result.returncode == 0, result.stderr
+    with_its_store(tiny_build, out)
     return out
 
 
