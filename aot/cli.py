@@ -74,7 +74,7 @@ _BUILD_OPTIONS = [
         option.name,
         default=option.flag_default or option.default,
         show_default=not option.is_flag,
-        help=option.help.format(vae_vmem_mib=targets.VAE_VMEM_MIB),
+        help=option.help.format(fast_vae_vmem_mib=targets.FAST_COMPILE_VAE_VMEM_MIB),
         **(
             {"is_flag": True}
             if option.is_flag

@@ -31,7 +31,7 @@ from aot.building.entries import replicated_param_bytes
 from aot.building.lower import compile_in_process, lower_plan
 from aot.building.plan import BuildError, compiler_options, plan_build
 from aot.hlo import cost as hlo_cost
-from aot.targets import VAE_VMEM_MIB, parse_target
+from aot.targets import FAST_COMPILE_VAE_VMEM_MIB, parse_target
 from runtime.builds.artifact import (
     SCHEMA_VERSION,
     BuildKey,
@@ -366,29 +366,25 @@ def test_attention_the_target_cannot_run_is_refused():
 
 
 def test_vae_vmem_is_part_of_the_build_and_the_program():
-    """On TPU the VAE decode compiles for VAE_VMEM_MIB of scoped VMEM unless told otherwise;
-    the setting names the build folder and is an option of that program only."""
+    """On TPU the VAE decode compiles for the compiler's scoped VMEM unless told otherwise (it
+    runs fastest there); a given size names the build folder and is an option of that program
+    only."""
     shape, v6e = VideoShape(64, 96, 9, 1), parse_target("tpu-v6e-8")
-    plan = plan_build("tiny", PRESETS["tiny"], shape, v6e, 8)
-    assert plan.key.vae_vmem_mib == VAE_VMEM_MIB and plan.key.folder_name().endswith(
-        f"_vmem{VAE_VMEM_MIB}"
-    )
     made = {
         p.name: p
-        for p in programs.programs(
-            PRESETS["tiny"], shape, programs.ProgramOptions(), plan.key.programs
-        )
+        for p in programs.programs(PRESETS["tiny"], shape, programs.ProgramOptions(), PROGRAMS)
     }
+    for auto in (None, 0):  # auto, default
+        plan = plan_build("tiny", PRESETS["tiny"], shape, v6e, 8, vae_vmem_mib=auto)
+        assert plan.key.vae_vmem_mib is None and "vmem" not in plan.key.folder_name()
+        assert all(compiler_options(plan, made[n]) == {} for n in PROGRAMS)
+    fast = FAST_COMPILE_VAE_VMEM_MIB
+    plan = plan_build("tiny", PRESETS["tiny"], shape, v6e, 8, vae_vmem_mib=fast)
+    assert plan.key.folder_name().endswith(f"_vmem{fast}")
     assert compiler_options(plan, made["vae_decode"]) == {
-        "xla_tpu_scoped_vmem_limit_kib": VAE_VMEM_MIB * 1024
+        "xla_tpu_scoped_vmem_limit_kib": fast * 1024
     }
     assert all(compiler_options(plan, made[n]) == {} for n in PROGRAMS if n != "vae_decode")
-    eight = plan_build("tiny", PRESETS["tiny"], shape, v6e, 8, vae_vmem_mib=8)
-    assert compiler_options(eight, made["vae_decode"]) == {"xla_tpu_scoped_vmem_limit_kib": 8192}
-    assert eight.key.folder_name().endswith("_vmem8")
-    default = plan_build("tiny", PRESETS["tiny"], shape, v6e, 8, vae_vmem_mib=0)
-    assert default.key.vae_vmem_mib is None and compiler_options(default, made["vae_decode"]) == {}
-    assert "vmem" not in default.key.folder_name()
     with pytest.raises(BuildError, match="use 1-128 MiB"):
         plan_build("tiny", PRESETS["tiny"], shape, v6e, 8, vae_vmem_mib=512)
     cpu = plan_build("tiny", PRESETS["tiny"], shape, parse_target("cpu-8"), 8)

@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 
-from aot.targets import ATTENTION_BLOCKS, VAE_VMEM_MIB, Target, devices
+from aot.targets import ATTENTION_BLOCKS, Target, devices
 from runtime.builds.artifact import BuildKey, plain_values
 from runtime.builds.build_options import OPTIONS
 from runtime.trust.json_checks import ArtifactError
@@ -431,8 +431,8 @@ def plain_option_values(values: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
 
 
 def choose_vae_vmem(requested: int | None, target: Target) -> int | None:
-    """MiB of scoped VMEM the VAE decode is compiled for (TPU only): auto (None) is
-    VAE_VMEM_MIB, 0 the compiler's default."""
+    """MiB of scoped VMEM the VAE decode is compiled for (TPU only); None: the compiler's
+    default, which auto (None) and 0 ask for (aot.targets.FAST_COMPILE_VAE_VMEM_MIB says why)."""
     platform = target_platform(target)
     if platform != "tpu":
         if requested:
@@ -442,7 +442,7 @@ def choose_vae_vmem(requested: int | None, target: Target) -> int | None:
             )
         return None
     if requested is None:
-        return VAE_VMEM_MIB
+        return None
     if not 0 <= requested <= 128:
         raise BuildError(f"--vae-vmem {requested}: use 1-128 MiB, or 0 for the compiler's default")
     return requested or None

@@ -114,13 +114,12 @@ GPU_PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}
 MAX_GPUS = 64  # GPUs of one host: 8 today (HGX), NVL72 trays expose fewer
 _GPU_COUNT = r"(?:x(\d{1,3}))?"
 
-# Scoped VMEM (MiB) that the VAE decode's kernels are emitted for on TPU. libtpu tiles each conv
-# fusion as large as the scoped VMEM allows (32 MiB by default on v6e) and its emit time follows
-# the tile's code size, with retries after a tile overflows: most of the decode's compile time.
-# Smaller tiles compile several times faster and take no more temporary memory (the 14B decode
-# at 720x1280, batch 8, in full builds: 31 s at 4 MiB, 246 s at the default, medians of 3; docs/benchmarks.md);
-# the transformer's programs, where run time is spent, keep the compiler's default.
-VAE_VMEM_MIB = 4
+# Scoped VMEM (MiB) for a VAE decode that compiles fast (`aot build --vae-vmem 4`). libtpu tiles
+# each conv fusion as large as the scoped VMEM allows and its emit time follows the tile's code
+# size: the 14B decode at 720x1280, batch 8, compiled in 31 s at 4 MiB and 246 s at the default.
+# Not the default: the decode runs for every video, and on a TPU v5e the 1.3B's 832x480 decode
+# took 6.95 s at 4 MiB against 5.56 s at the compiler's default (docs/benchmarks.md).
+FAST_COMPILE_VAE_VMEM_MIB = 4
 # cpu-N and cpu-PxN run here: every device is a thread pool of this machine, every process a
 # Python with jax. Far above what a test or a benchmark uses (cpu-8, cpu-2x4).
 MAX_CPU_DEVICES = 512
