@@ -4,6 +4,7 @@ sha256 -> platform, devices, versions -> device order -> restricted deserialisat
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import importlib.metadata
@@ -312,11 +313,14 @@ def load_build(
         for name in manifest.key.programs
     }
     ordered = ordered_devices(manifest, devices, blobs)
-    loaded = {}
-    for name, blob in blobs.items():
+
+    def load(name: str) -> Any:
         with _naming(name):
-            loaded[name] = load_executable(blob, ordered)
-    return loaded
+            return load_executable(blob=blobs[name], devices=ordered)
+
+    # At once: decompression and XLA's deserialization release the GIL.
+    with concurrent.futures.ThreadPoolExecutor(len(blobs) or 1) as pool:
+        return dict(zip(blobs, pool.map(load, blobs), strict=True))
 
 
 @contextlib.contextmanager
