@@ -4,8 +4,9 @@
 Tiny random pipelines of both kinds are saved offline: Wan 2.1's (a CLIP vision model, image
 features in every cross-attention) and Wan 2.2 I2V-A14B's (two experts, the image through its
 latents only). Our side reads the folder, compiles the pipeline for 8 CPU devices and runs the
-runtime's generation loop on the same prompts, image and initial latents, in portrait and in
-landscape. Tolerance: frames in [0, 1] within 1e-3 (fp32). The batch's second video has
+runtime's generation loop on the same prompts, image and initial latents: each kind in one
+orientation, and in the other through its first-last-frame test below (A14B landscape, Wan 2.1
+FLF2V portrait), so that both kinds are compared in portrait and in landscape. Tolerance: frames in [0, 1] within 1e-3 (fp32). The batch's second video has
 another image and prompt, compared with diffusers' run of that image alone: a control as well
 (its frames differ from the first image's by far more than the tolerance).
 """
@@ -69,7 +70,12 @@ def folder(request, tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("width,height", [(32, 48), (48, 32)], ids=["portrait", "landscape"])
+@pytest.mark.parametrize(
+    "folder,width,height",
+    [(True, 48, 32), (False, 32, 48)],
+    ids=["wan2.1-clip-landscape", "a14b-portrait"],
+    indirect=["folder"],
+)  # the other orientation of each: test_first_last_frame_matches_diffusers and Wan 2.1's
 def test_i2v_matches_diffusers(folder, width, height):
     config = ModelConfig.from_diffusers(folder, dtype="float32")
     clip = config.image_encoder is not None
