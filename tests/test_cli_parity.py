@@ -57,21 +57,26 @@ def _ours(root, folder, tmp_path, prompt, negative_prompt, guidance):
     return np.load(frames).astype(np.float32) / 255
 
 
-def test_runtime_matches_diffusers(tiny_pipeline, tmp_path):
+@pytest.fixture(scope="module")
+def expected(tiny_pipeline):
+    """diffusers' frames of AS_RUN, which every test here compares with (made once)."""
+    _, folder, noise = tiny_pipeline
+    return _diffusers(folder, noise, **AS_RUN)
+
+
+def test_runtime_matches_diffusers(tiny_pipeline, expected, tmp_path):
     """Frames within 2/255 of diffusers' WanPipeline output (uint8 video vs float frames)."""
     root, folder, noise = tiny_pipeline
-    expected = _diffusers(folder, noise, **AS_RUN)
     ours = _ours(root, folder, tmp_path, **AS_RUN)
     assert ours.shape == expected.shape
     assert np.abs(ours - expected).max() <= TOLERANCE
 
 
 @pytest.mark.parametrize("control", sorted(CONTROLS))
-def test_each_input_moves_the_frames_past_the_tolerance(tiny_pipeline, tmp_path, control):
+def test_each_input_moves_the_frames_past_the_tolerance(tiny_pipeline, expected, tmp_path, control):
     """The comparison above can fail: diffusers' own frames move by more than 3x the tolerance
     when this input changes, and so do ours, so our frames for the changed input fail it."""
     root, folder, noise = tiny_pipeline
-    expected = _diffusers(folder, noise, **AS_RUN)
     changed = {**AS_RUN, **CONTROLS[control]}
     assert np.abs(_diffusers(folder, noise, **changed) - expected).max() > 3 * TOLERANCE
     assert np.abs(_ours(root, folder, tmp_path, **changed) - expected).max() > 3 * TOLERANCE
