@@ -11,7 +11,7 @@ import shutil
 
 import jax
 import pytest
-from conftest import TINY_SHAPE, run_cli
+from conftest import TINY_SHAPE, run_cli, with_its_store
 
 from aot import targets
 from runtime.builds.artifact import ArtifactError, read_manifest
@@ -70,11 +70,13 @@ def test_eight_devices_prefer_the_default_mesh(three_builds):
 
 
 @pytest.fixture(scope="module")
-def tpu_and_cpu(tmp_path_factory):
-    """A deviceless tpu-v6e-8 build and a cpu-8 build of one shape, in one folder."""
+def tpu_and_cpu(small_builds, tmp_path_factory):
+    """A deviceless tpu-v6e-8 build and a cpu-8 build of one shape, in one folder (the cpu-8
+    one the session's batch-1 SMALL build, copied with its store)."""
     out = tmp_path_factory.mktemp("tpu") / "artifacts"
-    for target in ("tpu-v6e-8", "cpu-8"):
-        run_cli("aot", "build", "--model", "tiny", *SMALL, "--target", target, "--out", str(out))
+    (cpu,) = [p for p in small_builds.iterdir() if "_b1_cpu-8_" in p.name]
+    with_its_store(cpu, out)
+    run_cli("aot", "build", "--model", "tiny", *SMALL, "--target", "tpu-v6e-8", "--out", str(out))
     return out
 
 
