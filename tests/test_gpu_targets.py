@@ -15,7 +15,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import TINY_SHAPE, run_cli
+from conftest import TINY_SHAPE, run_cli, with_its_store
 
 from aot import targets
 from aot.building import build, plan
@@ -154,7 +154,9 @@ def test_gpu_build_on_a_cpu_host_is_refused_in_one_line(gpu_build, tiny_weights,
 
 
 @needs_plugin
-def test_device_check_dry_run(tmp_path):
+def test_device_check_dry_run(gpu_build, tmp_path):
+    # The one step a dry run runs is gpu_build's command: into a copy of it, up to date.
+    with_its_store(gpu_build, tmp_path / "artifacts")
     result = subprocess.run(
         [sys.executable, "bench/device_check.py", "--model", "tiny", "--res", "64x128",
          "--frames", "9", "--steps", "2", "--kind", "h100", "--dry-run", "--out", str(tmp_path)],
