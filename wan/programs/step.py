@@ -135,7 +135,9 @@ def _step_program(
 BlockRange = Callable[[WanTransformer, jax.Array, Embedded, Any, int, int], jax.Array]
 
 
-def _dense_range(model, x, embedded, kv, start, stop):
+def _dense_range(
+    model: WanTransformer, x: jax.Array, embedded: Embedded, kv: Any, start: int, stop: int
+) -> jax.Array:
     return model.run_block_range(x, embedded, kv, start, stop)
 
 
