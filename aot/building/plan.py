@@ -441,9 +441,7 @@ def choose_vae_vmem(requested: int | None, target: Target) -> int | None:
                 f"{platform}: leave it out"
             )
         return None
-    if requested is None:
-        return None
-    if not 0 <= requested <= 128:
+    if requested is not None and not 0 <= requested <= 128:
         raise BuildError(f"--vae-vmem {requested}: use 1-128 MiB, or 0 for the compiler's default")
     return requested or None
 

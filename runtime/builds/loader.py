@@ -318,7 +318,7 @@ def load_build(
         with _naming(name):
             return load_executable(blob=blobs[name], devices=ordered)
 
-    # At once: decompression and XLA's deserialization release the GIL.
+    # At once, in threads: zstd's decompression runs without the GIL.
     with concurrent.futures.ThreadPoolExecutor(len(blobs) or 1) as pool:
         return dict(zip(blobs, pool.map(load, blobs), strict=True))
 
