@@ -371,6 +371,31 @@ def test_chip(tmp_path, tiny_build, tiny_weights):
     assert "| plain | " in table and "| freed | " in table
 
 
+def test_chip_decode(tmp_path, tiny_build, tiny_weights):
+    """The decode alone on this host's devices: each decode after the first timed, the build's
+    compiler options and FLOPs beside them, the table from the file (a CPU trace has no device
+    plane to sum, and a CPU build no peak to bound it by)."""
+    bench("chip_decode.py", "--artifacts", tiny_build.parent, "--weights", tiny_weights,
+          "--res", TINY_SHAPE[1], "--frames", TINY_SHAPE[3], "--runs", "2",
+          "--variant", f"plain={tiny_build.name}", "--out", tmp_path)  # fmt: skip
+    (row,) = json.loads((tmp_path / "decode.json").read_text())["rows"]
+    assert row["decode_s"]["runs"] == 2 and row["first_call_s"] > 0 and row["tflop"] >= 0
+    assert row["compiler_options"] == {} and row["lower_bound_s"] is None
+    assert row["ms_by_kind"] is None
+    table = bench("chip_decode.py", "--markdown", tmp_path / "decode.json").stdout
+    assert "| plain | default | " in table
+
+
+def test_mp4_write(tmp_path):
+    """The write phase by what the frames hold: noise costs the encoder more bytes than a
+    moving gradient, both written and timed."""
+    out = tmp_path / "mp4.json"
+    bench("mp4_write.py", "--res", "64x32", "--frames", "5", "--repeats", "1", "--out", out)
+    (row,) = rows(out)
+    assert row["noise"]["seconds"]["runs"] == 1 and row["gradient"]["seconds"]["runs"] == 1
+    assert row["noise"]["bytes"] > 2 * row["gradient"]["bytes"] > 0
+
+
 def test_chip_profile(tmp_path, tiny_build, tiny_weights):
     """The profile's run on this host: its trace written, the step timed, the phases and the
     memory outcome recorded (a CPU trace has no device plane to sum)."""
