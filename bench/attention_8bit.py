@@ -97,10 +97,11 @@ def accuracy(tokens: int) -> dict:
     return found
 
 
-def pipelines(steps: int, frames: int, given: Path | None) -> dict:
+def pipelines(steps: int, frames: int, given: Path | None, artifacts: Path | None = None) -> dict:
     """Tiny builds (blockwise, cpu-8) in full precision, int8 and fp8, one request each; PSNR
     of each 8-bit build's frames against the full-precision build's, and of another seed's.
-    `given`: the tiny weights to use (else random ones are written)."""
+    `given`: the tiny weights to use (else random ones are written); `artifacts`: the folder
+    to build into, one artifacts folder a format (else the scratch folder)."""
     shape = ["--res", "64x128", "--frames", str(frames), "--batch", "1"]
     with tempfile.TemporaryDirectory(prefix="attention_8bit-") as scratch:
         root = Path(scratch)
@@ -108,7 +109,7 @@ def pipelines(steps: int, frames: int, given: Path | None) -> dict:
         frames = {}
         for name, fmt, seed in [("none", "none", 3), ("int8", "int8", 3), ("fp8", "fp8", 3),
                                 ("another seed", "none", 4)]:  # fmt: skip
-            out = root / fmt
+            out = (artifacts or root) / fmt  # an up-to-date build is not compiled again
             fixtures.tool("aot", "build", "--model", "tiny", *shape, "--target", "cpu-8",
                     "--attention", "blockwise", "--attention-quant", fmt, "--out", str(out))  # fmt: skip
             fixtures.tool("runtime", "run", "--artifacts", str(out), "--weights", str(weights),
@@ -130,11 +131,16 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=17, help="the pipelines' frames")
     parser.add_argument("--weights", type=Path, help="tiny weights (default: random, written)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/attention_8bit.json")
+    parser.add_argument(
+        "--artifacts", type=Path, help="build into this folder (default: a scratch folder)"
+    )
     args = parser.parse_args()
     row = {
         "command": shlex.join(["python", "bench/attention_8bit.py", *sys.argv[1:]]),
         "accuracy_against_bf16": accuracy(args.tokens),
-        "pipeline_psnr_db_against_full_precision": pipelines(args.steps, args.frames, args.weights),
+        "pipeline_psnr_db_against_full_precision": pipelines(
+            args.steps, args.frames, args.weights, args.artifacts
+        ),
     }
     record.save(args.out, row)
     print(json.dumps(row, indent=1))

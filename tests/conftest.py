@@ -33,6 +33,8 @@ from wan.tokenizer import build_word_tokenizer  # noqa: E402
 
 BIN = Path(sys.executable).parent
 TINY_SHAPE = ["--res", "64x128", "--frames", "9", "--batch", "1"]
+# The 8-bit attention builds' shape: bench/attention_8bit.py's pipelines at its default frames.
+QUANT_ATTENTION_SHAPE = ["--res", "64x128", "--frames", "17", "--batch", "1"]
 SMALL = ["--res", "64x96", "--frames", "5"]  # the served shape: small frames, the decode dominates
 TEXT_GAIN = 3.0  # on the tiny transformer's text path (_transformer)
 
@@ -283,3 +285,32 @@ def small_builds(shared_dir) -> Path:
     run_cli("aot", "build", "--model", "tiny", *SMALL, "--batch", "1", "--batch", "2",
             "--target", "cpu-8", "--out", str(out))  # fmt: skip
     return out
+
+
+@pytest.fixture(scope="session")
+def attention_quant_builds(shared_dir) -> dict[str, Path]:
+    """Tiny blockwise builds (cpu-8) with full-precision, int8 and fp8 attention, each in its own
+    artifacts folder `<format>` as bench/attention_8bit.py builds them (its --artifacts: up to
+    date there, not compiled again); by format, its build folder."""
+    import fcntl
+    import json
+
+    from aot.building import store
+
+    out, found = shared_dir / "attention-quant", {}
+    out.mkdir(exist_ok=True)
+    with (shared_dir / "attention-quant.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # pytest -n 2: one worker builds, the other waits
+        for fmt in ("none", "int8", "fp8"):
+            if found:  # the programs built so far, reused where their ids match (all but the
+                # denoise step: the text encoder, kv cache and decode are the full-precision one's)
+                shutil.copytree([*found.values()][-1].parent / store.STORE,
+                                out / fmt / store.STORE, dirs_exist_ok=True)  # fmt: skip
+            result = run_cli(
+                "aot", "build", "--model", "tiny", *QUANT_ATTENTION_SHAPE, "--target", "cpu-8",
+                "--attention", "blockwise", "--attention-quant", fmt, "--out", str(out / fmt),
+                "--json",
+            )  # fmt: skip
+            (built,) = json.loads(result.stdout)
+            found[fmt] = Path(built["folder"])
+    return found

@@ -7,7 +7,6 @@ whole tiny pipelines, the FLOPs counted at the 8-bit rate, and the refusals."""
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -15,9 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import deviceless_tpu_devices, run_cli
+from conftest import QUANT_ATTENTION_SHAPE, deviceless_tpu_devices, run_cli
 
-from aot.building import store
 from aot.building.plan import (
     BuildError,
     eight_bit_kernel_flops,
@@ -156,24 +154,14 @@ def test_the_kernel_compiles_for_a_deviceless_tpu(target, fmt, sparse, monkeypat
 
 
 TINY = PRESETS["tiny"]
-SHAPE = ["--res", "64x128", "--frames", "17", "--batch", "1"]
+SHAPE = QUANT_ATTENTION_SHAPE
 
 
 @pytest.fixture(scope="module")
-def quant_builds(tmp_path_factory) -> dict[str, Path]:
-    out = tmp_path_factory.mktemp("attention_quant")
-    found = {}
-    for fmt in ("none", "int8", "fp8"):
-        if found:  # the programs built so far, reused where their ids match (all but the
-            # denoise step: the text encoder, kv cache and decode are the full-precision build's)
-            shutil.copytree([*found.values()][-1].parent / store.STORE, out / fmt / store.STORE)
-        result = run_cli(
-            "aot", "build", "--model", "tiny", *SHAPE, "--target", "cpu-8", "--attention",
-            "blockwise", "--attention-quant", fmt, "--out", str(out / fmt), "--json",
-        )  # fmt: skip
-        (built,) = json.loads(result.stdout)
-        found[fmt] = Path(built["folder"])
-    return found
+def quant_builds(attention_quant_builds) -> dict[str, Path]:
+    """The session's full-precision, int8 and fp8 builds (conftest: bench/attention_8bit.py's
+    test runs its pipelines on them too)."""
+    return attention_quant_builds
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:

@@ -103,10 +103,13 @@ def test_build_jobs(tmp_path):
     assert row["wall_seconds"]["1"]["runs"] == 1 and run["host_load"] >= 0
 
 
-def test_attention_8bit(tmp_path, tiny_weights):
+def test_attention_8bit(tmp_path, tiny_weights, attention_quant_builds):
+    """The pipelines at the session's 8-bit attention builds (their shape: up to date, not
+    compiled again)."""
     out = tmp_path / "attention_8bit.json"
-    bench("attention_8bit.py", "--steps", "1", "--tokens", "256", "--frames", "5",
-          "--weights", tiny_weights, "--out", out)  # fmt: skip
+    artifacts = attention_quant_builds["none"].parent.parent
+    bench("attention_8bit.py", "--steps", "1", "--tokens", "256", "--frames", "17",
+          "--weights", tiny_weights, "--artifacts", artifacts, "--out", out)  # fmt: skip
     (row,) = rows(out)
     accuracy = row["accuracy_against_bf16"]
     assert len(accuracy) == 12 and all(len(heads) == 2 for heads in accuracy.values())
