@@ -123,6 +123,12 @@ def main() -> None:
     parser.add_argument("--weights", type=Path, help="the tiny model's (default: random ones)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--save", type=Path)
+    parser.add_argument(
+        "--artifacts",
+        type=Path,
+        help="build each tree into ARTIFACTS/before and /after, where an up-to-date build is not "
+        "compiled again (default: a scratch folder)",
+    )
     args = parser.parse_args()
     resource.setrlimit(resource.RLIMIT_NOFILE, (args.heads + 1024,) * 2)
     runs: dict[str, list[dict]] = {"before": [], "after": []}
@@ -132,9 +138,9 @@ def main() -> None:
         built: dict[Path, Path] = {}  # each tree's build: the same tree twice builds once
         for name, tree in (("before", args.before), ("after", args.after)):
             if tree.resolve() not in built:
-                built[tree.resolve()] = root / name
+                built[tree.resolve()] = (args.artifacts or root) / name
                 fixtures.build("--model", "tiny", *SHAPE, "--target", "cpu-8", "--out",
-                               root / name, tree=tree)  # fmt: skip
+                               built[tree.resolve()], tree=tree)  # fmt: skip
         for round_ in range(args.rounds):  # the trees alternate: the host's load hits both
             for name, tree in (("before", args.before), ("after", args.after)):
                 load = host_load()

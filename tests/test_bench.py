@@ -157,12 +157,16 @@ def test_cold_start_trees(tmp_path, tiny_weights):
     assert set(result["ratio_after_over_before"]) == phases
 
 
-def test_serve_limits(tmp_path, tiny_weights):
-    """This tree as both --before and --after (built once): the bodies over the bound are
-    refused (a 413, or the connection closed under the body), and the half heads were sent."""
+def test_serve_limits(tmp_path, tiny_weights, small_builds):
+    """This tree as both --before and --after (built once: the session's identical batch-1
+    build, up to date): the bodies over the bound are refused (a 413, or the connection closed
+    under the body), and the half heads were sent."""
+    (batch_1,) = [p for p in small_builds.iterdir() if p.name.startswith("tiny_64x96_f5_b1_")]
+    with_its_store(batch_1, tmp_path / "artifacts" / "before")
     out = tmp_path / "serve_limits.json"
     bench("serve_limits.py", "--before", ROOT, "--after", ROOT, "--heads", "8", "--wait", "0.5",
-          "--rounds", "1", "--weights", tiny_weights, "--save", out)  # fmt: skip
+          "--rounds", "1", "--weights", tiny_weights, "--artifacts", tmp_path / "artifacts",
+          "--save", out)  # fmt: skip
     (row,) = rows(out)
     for tree in ("before", "after"):
         for body in ("declared_body", "chunked_body"):
