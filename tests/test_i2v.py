@@ -6,9 +6,10 @@ features in every cross-attention) and Wan 2.2 I2V-A14B's (two experts, the imag
 latents only). Our side reads the folder, compiles the pipeline for 8 CPU devices and runs the
 runtime's generation loop on the same prompts, image and initial latents: each kind in one
 orientation, and in the other through its first-last-frame test below (A14B landscape, Wan 2.1
-FLF2V portrait), so that both kinds are compared in portrait and in landscape. Tolerance: frames in [0, 1] within 1e-3 (fp32). The batch's second video has
-another image and prompt, compared with diffusers' run of that image alone: a control as well
-(its frames differ from the first image's by far more than the tolerance).
+FLF2V portrait), so that both kinds are compared in portrait and in landscape. Tolerance:
+frames in [0, 1] within 1e-3 (fp32). The batch's second video has another image and prompt,
+compared with diffusers' run of that image alone: a control as well (its frames differ from the
+first image's by far more than the tolerance).
 """
 
 from __future__ import annotations
