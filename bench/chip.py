@@ -97,12 +97,6 @@ def summarize(row: dict, reports: list[dict]) -> dict:
     }
 
 
-def _cell(s: dict | None, digits: int = 2) -> str:
-    if not s:
-        return "-"
-    return f"{s['median']:.{digits}f} [{s['min']:.{digits}f}-{s['max']:.{digits}f}]"
-
-
 def markdown(rows: list[dict]) -> str:
     """The table docs/benchmarks.md quotes: one row per variant."""
     lines = [
@@ -117,16 +111,16 @@ def markdown(rows: list[dict]) -> str:
         bound = "-" if r["step_lower_bound"] is None else f"{r['step_lower_bound']:.3f}"
         share = "-" if r["fraction_of_peak"] is None else f"{100 * r['fraction_of_peak']:.0f}%"
         lines.append(
-            f"| {r['variant']} | {_cell(r['seconds_per_step'], 3)} | {r['skipped_steps']:g} | "
+            f"| {r['variant']} | {record.cell(r['seconds_per_step'], 3)} | {r['skipped_steps']:g} | "
             f"{bound} | {share} | "
-            f"{_cell(r['to_first_step'])} | {_cell(r['to_video'])} | "
-            f"{_cell(r['device_peak_gib'])} | {r['predicted_peak_gib']:.2f} | {r['compile_count']} |"
+            f"{record.cell(r['to_first_step'])} | {record.cell(r['to_video'])} | "
+            f"{record.cell(r['device_peak_gib'])} | {r['predicted_peak_gib']:.2f} | {r['compile_count']} |"
         )
     phases = sorted({p for r in rows if "phases" in r for p in r["phases"]})
     lines += ["", "| variant | " + " | ".join(phases) + " |", "|---" * (len(phases) + 1) + "|"]
     for r in rows:
         if "phases" in r:
-            cells = [_cell(r["phases"].get(p)) for p in phases]
+            cells = [record.cell(r["phases"].get(p)) for p in phases]
             lines.append(f"| {r['variant']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -153,7 +147,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.markdown:
-        print(markdown([r for path in args.markdown for r in json.loads(path.read_text())["rows"]]))
+        print(markdown(record.sitting_rows(args.markdown)))
         return
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -161,17 +155,7 @@ def main() -> None:
         name, _, rest = spec.partition("=")
         build, *flags = shlex.split(rest)
         rows.append(run_variant(args, name, build, flags))
-        (args.out / "chip.json").write_text(
-            json.dumps(
-                {
-                    "command": shlex.join(sys.argv),
-                    "date": time.strftime("%Y-%m-%d"),
-                    "commit": record.commit(),
-                    "rows": rows,
-                },
-                indent=1,
-            )  # fmt: skip
-        )
+        record.save_sitting(args.out / "chip.json", rows)
     print(markdown(rows))
 
 

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -244,10 +242,9 @@ def main() -> None:
             row = {"variant": name, "error": (str(e).splitlines() or [type(e).__name__])[0][:300]}
         print(json.dumps(row), flush=True)
         rows.append(row)
-        (args.out / "chip_attention.json").write_text(json.dumps({
-            "command": shlex.join(sys.argv), "date": time.strftime("%Y-%m-%d"), "commit": record.commit(),
-            "device": jax.devices()[0].device_kind, "shape": shape, "rows": rows,
-        }, indent=1))  # fmt: skip
+        record.save_sitting(
+            args.out / "chip_attention.json", rows, device=jax.devices()[0].device_kind, shape=shape
+        )
 
 
 if __name__ == "__main__":

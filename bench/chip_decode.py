@@ -3,7 +3,7 @@
 lower bound (the program's HLO FLOPs at the device's peak), and one traced decode's device ops
 summed by kind (bench/chip_profile.py's kinds).
 
-    python bench/chip_decode.py --artifacts ART --weights W --res 832x480 --frames 81 \
+    python bench/chip_decode.py --artifacts ART --weights W \
         --variant vmem4=BUILD --variant default=OTHER_BUILD --runs 3 --out DIR
 
 The builds differ in how their decode was compiled (`aot build --vae-vmem`). The first call of
@@ -14,9 +14,6 @@ program's. Writes DIR/decode.json and prints the table (`--markdown DIR/decode.j
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,7 +27,6 @@ from runtime.builds.artifact import read_manifest
 from runtime.builds.loader import Request
 from runtime.generation.denoise import place
 from runtime.generation.pipeline import Pipeline
-from wan.configs import VideoShape
 
 
 def decode_seconds(pipe: Pipeline, latents: np.ndarray) -> float:
@@ -41,11 +37,11 @@ def decode_seconds(pipe: Pipeline, latents: np.ndarray) -> float:
     return time.perf_counter() - start
 
 
-def run_variant(args: argparse.Namespace, name: str, build: str, shape: VideoShape) -> dict:
+def run_variant(args: argparse.Namespace, name: str, build: str) -> dict:
     """--runs decodes of one build after a first, and a traced one's ops by kind."""
     manifest = read_manifest(args.artifacts / build)
     entry = manifest.programs["vae_decode"]
-    pipe = Pipeline.load(args.artifacts, args.weights, Request(shape), build=build)
+    pipe = Pipeline.load(args.artifacts, args.weights, Request(manifest.key.shape), build=build)
     latents_shape = next(a.shape for a in entry.inputs if a.path == "latents")
     latents = np.random.default_rng(0).standard_normal(latents_shape).astype(np.float32)
     seconds = [decode_seconds(pipe, latents) for _ in range(args.runs + 1)]
@@ -84,7 +80,7 @@ def markdown(rows: list[dict]) -> str:
         kinds = ", ".join(f"{k} {v:.0f}" for k, v in (r["ms_by_kind"] or {}).items())
         lines.append(
             f"| {r['variant']} | {r['compiler_options'] or 'default'} | "
-            f"{d['median']:.3f} [{d['min']:.3f}-{d['max']:.3f}] | {r['first_call_s']:.2f} | "
+            f"{record.cell(d, 3)} | {r['first_call_s']:.2f} | "
             f"{bound} | {share} | {kinds} |"
         )
     return "\n".join(lines)
@@ -94,28 +90,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--artifacts", type=Path)
     parser.add_argument("--weights", type=Path)
-    parser.add_argument("--res", default="832x480")
-    parser.add_argument("--frames", type=int, default=81)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=BUILD")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--markdown", type=Path, nargs="+", help="print these files' table")
     args = parser.parse_args()
     if args.markdown:
-        print(markdown([r for path in args.markdown for r in json.loads(path.read_text())["rows"]]))
+        print(markdown(record.sitting_rows(args.markdown)))
         return
     args.out.mkdir(parents=True, exist_ok=True)
-    width, height = map(int, args.res.split("x"))
-    shape = VideoShape(width, height, args.frames, 1, True)
     rows = []
     for spec in args.variant:
         name, _, build = spec.partition("=")
-        rows.append(run_variant(args, name, build, shape))
+        rows.append(run_variant(args, name, build))
         print(markdown(rows[-1:]).splitlines()[-1], flush=True)
-        (args.out / "decode.json").write_text(json.dumps({
-            "command": shlex.join(sys.argv), "date": time.strftime("%Y-%m-%d"),
-            "commit": record.commit(), "rows": rows,
-        }, indent=1))  # fmt: skip
+        record.save_sitting(args.out / "decode.json", rows)
     print(markdown(rows))
 
 

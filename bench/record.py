@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,6 +37,28 @@ def spread(values: Sequence[float], digits: int = 3) -> dict:
         "max": round(max(values), digits),
         "runs": len(values),
     }
+
+
+def cell(s: dict | None, digits: int = 2) -> str:
+    """A `spread` as a table cell: median [min-max] ("-" for none)."""
+    if not s:
+        return "-"
+    return f"{s['median']:.{digits}f} [{s['min']:.{digits}f}-{s['max']:.{digits}f}]"
+
+
+def save_sitting(path: Path, rows: list[dict], **extra: object) -> None:
+    """A device sitting's results file (bench/chip*.py): its rows under the command that made
+    them, the date and the commit it ran (rewritten after each row, so a sitting cut short
+    keeps what it measured)."""
+    path.write_text(json.dumps({
+        "command": shlex.join(sys.argv), "date": time.strftime("%Y-%m-%d"), "commit": commit(),
+        **extra, "rows": rows,
+    }, indent=1))  # fmt: skip
+
+
+def sitting_rows(paths: Sequence[Path]) -> list[dict]:
+    """The rows of several sittings' files, in order."""
+    return [row for path in paths for row in json.loads(Path(path).read_text())["rows"]]
 
 
 def commit() -> str | None:

@@ -383,8 +383,7 @@ def test_chip_decode(tmp_path, tiny_build, tiny_weights):
     compiler options and FLOPs beside them, the table from the file (a CPU trace has no device
     plane to sum, and a CPU build no peak to bound it by)."""
     bench("chip_decode.py", "--artifacts", tiny_build.parent, "--weights", tiny_weights,
-          "--res", TINY_SHAPE[1], "--frames", TINY_SHAPE[3], "--runs", "2",
-          "--variant", f"plain={tiny_build.name}", "--out", tmp_path)  # fmt: skip
+          "--runs", "2", "--variant", f"plain={tiny_build.name}", "--out", tmp_path)  # fmt: skip
     (row,) = json.loads((tmp_path / "decode.json").read_text())["rows"]
     assert row["decode_s"]["runs"] == 2 and row["first_call_s"] > 0 and row["tflop"] >= 0
     assert row["compiler_options"] == {} and row["lower_bound_s"] is None
