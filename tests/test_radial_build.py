@@ -20,7 +20,7 @@ from runtime.builds.artifact import read_manifest
 from runtime.trust.json_checks import ArtifactError
 from wan import sharding
 from wan.configs import VideoShape
-from wan.models.attention import flops
+from wan.models.attention import TpuBlocks, call_blocks, flops, kernel_density
 from wan.models.radial_mask import RadialSpec, density
 from wan.presets import PRESETS, resolve_model
 from wan.sparse_attention import SparseAttentionError, canonical, parse
@@ -178,10 +178,11 @@ def test_a_splash_radial_step_counts_the_blocks_its_mask_keeps():
     assert self_attention(plan, radial=False).flops == dense  # the dense step: every block
 
 
-def test_a_sparse_build_s_auto_tpu_blocks_let_the_mask_save():
-    """auto on TPU: the dense builds' flash blocks for a dense build, 1024 for a sparse one
-    (at 2048-3072 every block holds a kept entry), and the Radial block the kernel's, so that
-    every block is kept whole or skipped; elsewhere the official 128."""
+def test_a_sparse_build_s_radial_calls_run_within_the_radial_block():
+    """auto on TPU: a sparse build keeps the generation's flash blocks for its dense calls (its
+    dense steps and layers), and its Radial calls run the kernel within the Radial block, 1024
+    by default (at 2048-3072 every block holds a kept entry), so that every block is kept whole
+    or skipped; elsewhere the official 128."""
     model = resolve_model("wan2.1-t2v-14b")
 
     def auto(radial: str) -> str:
@@ -190,8 +191,12 @@ def test_a_sparse_build_s_auto_tpu_blocks_let_the_mask_save():
             sparse_attention=canonical(radial),
         ).attention  # fmt: skip
 
-    assert auto("radial") == "flash:1024:1024:256"
-    assert auto("none") == "flash:3072:2048:512"
+    assert auto("radial") == auto("none") == "flash:3072:2048:512"
+    spec = RadialSpec(21, 45 * 80, block=1024)
+    assert call_blocks("flash:3072:2048:512", spec) == TpuBlocks(1024, 1024, 512)
+    assert call_blocks("flash:3072:2048:512", None) == TpuBlocks(3072, 2048, 512)
+    assert kernel_density("flash:3072:2048:512", spec) == density(spec, 1024)
+    assert call_blocks("flash:512:512:256", spec) == TpuBlocks(512, 512, 256)
     tpu = plan_build(
         "wan2.1-t2v-14b", model, VideoShape(1280, 720, 81, 1), parse_target("tpu-v6e-8"), 8,
         sparse_attention=canonical("radial"),
@@ -207,8 +212,10 @@ def test_a_radial_block_under_the_tpu_kernel_blocks_is_refused(kernel):
     """On v5e, 128-token Radial blocks in 512-token splash blocks ran at 0.67x the dense
     call's speed (bench/chip_attention.py): a partly kept block costs more than the mask
     saves."""
-    with pytest.raises(BuildError, match="smaller than the kernel's blocks"):
+    with pytest.raises(BuildError, match="blocks under 1024 are slower"):
         splash_plan("radial:0.2:12:1:128", attention=f"{kernel}:512:512:512")
+    with pytest.raises(BuildError, match="blocks under 1024 are slower"):
+        splash_plan("radial:0.2:12:1:512", attention=f"{kernel}:2048:1024:256")
     assert splash_plan("radial:0.2:12:1:512", attention=f"{kernel}:512:512:512")
 
 

@@ -25,12 +25,12 @@ from wan.models import attention as attention_lib
 from wan.models.radial_mask import RadialSpec
 
 DEVICELESS_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
-# A sparse build's TPU kernel blocks, and the Radial block it takes by default: whole kept
-# blocks (a smaller Radial block leaves kernel blocks kept in part, each masked entry by entry).
-# On v5e at 832x480x81 one flash call took 46.7 ms here against 78.2 dense, 69.7 with keys 128
-# a matmul; splash took 53.5 at 1024/1024/512 (bench/chip_attention.py; docs/benchmarks.md,
-# "On a TPU v5e chip").
-SPARSE_TPU_BLOCKS = (1024, 1024, 256)
+# The Radial block of a TPU build where not given. Its sparse calls run the kernel within it
+# (attention.call_blocks: every block the mask keeps is kept whole), its dense ones at the
+# generation's blocks. On v5e at 832x480x81 one flash call at 1024/1024/256 took 46.7 ms here
+# against 78.2 dense at 2048/1024/256, 69.7 with keys 128 a matmul; splash took 53.5 at
+# 1024/1024/512 (bench/chip_attention.py; docs/benchmarks.md, "On a TPU v5e chip").
+SPARSE_TPU_BLOCK = 1024
 # Build options the chip showed slower than the plain path, by TPU generation: refused there,
 # with the measurement (docs/benchmarks.md, "On a TPU v5e chip").
 SLOWER_ON_CHIP = {
@@ -114,7 +114,7 @@ def plan_build(
         layout = sharding.ShardingPlan.choose(mesh, shape.latent_shape(config), vae_spatial)
     except ValueError as e:
         raise BuildError(str(e)) from None
-    attention = choose_attention(attention, target, shape.tokens(config), sparse=radial is not None)
+    attention = choose_attention(attention, target, shape.tokens(config))
     context_parallel = choose_context_parallel(context_parallel, config, shape, mesh)
     if radial is not None:
         radial = choose_radial(radial, attention)
@@ -186,20 +186,22 @@ def check_radial(radial: sparse_attention.Radial, config: ModelConfig, options: 
 
 
 def choose_radial(radial: sparse_attention.Radial, attention: str) -> sparse_attention.Radial:
-    """The Radial settings with their block: the kernel's (a TPU kernel's SPARSE_TPU_BLOCKS,
-    else the official one) where not given. In a TPU kernel, a block smaller than the kernel's
-    blocks is refused: the blocks it keeps in part cost more than the mask saves."""
+    """The Radial settings with their block: SPARSE_TPU_BLOCK in a TPU kernel, else the official
+    one, where not given. A TPU kernel runs the mask within its block (attention.call_blocks);
+    a block that would make them smaller than the kernel's and than SPARSE_TPU_BLOCK is refused:
+    the chip ran small kernel blocks slower than the dense step (v5e: the official block 128 in
+    512-token blocks, 0.67x)."""
     tpu = attention_lib.kernel_name(attention) in attention_lib.TPU_KERNELS
     if radial.block is None:
-        block = SPARSE_TPU_BLOCKS[0] if tpu else sparse_attention.WAN_BLOCK
+        block = SPARSE_TPU_BLOCK if tpu else sparse_attention.WAN_BLOCK
         return dataclasses.replace(radial, block=block)
     blocks = attention_lib.tpu_blocks(attention) if tpu else None
-    if blocks is not None and radial.block < max(blocks.q, blocks.kv):
+    if blocks is not None and radial.block < min(max(blocks.q, blocks.kv), SPARSE_TPU_BLOCK):
         raise BuildError(
-            f"--sparse-attention {radial.text()} in {attention}: a Radial block smaller than "
-            "the kernel's blocks is slower than dense attention (v5e: block 128 in 512 splash "
-            "blocks, 0.67x; docs/benchmarks.md): leave the block out (the kernel's) or give the "
-            "kernel's block"
+            f"--sparse-attention {radial.text()} in {attention}: the kernel runs a Radial mask "
+            f"within its block, and blocks under {SPARSE_TPU_BLOCK} are slower than dense "
+            "attention (v5e: block 128 in 512-token blocks, 0.67x; docs/benchmarks.md): leave "
+            f"the block out ({SPARSE_TPU_BLOCK}) or give at least that"
         )
     return radial
 
@@ -316,15 +318,12 @@ def check_shape(config: ModelConfig, shape: VideoShape) -> None:
         )
 
 
-def choose_attention(
-    requested: str | None, target: Target, tokens: int, sparse: bool = False
-) -> str:
+def choose_attention(requested: str | None, target: Target, tokens: int) -> str:
     """The attention kernel of a build, with its block sizes: `auto` (None) is dot for short
     sequences, else the target's flash kernel (wan's flash on TPU, cuDNN on a GPU present, the
     Pallas Triton kernel for a deviceless GPU target, blockwise on CPU). A TPU kernel named
-    without blocks takes the generation's ATTENTION_BLOCKS, or in a `sparse` build
-    SPARSE_TPU_BLOCKS: at the dense builds' blocks every block holds an entry the mask keeps,
-    and the mask would save nothing."""
+    without blocks takes the generation's ATTENTION_BLOCKS (a sparse build's Radial calls run
+    within its Radial block: `choose_radial`)."""
     platform = target_platform(target)
     if requested is None:
         flash = {"tpu": "flash", "gpu": "cudnn"}.get(platform, "blockwise")
@@ -344,7 +343,7 @@ def choose_attention(
             "blockwise or dot, or build on the GPU host with --target current"
         )
     if requested in attention_lib.TPU_KERNELS:
-        blocks = SPARSE_TPU_BLOCKS if sparse else ATTENTION_BLOCKS[target.generation]
+        blocks = ATTENTION_BLOCKS[target.generation]
         requested = f"{requested}:" + ":".join(map(str, blocks))
     try:
         attention_lib.resolve(requested)

@@ -10,6 +10,7 @@ from runtime.builds.artifact import Manifest
 from runtime.builds.loader import read_builds
 from wan import residency, sparse_attention
 from wan.interface import sparse_variant
+from wan.models import attention as attention_lib
 
 GiB = float(1 << 30)
 
@@ -143,9 +144,14 @@ def _sparse_lines(m: Manifest) -> list[str]:
     bound = (
         f"; step lower bound {bounds[1]:.3f} s against {bounds[0]:.3f} s dense" if bounds[0] else ""
     )
+    kernel = attention_lib.kernel_name(m.key.attention)
+    blocks = ""
+    if kernel in attention_lib.TPU_KERNELS:  # attention.call_blocks
+        b = attention_lib.tpu_blocks(m.key.attention).within(settings.block)
+        blocks = f"; its Radial calls run {kernel} at blocks {b.q}/{b.kv}/{b.kv_compute}"
     return [
         f"sparse     {settings.text()}: the first {settings.dense_steps} steps dense, then "
-        f"{name} with {settings.dense_layers} dense layer(s)",
+        f"{name} with {settings.dense_layers} dense layer(s){blocks}",
         f"           {name}'s self-attention kernel computes {sparse.attention_density:.4f} "
         f"of its blocks: {sparse.self_attention_flops / 1e12:.4f} of "
         f"{dense.self_attention_flops_dense / 1e12:.4f} TFLOP per device{bound}",

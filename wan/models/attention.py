@@ -209,6 +209,12 @@ class TpuBlocks:
         bkv_compute = balanced_block(bkv, min(self.kv_compute, bkv), LANES)
         return bq, bkv, bkv_compute if bkv % bkv_compute == 0 else bkv
 
+    def within(self, block: int) -> TpuBlocks:
+        """These blocks, none larger than `block`: those a Radial mask of `block`-token blocks
+        runs at, so that every block it keeps is kept whole (a partly kept one is masked entry
+        by entry); the dense calls of the same build keep the larger blocks."""
+        return TpuBlocks(min(self.q, block), min(self.kv, block), min(self.kv_compute, block))
+
 
 TPU_KERNELS = ("flash", "splash")
 
@@ -495,7 +501,7 @@ def kernel_density(impl: str, sparse: RadialSpec) -> float:
     none."""
     name, n = kernel_name(impl), sparse.tokens
     if name in TPU_KERNELS:
-        return density(sparse, *tpu_blocks(impl).balanced(n, n))
+        return density(sparse, *call_blocks(impl, sparse).balanced(n, n))
     if name == "triton" and (blocks := _triton_blocks(impl)).skips(sparse, n, n):
         return density(sparse, *blocks.fitted(n, n))
     return 1.0
@@ -511,7 +517,7 @@ def resolve(
     """The attention function an implementation name selects: 'dot', 'blockwise' (default
     blocks), 'blockwise:<q_block>:<kv_block>', 'flash:<q>:<kv>:<kv_compute>' or
     'splash:<q>:<kv>:<kv_compute>' (largest block sizes), 'triton[:<q>:<kv>]' or 'cudnn'.
-    `interpret`: run Pallas kernels in interpret mode (not on their hardware); `sparse`: a Radial mask (SPARSE_KERNELS only); `quant`: 8-bit
+    `interpret`: run Pallas kernels in interpret mode (not on their hardware); `sparse`: a Radial mask (SPARSE_KERNELS only; a TPU kernel runs it at `call_blocks`); `quant`: 8-bit
     attention, "int8" or "fp8" (QUANT_KERNELS only; on TPU wan.models.attention_quant's
     kernel)."""
     if quant is not None:
@@ -525,7 +531,7 @@ def resolve(
                 f"8-bit attention {quant!r}: use {' or '.join(attention_quant.FORMATS)}"
             )
         if kernel_name(impl) in TPU_KERNELS:
-            blocks = tpu_blocks(impl)
+            blocks = call_blocks(impl, sparse)
             return functools.partial(
                 _quant_tpu, blocks=blocks, fmt=quant, interpret=interpret, sparse=sparse
             )
@@ -536,7 +542,8 @@ def resolve(
                 f"attention {impl!r} has no sparse mask: radial attention runs in "
                 f"{' or '.join(SPARSE_KERNELS)}"
             )
-        return functools.partial(resolve(impl, interpret=interpret), sparse=sparse)
+        if kernel_name(impl) not in TPU_KERNELS:
+            return functools.partial(resolve(impl, interpret=interpret), sparse=sparse)
     if impl == "dot":
         return dot_product_attention
     if impl == "cudnn":
@@ -549,7 +556,9 @@ def resolve(
         return functools.partial(triton_attention, blocks=_triton_blocks(impl), interpret=interpret)
     if kernel_name(impl) in TPU_KERNELS:
         kernel = flash_attention if kernel_name(impl) == "flash" else splash_attention
-        return functools.partial(kernel, blocks=tpu_blocks(impl), interpret=interpret)
+        return functools.partial(
+            kernel, blocks=call_blocks(impl, sparse), interpret=interpret, sparse=sparse
+        )
     raise _unknown(impl)
 
 
@@ -583,6 +592,13 @@ def tpu_blocks(impl: str) -> TpuBlocks:
             f"multiples of {LANES}, and kv a multiple of kv_compute"
         )
     return blocks
+
+
+def call_blocks(impl: str, sparse: RadialSpec | None) -> TpuBlocks:
+    """The blocks the TPU kernel `impl` runs a call at: its own, within the Radial mask's block
+    when it attends through one (`TpuBlocks.within`)."""
+    blocks = tpu_blocks(impl)
+    return blocks if sparse is None else blocks.within(sparse.block)
 
 
 def attention(
