@@ -45,7 +45,7 @@ from runtime.builds.artifact import (
     verify_files,
 )
 from runtime.builds.executables import load_executable
-from runtime.builds.loader import Present, Request, match_build, passed_over
+from runtime.builds.loader import Present, Request, match_build, open_build, passed_over
 from wan.configs import VideoShape
 
 RUN = ["--prompt", "a cat", "--steps", "1"]
@@ -386,6 +386,28 @@ def test_a_decompression_bomb_is_refused_before_it_is_expanded(handoff):
     assert header.xla_bytes < size
 
 
+def declared_matches(declared: executables.DeclaredCall, executable) -> bool:
+    """Whether `declared` is what `executable` takes: its arguments' tree, shapes, dtypes and
+    weak types, and its input shardings (None for a dropped input)."""
+    flat = lambda tree: jax.tree.leaves(tree, is_leaf=lambda s: s is None)  # noqa: E731
+    args = lambda tree: [(a.shape, a.dtype, a.weak_type) for a in flat(tree)]  # noqa: E731
+    return (
+        jax.tree.structure(declared.args_info) == jax.tree.structure(executable.args_info)
+        and args(declared.args_info) == [(i.shape, i.dtype, i._aval.weak_type) for i in flat(executable.args_info)]
+        and flat(declared.input_shardings) == flat(executable.input_shardings)
+    )  # fmt: skip
+
+
+def test_a_build_s_headers_declare_what_its_executables_take(tiny_build):
+    """`runtime run` places the weights in the shardings the headers declare while XLA loads
+    the executables (runtime.generation.pipeline): for each program they are the loaded one's."""
+    opened = open_build(tiny_build, read_manifest(tiny_build), jax.devices())
+    loaded = opened.load()
+    assert set(loaded) == set(opened.declared) == set(read_manifest(tiny_build).key.programs)
+    for name, executable in loaded.items():
+        assert declared_matches(opened.declared[name], executable), name
+
+
 def test_stored_executables_are_compressed(tiny_build):
     """Each executable file holds XLA's bytes as one zstd frame: the file is smaller than what
     its header declares, and the whole build loads (the other tests)."""
@@ -455,6 +477,8 @@ def test_a_stored_executable_round_trips():
     ]
     assert [a.placement is None for a in header.inputs] == [False, False, False, False, True]
     assert len(header.meshes) == 2
+    declared = executables.declared_call(header, devices)  # what the header alone says
+    assert declared_matches(declared, compiled)
 
     def run(executable):
         args = jax.device_put(

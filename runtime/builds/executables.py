@@ -481,16 +481,44 @@ def _check_shards(executable: Any, inputs: tuple[list, list], outputs: tuple[lis
             )
 
 
-# Longer than most: jax's own assembly of a Compiled, in its order, each part checked first.
-def _compiled(header: ExecutableHeader, xla: bytes, devices: Sequence[Any]) -> Any:
-    """jax's Compiled, built as jax builds it after a compile (pxla.UnloadedMeshExecutable
-    .from_hlo) from the header and XLA's deserialized executable."""
+@dataclasses.dataclass(frozen=True)
+class DeclaredCall:
+    """What an executable takes, from its header alone: the `args_info` tree of the jax
+    Compiled it loads as (a jax.ShapeDtypeStruct per array) and its `input_shardings` (None for
+    an input XLA dropped). The loader checks them against XLA's own when it loads the
+    executable; until then they let the weights be placed while XLA deserializes."""
+
+    args_info: Any
+    input_shardings: Any
+
+
+def declared_call(header: ExecutableHeader, devices: Sequence[Any]) -> DeclaredCall:
+    """The DeclaredCall of `header` on `devices` (in its recorded order)."""
+    import jax
+
+    try:
+        sharding = _shardings(header, devices)
+        in_tree = jax.tree_util.tree_structure(_tree_from_json(header.in_tree, "in_tree"))
+        return DeclaredCall(
+            in_tree.unflatten(
+                [
+                    jax.ShapeDtypeStruct(a.shape, jax.numpy.dtype(a.dtype), weak_type=a.weak_type)
+                    for a in header.inputs
+                ]
+            ),
+            in_tree.unflatten([a.placement and sharding(a.placement) for a in header.inputs]),
+        )
+    except Exception as e:  # jax raises anything on a mesh or tree that is not sound
+        reason = (str(e).splitlines() or [type(e).__name__])[0][:200]
+        raise ArtifactError(
+            f"the executable's header does not load ({reason}): {REBUILD}"
+        ) from None
+
+
+def _shardings(header: ExecutableHeader, devices: Sequence[Any]) -> Any:
+    """Placement -> the NamedSharding it declares, on the header's meshes over `devices`."""
     import jax
     import numpy as np
-    from jax._src import core
-    from jax._src.interpreters import pxla
-    from jax._src.lib import xla_client as xc
-    from jax._src.stages import ArgInfo
 
     by_id = {d.id: d for d in devices}
     meshes = [
@@ -507,6 +535,21 @@ def _compiled(header: ExecutableHeader, xla: bytes, devices: Sequence[Any]) -> A
     def sharding(p: Placement) -> Any:
         spec = jax.sharding.PartitionSpec(*p.spec)
         return jax.sharding.NamedSharding(meshes[p.mesh], spec, memory_kind=p.memory_kind)
+
+    return sharding
+
+
+# Longer than most: jax's own assembly of a Compiled, in its order, each part checked first.
+def _compiled(header: ExecutableHeader, xla: bytes, devices: Sequence[Any]) -> Any:
+    """jax's Compiled, built as jax builds it after a compile (pxla.UnloadedMeshExecutable
+    .from_hlo) from the header and XLA's deserialized executable."""
+    import jax
+    from jax._src import core
+    from jax._src.interpreters import pxla
+    from jax._src.lib import xla_client as xc
+    from jax._src.stages import ArgInfo
+
+    sharding = _shardings(header, devices)
 
     def aval(a: ArrayHeader) -> Any:
         return core.ShapedArray(a.shape, jax.numpy.dtype(a.dtype), weak_type=a.weak_type)

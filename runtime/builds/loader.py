@@ -23,7 +23,13 @@ from runtime.builds.artifact import (
     read_verified,
     verify_files,
 )
-from runtime.builds.executables import declared_header, load_executable
+from runtime.builds.executables import (
+    DeclaredCall,
+    ExecutableHeader,
+    declared_call,
+    declared_header,
+    load_executable,
+)
 from runtime.trust.signing import TrustedKey
 from wan.configs import VideoShape
 from wan.interface import SIGNATURES
@@ -255,7 +261,9 @@ def host_layout(devices: list[Any]) -> tuple[int, int]:
     return len(per_process), counts.pop() if len(counts) == 1 else 0
 
 
-def ordered_devices(manifest: Manifest, devices: list[Any], blobs: dict[str, bytes]) -> list[Any]:
+def ordered_devices(
+    manifest: Manifest, devices: list[Any], headers: Mapping[str, ExecutableHeader]
+) -> list[Any]:
     """The devices in the build's mesh order. The order recorded inside every (checksummed)
     executable must equal the manifest's, and every id must exist here: XLA aborts the process
     on a mismatch, so it is caught before XLA sees it."""
@@ -265,9 +273,8 @@ def ordered_devices(manifest: Manifest, devices: list[Any], blobs: dict[str, byt
         raise ArtifactError(
             f"manifest device ids {manifest.device_ids} do not name this process's devices"
         )
-    for name, blob in blobs.items():
-        with _naming(name):
-            recorded = list(declared_header(manifest.programs[name], blob).device_ids)
+    for name, header in headers.items():
+        recorded = list(header.device_ids)
         if recorded != manifest.device_ids:
             raise ArtifactError(
                 f"{name}: manifest device order {manifest.device_ids} differs from the executable's "
@@ -298,11 +305,32 @@ def verify_signed(folder: Path, manifest: Manifest, trusted: Sequence[TrustedKey
         raise ArtifactError(f"{folder.name}: its manifest changed since it was matched: run again")
 
 
-def load_build(
+@dataclasses.dataclass(frozen=True)
+class OpenedBuild:
+    """A build's executables read and checked, not yet deserialized: what each program takes
+    is known from its header (`declared`), so its weights can be placed while XLA loads them."""
+
+    blobs: dict[str, bytes]  # each program's executable file, the bytes its sha256 vouched for
+    devices: list[Any]  # in the build's mesh order
+    declared: dict[str, DeclaredCall]
+
+    def load(self) -> dict[str, Any]:
+        """The deserialized executables by program name, loaded at once in threads (zstd's
+        decompression and XLA's deserialization run without the GIL)."""
+
+        def load(name: str) -> Any:
+            with _naming(name):
+                return load_executable(blob=self.blobs[name], devices=self.devices)
+
+        with concurrent.futures.ThreadPoolExecutor(len(self.blobs) or 1) as pool:
+            return dict(zip(self.blobs, pool.map(load, self.blobs), strict=True))
+
+
+def open_build(
     folder: Path, manifest: Manifest, devices: list[Any], trusted: Sequence[TrustedKey] = ()
-) -> dict[str, Any]:
-    """Verified, deserialized executables by program name (signed by one of `trusted`, if
-    any, before any executable is read)."""
+) -> OpenedBuild:
+    """The build's verified executables, ready to load (signed by one of `trusted`, if any,
+    before any executable is read)."""
     verify_signed(folder, manifest, trusted)
     verify_files(folder, manifest)
     check_environment(manifest, devices)
@@ -312,15 +340,16 @@ def load_build(
         name: read_verified(folder, manifest.programs[name].executable)
         for name in manifest.key.programs
     }
-    ordered = ordered_devices(manifest, devices, blobs)
-
-    def load(name: str) -> Any:
+    headers = {}
+    for name, blob in blobs.items():
         with _naming(name):
-            return load_executable(blob=blobs[name], devices=ordered)
-
-    # At once, in threads: zstd's decompression runs without the GIL.
-    with concurrent.futures.ThreadPoolExecutor(len(blobs) or 1) as pool:
-        return dict(zip(blobs, pool.map(load, blobs), strict=True))
+            headers[name] = declared_header(manifest.programs[name], blob)
+    ordered = ordered_devices(manifest, devices, headers)
+    declared = {}
+    for name, header in headers.items():
+        with _naming(name):
+            declared[name] = declared_call(header, ordered)
+    return OpenedBuild(blobs, ordered, declared)
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ import numpy as np
 from PIL.Image import Image as PILImage
 
 from runtime.builds.artifact import ArtifactError, BuildKey, Manifest
-from runtime.builds.loader import Present, Request, load_build, match_build
+from runtime.builds.loader import Present, Request, match_build, open_build
 from runtime.generation import clock, images
 from runtime.generation.compiles import no_compilation
 from runtime.generation.denoise import Denoiser, place
@@ -149,18 +149,26 @@ class Pipeline:
         as in `load`; `placed`, `placement` and `prefetch`: as in `assemble`, `placement` over
         the manifest's), signed by one of `trusted`, if any."""
         start = time.perf_counter()
-        exe = load_build(folder, manifest, jax.devices(), trusted)
-        loaded = time.perf_counter()
+        opened = open_build(folder, manifest, jax.devices(), trusted)
+        read = time.perf_counter()
         _check_placement(folder.name, manifest, placement or {})
         chosen = {**manifest.placement, **(placement or {})}
-        pipe = cls.assemble(
-            exe, weights, manifest.key, folder.name, config, loras, loras_2, placed, chosen,
-            prefetch,
-        )  # fmt: skip
+        # XLA deserializes the executables while the weights are placed in the shardings their
+        # headers declare (checked against XLA's as each loads).
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            loading = pool.submit(opened.load)
+            pipe = cls.assemble(
+                opened.declared, weights, manifest.key, folder.name, config, loras, loras_2,
+                placed, chosen, prefetch,
+            )  # fmt: skip
+            placed_at = time.perf_counter()
+            pipe.exe = loading.result()
         pipe.predicted_peak = manifest.resident_peak(chosen)
+        # Wall time in turn: the executables' reads and checks, and any wait for XLA after the
+        # weights were placed; the weights, XLA deserializing beside them.
         pipe.load_phases = {
-            "deserialize": round(loaded - start, 4),
-            "weights": round(time.perf_counter() - loaded, 4),
+            "deserialize": round(read - start + time.perf_counter() - placed_at, 4),
+            "weights": round(placed_at - read, 4),
         }
         return pipe
 
@@ -178,7 +186,8 @@ class Pipeline:
         placement: Mapping[str, str] | None = None,
         prefetch: bool = False,
     ) -> Pipeline:
-        """Place the weights of `weights` straight into the executables' input shardings,
+        """Place the weights of `weights` straight into the executables' input shardings (only
+        what each takes is read of `executables`: their `DeclaredCall`s serve while they load),
         merging the LoRAs into the transformers on the way (all checked before any weight is
         read). `placed`: the weights other builds placed with the same weights and LoRAs; a
         component found there in the same shardings is reused, the others are added to it.
