@@ -676,6 +676,8 @@ def _nested_config(m):
         (_set("device_kind", "cpu\nError: forged"), "`device_kind` must be a one-line string"),
         (_set("schema_version", "3"), f"manifest schema '3' is not {SCHEMA_VERSION}"),
         (_set("surprise", 1), "`surprise` is not a field"),
+        (_set("lowering_digest", 5), "`lowering_digest` must be 64 lowercase hex digits"),
+        (_set("lowering_digest", "../" * 20), "`lowering_digest` must be 64 lowercase hex"),
         (_nested_config, "`model_config` is nested deeper than 16 levels"),
     ],
 )
@@ -714,6 +716,13 @@ def test_a_schema_3_manifest_holds_every_field(build_copy, field):
     edit_manifest(build_copy, lambda m: m.pop(field))
     with pytest.raises(ArtifactError, match=f"`{field}` is missing"):
         read_manifest(build_copy)
+
+
+def test_a_manifest_made_before_the_lowering_digest_reads(build_copy):
+    """A schema 5 manifest an older aot wrote, without `lowering_digest`, reads as recording
+    none (`aot build` finds it up to date by lowering: tests/test_program_identity.py)."""
+    edit_manifest(build_copy, lambda m: m.pop("lowering_digest"))
+    assert read_manifest(build_copy).lowering_digest is None
 
 
 def test_sparse_8gb_manifest_is_refused_quickly(tmp_path):

@@ -511,6 +511,9 @@ def test_toy_kind_builds_and_runs(toy_kind, tmp_path):
     plan = plan_build("tiny-toy", TOY_MODEL, TOY_SHAPE, parse_target("cpu-8"), 8)
     result = build(plan, tmp_path / "out")
     assert result.manifest.model_hash == TOY_MODEL.hash()
+    # Its code is no file of the project's: no digest vouches for its programs (a later
+    # `aot build` lowers them to find the build up to date).
+    assert result.manifest.lowering_digest is None
     pipe = Pipeline.from_build(result.folder, result.manifest, weights_folder, TOY_MODEL)
     frames, report = pipe.generate("a cat", steps=2, seed=0)
     assert frames.shape == (1, 9, 128, 256, 3) and frames.dtype == np.uint8

@@ -38,6 +38,7 @@ from runtime.generation.step_cache import (
 ONE = ["transformer"]
 TWO = ["transformer", "transformer_2"]
 WAN21_14B = shipped_mag_ratios("wan2.1-t2v-14b", ONE)["transformer"]
+WAN21_1_3B = shipped_mag_ratios("wan2.1-t2v-1.3b", ONE)["transformer"]
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +115,9 @@ CASES = [
     (S(threshold=0.3, max_skip=1, retention=0.0), WAN21_14B, 20, True),
     (S(threshold=0.3, max_skip=0, retention=0.0), WAN21_14B, 20, False),
     (S(threshold=0.001), WAN21_14B, 20, False),
+    # MagCache's authors' setting for the 1.3B at 832x480 (E012K4R02), which docs/speed.md
+    # recommends for its 50 steps.
+    (S(threshold=0.12, max_skip=4), WAN21_1_3B, 50, True),
     (S(threshold=10.0, max_skip=100, retention=0.0), NEAR_ONE, 15, True),
     (S(threshold=10.0, max_skip=100, retention=1.0), NEAR_ONE, 15, False),
     (S(threshold=0.08, max_skip=2, retention=0.1), NEAR_ONE, 23, True),

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import jax
 
-from aot.building import store
+from aot.building import sources, store
 from aot.building.entries import program_entry
 from aot.building.lower import LoweredProgram, compile_lowered, lower_plan
 from aot.building.plan import BuildError, BuildPlan, ulysses_all_to_alls
@@ -46,6 +46,10 @@ class BuildResult:
     manifest: Manifest
     skipped: bool  # the folder was already there, up to date
     programs: dict[str, str]  # name -> "compiled" or "reused" (from the store); {} if skipped
+    # How a skipped build was found up to date: "digest" (its manifest's lowering digest is
+    # this code's: its program ids are known without lowering) or "lowering" (its programs
+    # lowered, their ids compared); None when built.
+    found_by: str | None = None
 
 
 def compiler_fingerprint(target: Target) -> str:
@@ -76,10 +80,13 @@ class CallLedger:
     lowerings: dict[BuildKey, list[tuple[LoweredProgram, str]]] = dataclasses.field(
         default_factory=dict
     )
+    # Each lowering's `aot.building.sources.lowering_digest`, taken before it
+    digests: dict[BuildKey, str | None] = dataclasses.field(default_factory=dict)
 
     def lowered(self, plan: BuildPlan) -> list[tuple[LoweredProgram, str]]:
         """The programs of `plan`, lowered (once per call), each with its store id."""
         if plan.key not in self.lowerings:
+            self.digests[plan.key] = sources.lowering_digest()
             fingerprint = compiler_fingerprint(plan.target)
             self.lowerings[plan.key] = [
                 (lowered, store.program_id(lowered, fingerprint)) for lowered in lower_plan(plan)
@@ -133,15 +140,22 @@ def up_to_date(plan: BuildPlan, out_root: Path, ledger: CallLedger) -> BuildResu
     """The result of `plan` when its build is already in `out_root` (never with --force)."""
     if ledger.force:
         return None
-    existing = existing_build(out_root, plan, ledger)
+    if (existing := existing_build(out_root, plan, ledger)) is None:
+        return None
+    manifest, found_by = existing
     folder = out_root / plan.key.folder_name()
-    return BuildResult(plan, folder, existing, skipped=True, programs={}) if existing else None
+    return BuildResult(plan, folder, manifest, skipped=True, programs={}, found_by=found_by)
 
 
-def existing_build(out_root: Path, plan: BuildPlan, ledger: CallLedger) -> Manifest | None:
+def existing_build(
+    out_root: Path, plan: BuildPlan, ledger: CallLedger
+) -> tuple[Manifest, str] | None:
     """The build of this key in `out_root`, if it was made from the same model config and
     compiler, its files are whole (size, sha256) and it holds the programs `plan` lowers to now
-    (their store ids: a change to the model's code that changes a program is not up to date)."""
+    (their store ids: a change to the model's code that changes a program is not up to date);
+    and how that was found (`BuildResult.found_by`). The programs are lowered only when the
+    manifest's lowering digest is not this process's (`aot.building.sources.lowering_digest`:
+    equal digests lower to equal programs), or it records none (an older aot's)."""
     folder = out_root / plan.key.folder_name()
     if not (folder / MANIFEST).is_file():
         return None
@@ -157,12 +171,16 @@ def existing_build(out_root: Path, plan: BuildPlan, ledger: CallLedger) -> Manif
         )
         if ok:
             verify_files(folder, manifest)
-            ok = {name: p.program_id for name, p in manifest.programs.items()} == {
-                lowered.program.name: pid for lowered, pid in ledger.lowered(plan)
-            } and manifest.placement == _placement(plan, manifest.programs, ledger)[0]
+            digest = manifest.lowering_digest
+            found_by = "digest" if digest and digest == sources.lowering_digest() else "lowering"
+            ok = (
+                found_by == "digest"
+                or {name: p.program_id for name, p in manifest.programs.items()}
+                == {lowered.program.name: pid for lowered, pid in ledger.lowered(plan)}
+            ) and manifest.placement == _placement(plan, manifest.programs, ledger)[0]
     except ArtifactError:
         return None
-    return manifest if ok else None
+    return (manifest, found_by) if ok else None
 
 
 def _placement(
@@ -280,7 +298,16 @@ def _manifest(
         resident_peak_bytes=peak,
         resident_peak_program=at,
         signed_by=ledger.signer.key_id if ledger.signer else None,
+        lowering_digest=_lowering_digest(plan, ledger),
     )
+
+
+def _lowering_digest(plan: BuildPlan, ledger: CallLedger) -> str | None:
+    """The lowering digest of the programs of `plan` the ledger lowered: taken before and
+    after their lowering (and compiles), None unless both agree (a file changed since this
+    process started, a jax flag set meanwhile)."""
+    before = ledger.digests.get(plan.key)
+    return before if before is not None and before == sources.lowering_digest() else None
 
 
 def store_program(

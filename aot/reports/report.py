@@ -105,6 +105,7 @@ def builds_json(results: Sequence[Any]) -> list[dict[str, Any]]:
         {
             "folder": str(r.folder),
             "skipped": r.skipped,
+            "found_by": r.found_by,  # how a skipped build was found up to date (BuildResult)
             "programs": r.programs,
             "manifest": r.manifest.to_json(),
         }

@@ -34,7 +34,7 @@ from wan.interface import SIGNATURES, full_step
 
 # 2: program inputs and outputs by name; 3: a pipeline variant of programs; 4: executables
 # without pickle (runtime.builds.executables); 5: executables compressed, weights' placement and the
-# resident peak (wan.residency)
+# resident peak (wan.residency); fields added since, optional: `_MANIFEST_DEFAULTS`
 SCHEMA_VERSION = 5
 MANIFEST = "manifest.json"
 
@@ -320,6 +320,11 @@ class Manifest:
     peak_8bit_flops: float | None = None  # 8-bit OP/s per device (its format: the target's)
     fps: int | None = None  # frames per second of the model's videos (ModelConfig.fps)
     signed_by: str | None = None  # the id of the key that signed it (runtime.trust.signing)
+    # What decided its programs' lowering besides its key, model and compiler
+    # (aot.building.sources.lowering_digest): an `aot build` whose own is equal finds it up to
+    # date without lowering them. None: unknown (a manifest of an older aot, or code changed
+    # while the build ran): found up to date by lowering.
+    lowering_digest: str | None = None
 
     def step_lower_bound(self, program: str | None = None) -> float | None:
         """Seconds a denoise step (`program`; default the build's full step) takes at the
@@ -363,7 +368,7 @@ class Manifest:
                 f"manifest schema {repr(version)[:20]} is not {SCHEMA_VERSION} (made by another "
                 "version of aot)"
             )
-        fields = jc.fields(raw, "", _MANIFEST_FIELDS, {})
+        fields = jc.fields(raw, "", _MANIFEST_FIELDS, _MANIFEST_DEFAULTS)
         _check_device_layout(fields)
         _check_pipeline(fields)
         _check_placement(fields)
@@ -402,7 +407,11 @@ _MANIFEST_FIELDS: dict[str, Check] = {
     "placement": jc.dict_of(jc.one_of(*residency.PLACEMENTS)),
     "resident_peak_bytes": jc.BYTES,
     "resident_peak_program": jc.key_of(SIGNATURES),
+    "lowering_digest": jc.optional(jc.matching(jc.SHA256, "64 lowercase hex digits")),
 }
+# Fields a manifest of schema 5 may lack: they came after it (a build made before is read as
+# it was).
+_MANIFEST_DEFAULTS: dict[str, Any] = {"lowering_digest": None}
 
 
 def _check_pipeline(fields: dict[str, Any]) -> None:
