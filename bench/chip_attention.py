@@ -121,7 +121,7 @@ def variants() -> dict[str, tuple[Callable, float]]:
         q: int, kv: int, kvc: int, block: int = 0, pv: str = "bf16", vmem_mib: int = 0
     ) -> None:
         spec = RadialSpec(FRAMES, TOKENS_PER_FRAME, block=block) if block else None
-        kept = density(spec, q, kv) if spec else 1.0
+        kept = tpu_flash.computed_fraction(spec, q, kv) if spec else 1.0
         name = f"flash {f'radial{block}' if block else 'dense'} {q}/{kv}/{kvc}"
         name += " f32 pv" if pv == "f32" else ""
         name += f" vmem{vmem_mib}" if vmem_mib else ""
@@ -139,6 +139,7 @@ def variants() -> dict[str, tuple[Callable, float]]:
     flash(1024, 1024, 512, block=1024)
     flash(2048, 1024, 256)
     flash(1024, 1024, 256, block=1024)
+    flash(2048, 1024, 256, block=1024)  # query blocks of two mask blocks: half visits
     flash(2048, 1024, 128)
     flash(1024, 1024, 128, block=1024)
     flash(2048, 2048, 256, vmem_mib=64)

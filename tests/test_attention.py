@@ -142,6 +142,26 @@ def test_flash_visits_only_the_blocks_it_computes():
     assert tpu_flash.visits(None, 700, 4, 8, 256, 128).kv_blocks.max() == 5  # 768+: no visit
 
 
+def test_flash_visits_a_key_block_one_half_keeps_with_that_half():
+    """Query blocks twice the mask's (256 over 128-token mask blocks): a key block only one
+    half of a query block keeps is visited by that half alone (no mask but the padded keys'),
+    as many query rows computed as at 128-token blocks, and the output the masked softmax."""
+    spec = RadialSpec(frames=8, tokens_per_frame=100, block=128, decay=0.5)  # 800: 4 x 256
+    plan = tpu_flash.visits(spec, spec.tokens, 4, 7, 256, 128)
+    rows, masks = plan.kinds // tpu_flash.ROWS, plan.kinds % tpu_flash.ROWS
+    assert {tpu_flash.TOP_HALF, tpu_flash.BOTTOM_HALF} <= set(rows.tolist())
+    assert set(masks.tolist()) == {tpu_flash.WHOLE, tpu_flash.PAD_KEYS}
+    computed = np.where(rows == tpu_flash.ALL_ROWS, 2, 1).sum()  # in 128-row halves
+    assert computed == kernel_blocks_kept(spec, 128, 128).sum()
+    q, k, v = _qkv(spec.tokens, spec.tokens, heads=2)
+    got = jax.jit(
+        lambda q, k, v: tpu_flash.flash_attention(
+            q, k, v, blocks=(256, 128, 128), interpret=True, sparse=spec
+        )
+    )(q, k, v)
+    np.testing.assert_allclose(got, _masked_reference(q, k, v, spec), atol=2e-5, rtol=0)
+
+
 def _padded(x: jax.Array, length: int) -> jax.Array:
     """x with garbage tokens appended up to `length` (what padding must never let through)."""
     junk = jnp.full((x.shape[0], length - x.shape[1], *x.shape[2:]), 1e3, x.dtype)

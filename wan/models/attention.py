@@ -209,11 +209,14 @@ class TpuBlocks:
         bkv_compute = balanced_block(bkv, min(self.kv_compute, bkv), LANES)
         return bq, bkv, bkv_compute if bkv % bkv_compute == 0 else bkv
 
-    def within(self, block: int) -> TpuBlocks:
-        """These blocks, none larger than `block`: those a Radial mask of `block`-token blocks
-        runs at, so that every block it keeps is kept whole (a partly kept one is masked entry
-        by entry); the dense calls of the same build keep the larger blocks."""
-        return TpuBlocks(min(self.q, block), min(self.kv, block), min(self.kv_compute, block))
+    def within(self, block: int, halves: bool = False) -> TpuBlocks:
+        """These blocks, none larger than `block` (`halves`: query blocks up to twice it): those
+        a Radial mask of `block`-token blocks runs at, so that every block it keeps is kept
+        whole (a partly kept one is masked entry by entry; wan.models.tpu_flash visits a key
+        block one half of its query block keeps with that half alone). The dense calls of the
+        same build keep the larger blocks."""
+        q = min(self.q, 2 * block if halves else block)
+        return TpuBlocks(q, min(self.kv, block), min(self.kv_compute, block))
 
 
 TPU_KERNELS = ("flash", "splash")
@@ -501,7 +504,10 @@ def kernel_density(impl: str, sparse: RadialSpec) -> float:
     none."""
     name, n = kernel_name(impl), sparse.tokens
     if name in TPU_KERNELS:
-        return density(sparse, *call_blocks(impl, sparse).balanced(n, n))
+        bq, bkv = call_blocks(impl, sparse).balanced(n, n)
+        if name == "flash":
+            return tpu_flash.computed_fraction(sparse, bq, bkv)
+        return density(sparse, bq, bkv)
     if name == "triton" and (blocks := _triton_blocks(impl)).skips(sparse, n, n):
         return density(sparse, *blocks.fitted(n, n))
     return 1.0
@@ -530,8 +536,8 @@ def resolve(
             raise ValueError(
                 f"8-bit attention {quant!r}: use {' or '.join(attention_quant.FORMATS)}"
             )
-        if kernel_name(impl) in TPU_KERNELS:
-            blocks = call_blocks(impl, sparse)
+        if kernel_name(impl) in TPU_KERNELS:  # its kernel visits whole blocks only
+            blocks = tpu_blocks(impl) if sparse is None else tpu_blocks(impl).within(sparse.block)
             return functools.partial(
                 _quant_tpu, blocks=blocks, fmt=quant, interpret=interpret, sparse=sparse
             )
@@ -596,9 +602,13 @@ def tpu_blocks(impl: str) -> TpuBlocks:
 
 def call_blocks(impl: str, sparse: RadialSpec | None) -> TpuBlocks:
     """The blocks the TPU kernel `impl` runs a call at: its own, within the Radial mask's block
-    when it attends through one (`TpuBlocks.within`)."""
+    when it attends through one (`TpuBlocks.within`; flash's query blocks within two: on v5e
+    at 832x480x81 a call at 2048/1024/256 took 44.7 ms against 46.8 at 1024/1024/256,
+    bench/chip_attention.py)."""
     blocks = tpu_blocks(impl)
-    return blocks if sparse is None else blocks.within(sparse.block)
+    if sparse is None:
+        return blocks
+    return blocks.within(sparse.block, halves=kernel_name(impl) == "flash")
 
 
 def attention(

@@ -5,7 +5,8 @@ prefetch), so a dropped block is neither copied into VMEM nor computed. Each vis
 three kinds, chosen per block when the build is traced: kept whole (no mask at all), kept but
 for padded keys (one comparison), or kept in part by a Radial mask (its closed form evaluated
 per entry). A dense call masks only its last key column; a Radial mask at the kernel's blocks
-masks nothing else either.
+masks nothing else either. A query block twice the mask's visits a key block that only one of
+its halves keeps with that half's rows alone.
 
 Arithmetic per key block, for a (bq, bkv) score block S of one video x head:
   m' = max(m, rowmax S);  P = exp2(S - m');  l' = l exp2(m - m') + rowsum P;
@@ -33,8 +34,12 @@ from wan.models.radial_mask import RadialSpec, kernel_blocks, radial_keep
 LANES = 128  # row statistics are kept lane-broadcast: (bq, LANES)
 MASKED = -0.7 * float(np.finfo(np.float32).max)
 
-# What a visit to a key block does (the tables' codes).
+# What a visit to a key block does (the tables' codes): its mask, plus ROWS x the query rows it
+# computes (a query block twice the Radial block's visits a key block only one half keeps with
+# that half alone, a whole block of the mask's).
 SKIP, WHOLE, PAD_KEYS, RADIAL = 0, 1, 2, 3
+ALL_ROWS, TOP_HALF, BOTTOM_HALF = 0, 1, 2
+ROWS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,18 +59,46 @@ def visits(
     """The visits of a (q_blocks x bq) x (kv_blocks x bkv) call with `kv_len` real keys."""
     kinds = np.full((q_blocks, kv_blocks), WHOLE, np.int32)
     if sparse is not None:
-        kept, whole = kernel_blocks(sparse, bq, bkv)
-        if kept.shape != kinds.shape:
-            raise ValueError(f"a Radial mask over {kept.shape} blocks, not {kinds.shape}")
-        kinds = np.where(kept, np.where(whole, WHOLE, RADIAL), SKIP).astype(np.int32)
+        kinds = _sparse_kinds(sparse, bq, bkv)
+        if kinds.shape != (q_blocks, kv_blocks):
+            raise ValueError(
+                f"a Radial mask over {kinds.shape} blocks, not {(q_blocks, kv_blocks)}"
+            )
     starts = np.arange(kv_blocks) * bkv
     kinds[:, starts >= kv_len] = SKIP
     straddles = (starts < kv_len) & (starts + bkv > kv_len)
-    kinds[:, straddles] = np.where(kinds[:, straddles] == WHOLE, PAD_KEYS, kinds[:, straddles])
+    padded = kinds[:, straddles]
+    kinds[:, straddles] = np.where(padded % ROWS == WHOLE, padded - WHOLE + PAD_KEYS, padded)
     kinds[~kinds.any(1), 0] = -1  # an emptied query block: one visit, marked for now
     q_idx, kv_idx = np.nonzero(kinds)
     codes = np.maximum(kinds[q_idx, kv_idx], SKIP)
     return Visits(q_idx.astype(np.int32), kv_idx.astype(np.int32), codes.astype(np.int32))
+
+
+def _sparse_kinds(sparse: RadialSpec, bq: int, bkv: int) -> np.ndarray:
+    """The visit kinds of a Radial mask at (bq, bkv) blocks: a kept block whole or masked per
+    entry, and where the query block is twice a block the mask keeps whole, a key block only one
+    half keeps visited by that half alone."""
+    kept, whole = kernel_blocks(sparse, bq, bkv)
+    kinds = np.where(kept, np.where(whole, WHOLE, RADIAL), SKIP).astype(np.int32)
+    half = bq // 2
+    if half % sparse.block or half % LANES:
+        return kinds
+    halves, halves_whole = (
+        np.pad(t, ((0, 2 * len(kinds) - len(t)), (0, 0))) for t in kernel_blocks(sparse, half, bkv)
+    )
+    top, bottom = halves[0::2], halves[1::2]
+    for rows, this, other in ((TOP_HALF, top, bottom), (BOTTOM_HALF, bottom, top)):
+        alone = this & ~other & halves_whole[rows - TOP_HALF :: 2]
+        kinds[alone] = WHOLE + ROWS * rows
+    return kinds
+
+
+def computed_fraction(sparse: RadialSpec, bq: int, bkv: int) -> float:
+    """The fraction of the (query, key) entries of a call at (bq, bkv) blocks that the kernel
+    computes under `sparse` (a half visit: half its block)."""
+    kinds = _sparse_kinds(sparse, bq, bkv)
+    return float(np.where(kinds == SKIP, 0.0, np.where(kinds < ROWS, 1.0, 0.5)).mean())
 
 
 def _kernel(
@@ -87,8 +120,11 @@ def _kernel(
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    def attend(mask: int) -> None:
-        q = q_ref[...]
+    def attend(code: int) -> None:
+        mask, half = code % ROWS, code // ROWS
+        first_row, count = (0, bq) if half == ALL_ROWS else ((half - TOP_HALF) * bq // 2, bq // 2)
+        rows = pl.ds(first_row, count)
+        q = q_ref[rows, :]
         for c in range(bkv // bkv_compute):  # unrolled: static slices
             cols = pl.ds(c * bkv_compute, bkv_compute)
             s = jax.lax.dot_general(
@@ -102,20 +138,20 @@ def _kernel(
                 )
                 keep = key_ids < kv_len
                 if mask == RADIAL:
-                    q_ids = i * bq + jax.lax.broadcasted_iota(jnp.int32, s.shape, 0)
+                    q_ids = i * bq + first_row + jax.lax.broadcasted_iota(jnp.int32, s.shape, 0)
                     keep = keep & radial_keep(sparse, q_ids, key_ids)
                 s = jnp.where(keep, s, MASKED)
-            m_prev, l_prev = m_ref[...], l_ref[...]
-            m_next = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))  # (bq, LANES)
+            m_prev, l_prev = m_ref[rows, :], l_ref[rows, :]
+            m_next = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))  # (rows, LANES)
             p = jnp.exp2(s - jnp.tile(m_next, (1, bkv_compute // LANES)))
             alpha = jnp.exp2(m_prev - m_next)
-            l_ref[...] = alpha * l_prev + p.sum(axis=-1, keepdims=True)
-            m_ref[...] = m_next
+            l_ref[rows, :] = alpha * l_prev + p.sum(axis=-1, keepdims=True)
+            m_ref[rows, :] = m_next
             pv = jax.lax.dot_general(
                 p.astype(pv_dtype), v_ref[cols, :].astype(pv_dtype), (((1,), (0,)), ((), ())),
                 preferred_element_type=jnp.float32,
             )  # fmt: skip
-            acc_ref[...] = _lanes(alpha, d) * acc_ref[...] + pv
+            acc_ref[rows, :] = _lanes(alpha, d) * acc_ref[rows, :] + pv
 
     for code in kinds:
         pl.when(kind == code)(functools.partial(attend, code))
