@@ -27,9 +27,10 @@ from wan.models.radial_mask import RadialSpec
 DEVICELESS_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 # The Radial block of a TPU build where not given. Its sparse calls run the kernel within it
 # (attention.call_blocks: every block the mask keeps is kept whole), its dense ones at the
-# generation's blocks. On v5e at 832x480x81 one flash call at 1024/1024/256 took 46.7 ms here
-# against 78.2 dense at 2048/1024/256, 69.7 with keys 128 a matmul; splash took 53.5 at
-# 1024/1024/512 (bench/chip_attention.py; docs/benchmarks.md, "On a TPU v5e chip").
+# generation's blocks. On v5e at 832x480x81 one flash call at 2048/1024/256 took 44.7 ms here
+# (46.8 at 1024/1024/256) against 78.3 dense at 2048/1024/256, 69.7 with keys 128 a matmul;
+# splash took 53.5 at 1024/1024/512 (bench/chip_attention.py; docs/benchmarks.md, "On a TPU
+# v5e chip").
 SPARSE_TPU_BLOCK = 1024
 # Build options the chip showed slower than the plain path, by TPU generation: refused there,
 # with the measurement (docs/benchmarks.md, "On a TPU v5e chip").
