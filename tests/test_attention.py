@@ -16,6 +16,7 @@ from wan.models.attention import (
     attention,
     balanced_block,
     blockwise_attention,
+    call_blocks,
     dot_product_attention,
     flash_attention,
     padded_length,
@@ -252,6 +253,31 @@ def test_flash_blocks_fit_each_generations_vmem(generation, monkeypatch):
     kernel = jax.jit(lambda q, k, v: flash_attention(q, k, v, blocks=blocks, interpret=False))
     with jax.default_matmul_precision("default"):  # as built: conftest asks for "highest"
         kernel.lower(q, kv, kv).compile()
+
+
+@pytest.mark.parametrize("generation", ["v6e", "tpu7x"])
+def test_sparse_flash_blocks_fit_each_generations_vmem(generation, monkeypatch):
+    """A sparse build's Radial call (its generation's blocks within the default Radial block,
+    query blocks of two mask blocks with half visits) compiles for a deviceless chip of that
+    generation (v4, v5e and v5p share v5e's blocks, which the v5e chip ran)."""
+    from aot import targets
+    from aot.building.plan import SPARSE_TPU_BLOCK
+
+    target = targets.parse_target(_generation_targets()[generation])
+    device = deviceless_tpu_devices(monkeypatch, target)[0]
+    impl = "flash:" + ":".join(map(str, targets.ATTENTION_BLOCKS[generation]))
+    spec = RadialSpec(frames=21, tokens_per_frame=30 * 52, block=SPARSE_TPU_BLOCK)  # 832x480x81
+    blocks = call_blocks(impl, spec)
+    assert blocks.q == 2 * SPARSE_TPU_BLOCK and blocks.kv == SPARSE_TPU_BLOCK
+    plan = tpu_flash.visits(spec, spec.tokens, 16, 32, blocks.q, blocks.kv)
+    assert (plan.kinds // tpu_flash.ROWS != tpu_flash.ALL_ROWS).any()  # half visits
+    on_chip = jax.sharding.SingleDeviceSharding(device)
+    q = jax.ShapeDtypeStruct((1, spec.tokens, 2, 128), jnp.bfloat16, sharding=on_chip)
+    kernel = jax.jit(
+        lambda q, k, v: flash_attention(q, k, v, blocks=blocks, interpret=False, sparse=spec)
+    )
+    with jax.default_matmul_precision("default"):
+        kernel.lower(q, q, q).compile()
 
 
 MESH = sharding.MeshShape(data=2, context=4)
