@@ -64,26 +64,38 @@ def serve_builds(shared_dir, small_builds) -> list[Path]:
     return [p for f in (small_builds, out) for p in f.iterdir() if not p.name.startswith(".")]
 
 
-def test_weights_load_runs_from_a_fresh_folder(tmp_path):
-    """bench/weights_load.py writes its own sources (a checkpoint and a diffusers folder, with
-    the transformer's config.json the loader requires) and loads each."""
-    out = tmp_path / "weights_load.json"
+@pytest.fixture(scope="module")
+def weights_work(tmp_path_factory) -> tuple[Path, Path]:
+    """bench/weights_load.py once, from a fresh --work folder (its results file beside it):
+    it writes its own sources there, which bench/lora_merge.py then loads (the scripts share
+    --work, as the docs run them)."""
+    root = tmp_path_factory.mktemp("weights-load")
+    out = root / "weights_load.json"
     result = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "weights_load.py"), "--model", "tiny",
-         "--repeats", "1", "--work", str(tmp_path / "work"), "--out", str(out)],
+         "--repeats", "1", "--work", str(root / "work"), "--out", str(out)],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
+    return root / "work", out
+
+
+def test_weights_load_runs_from_a_fresh_folder(weights_work):
+    """bench/weights_load.py writes its own sources (a checkpoint and a diffusers folder, with
+    the transformer's config.json the loader requires) and loads each."""
+    _, out = weights_work
     sources = {
         row for entry in [json.loads(out.read_text())] for row in json.dumps(entry).split('"')
     }
     assert {"checkpoint", "diffusers", "checkpoint-orbax"} <= sources
 
 
-def test_lora_merge(tmp_path):
+def test_lora_merge(tmp_path, weights_work):
+    """On the sources bench/weights_load.py wrote (the --work they share: not written again)."""
     out = tmp_path / "lora_merge.json"
+    work, _ = weights_work
     bench("lora_merge.py", "--model", "tiny", "--rank", "4", "--repeats", "1",
-          "--work", tmp_path / "work", "--out", out)  # fmt: skip
+          "--work", work, "--out", out)  # fmt: skip
     (row,) = rows(out)
     assert row["lora_rank"] == 4 and row["transformer_parameters"] > 0
     assert set(row["sources"]) == {"checkpoint", "diffusers"}
