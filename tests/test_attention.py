@@ -267,7 +267,7 @@ def test_sparse_flash_blocks_fit_each_generations_vmem(generation, monkeypatch):
     device = deviceless_tpu_devices(monkeypatch, target)[0]
     impl = "flash:" + ":".join(map(str, targets.ATTENTION_BLOCKS[generation]))
     spec = RadialSpec(frames=21, tokens_per_frame=30 * 52, block=SPARSE_TPU_BLOCK)  # 832x480x81
-    blocks = call_blocks(impl, spec)
+    blocks = call_blocks(impl, spec.block)
     assert blocks.q == 2 * SPARSE_TPU_BLOCK and blocks.kv == SPARSE_TPU_BLOCK
     plan = tpu_flash.visits(spec, spec.tokens, 16, 32, blocks.q, blocks.kv)
     assert (plan.kinds // tpu_flash.ROWS != tpu_flash.ALL_ROWS).any()  # half visits

@@ -194,12 +194,12 @@ def test_a_sparse_build_s_radial_calls_run_within_the_radial_block():
     assert auto("radial") == auto("none") == "flash:3072:2048:512"
     spec = RadialSpec(21, 45 * 80, block=1024)
     # flash: query blocks of two mask blocks, whose halves visit a key block alone
-    assert call_blocks("flash:3072:2048:512", spec) == TpuBlocks(2048, 1024, 512)
-    assert call_blocks("splash:3072:2048:512", spec) == TpuBlocks(1024, 1024, 512)
+    assert call_blocks("flash:3072:2048:512", spec.block) == TpuBlocks(2048, 1024, 512)
+    assert call_blocks("splash:3072:2048:512", spec.block) == TpuBlocks(1024, 1024, 512)
     assert call_blocks("flash:3072:2048:512", None) == TpuBlocks(3072, 2048, 512)
     assert kernel_density("flash:3072:2048:512", spec) == density(spec, 1024)
     assert kernel_density("splash:3072:2048:512", spec) == density(spec, 1024)
-    assert call_blocks("flash:512:512:256", spec) == TpuBlocks(512, 512, 256)
+    assert call_blocks("flash:512:512:256", spec.block) == TpuBlocks(512, 512, 256)
     tpu = plan_build(
         "wan2.1-t2v-14b", model, VideoShape(1280, 720, 81, 1), parse_target("tpu-v6e-8"), 8,
         sparse_attention=canonical("radial"),

@@ -147,8 +147,8 @@ def _sparse_lines(m: Manifest) -> list[str]:
     )
     kernel = attention_lib.kernel_name(m.key.attention)
     blocks = ""
-    if kernel in attention_lib.TPU_KERNELS:  # attention.call_blocks
-        b = attention_lib.tpu_blocks(m.key.attention).within(settings.block)
+    if kernel in attention_lib.TPU_KERNELS:
+        b = attention_lib.call_blocks(m.key.attention, settings.block)
         blocks = f"; its Radial calls run {kernel} at blocks {b.q}/{b.kv}/{b.kv_compute}"
     return [
         f"sparse     {settings.text()}: the first {settings.dense_steps} steps dense, then "

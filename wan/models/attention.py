@@ -504,7 +504,7 @@ def kernel_density(impl: str, sparse: RadialSpec) -> float:
     none."""
     name, n = kernel_name(impl), sparse.tokens
     if name in TPU_KERNELS:
-        bq, bkv = call_blocks(impl, sparse).balanced(n, n)
+        bq, bkv = call_blocks(impl, sparse.block).balanced(n, n)
         if name == "flash":
             return tpu_flash.computed_fraction(sparse, bq, bkv)
         return density(sparse, bq, bkv)
@@ -563,7 +563,10 @@ def resolve(
     if kernel_name(impl) in TPU_KERNELS:
         kernel = flash_attention if kernel_name(impl) == "flash" else splash_attention
         return functools.partial(
-            kernel, blocks=call_blocks(impl, sparse), interpret=interpret, sparse=sparse
+            kernel,
+            blocks=call_blocks(impl, sparse and sparse.block),
+            interpret=interpret,
+            sparse=sparse,
         )
     raise _unknown(impl)
 
@@ -600,15 +603,16 @@ def tpu_blocks(impl: str) -> TpuBlocks:
     return blocks
 
 
-def call_blocks(impl: str, sparse: RadialSpec | None) -> TpuBlocks:
+def call_blocks(impl: str, radial_block: int | None) -> TpuBlocks:
     """The blocks the TPU kernel `impl` runs a call at: its own, within the Radial mask's block
-    when it attends through one (`TpuBlocks.within`; flash's query blocks within two: on v5e
+    when it attends through one of `radial_block`-token blocks (`TpuBlocks.within`; flash's
+    query blocks within two: on v5e
     at 832x480x81 a call at 2048/1024/256 took 44.7 ms against 46.8 at 1024/1024/256,
     bench/chip_attention.py)."""
     blocks = tpu_blocks(impl)
-    if sparse is None:
+    if radial_block is None:
         return blocks
-    return blocks.within(sparse.block, halves=kernel_name(impl) == "flash")
+    return blocks.within(radial_block, halves=kernel_name(impl) == "flash")
 
 
 def attention(
