@@ -13,7 +13,9 @@ the programs' own seconds to the first step (text_encode + kv_cache, from A's re
     python bench/cold_start.py --model tiny --res 192x320 --frames 9 --steps 3 --repeats 3
 
 `--weights` loads weights already written (default: random weights of --model, written into the
-scratch folder; tests/test_bench.py passes its session's tiny weights).
+scratch folder; tests/test_bench.py passes its session's tiny weights), `--artifacts` builds
+into a folder that may already hold the build (up to date, it is not compiled again; default:
+the scratch folder).
 """
 
 from __future__ import annotations
@@ -68,6 +70,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--weights", type=Path, help="weights of --model (default: random ones)")
     parser.add_argument(
+        "--artifacts", type=Path, help="the folder to build into (default: a scratch folder)"
+    )
+    parser.add_argument(
         "--out", type=Path, help="results JSON (default bench/results/cold_start_<model>.json)"
     )
     args = parser.parse_args()
@@ -76,7 +81,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        artifacts, cache = tmp / "artifacts", tmp / "jax-cache"
+        artifacts, cache = args.artifacts or tmp / "artifacts", tmp / "jax-cache"
         weights = fixtures.random_weights(args.model, tmp / "weights", args.weights)
         (build,) = fixtures.build("--model", args.model, *shape, "--target", args.target,
                                   "--out", artifacts)  # fmt: skip

@@ -9,7 +9,8 @@ change to the artifact format or the loader (the pickle-free executables: `git w
     python bench/cold_start_trees.py --before /tmp/before --after . --repeats 5
 
 The same tree as --before and --after builds once (tests/test_bench.py runs it so, on its
-session's tiny weights (`--weights`) and the smallest shape (`--res`, `--frames`)).
+session's tiny weights (`--weights`) and the smallest shape (`--res`, `--frames`), into a folder
+that already holds the build (`--artifacts`: up to date, it is not compiled again)).
 """
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=9)
     parser.add_argument("--weights", type=Path, help="the tiny model's (default: random ones)")
     parser.add_argument("--save", type=Path)
+    parser.add_argument(
+        "--artifacts",
+        type=Path,
+        help="build each tree into ARTIFACTS/before and /after, where an up-to-date build is not "
+        "compiled again (default: the scratch folder)",
+    )
     args = parser.parse_args()
     shape = ["--res", args.res, "--frames", str(args.frames), "--batch", "1"]
     trees = {"before": args.before, "after": args.after}
@@ -50,9 +57,9 @@ def main() -> None:
         artifacts: dict[Path, Path] = {}  # each tree's build: the same tree twice builds once
         for name, tree in trees.items():
             if tree.resolve() not in artifacts:
-                artifacts[tree.resolve()] = root / name
+                artifacts[tree.resolve()] = (args.artifacts or root) / name
                 fixtures.build("--model", "tiny", *shape, "--target", "cpu-8", "--out",
-                               root / name, tree=tree)  # fmt: skip
+                               artifacts[tree.resolve()], tree=tree)  # fmt: skip
         runs: dict[str, list[dict]] = {name: [] for name in trees}
         loads = []
         for _ in range(args.repeats):

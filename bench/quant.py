@@ -10,7 +10,9 @@ The figure is each load's `weights` phase (Pipeline.load_phases), with the check
     python bench/quant.py --out bench/results/quant_load.json
 
 `--model`, `--res` and `--frames` pick another preset and shape, `--weights` loads full-precision
-weights already written (default: random ones); tests/test_bench.py runs the tiny model so.
+weights already written (default: random ones), `--artifacts` builds into a folder that may
+already hold the builds (up to date, they are not compiled again; default: a scratch folder);
+tests/test_bench.py runs the tiny model so.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=17)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--weights", type=Path, help="weights of --model (default: random ones)")
+    parser.add_argument(
+        "--artifacts", type=Path, help="the folder to build into (default: a scratch folder)"
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     shape = ["--res", args.res, "--frames", str(args.frames), "--batch", "1"]
@@ -55,11 +60,12 @@ def main() -> None:
         root = Path(tmp)
         full = fixtures.random_weights(args.model, root / "weights", args.weights)
         stored = quantize_checkpoint(full, "w8a8-int8", root / "weights-int8")
-        for mode in ("none", "w8a8-int8"):
-            fixtures.build("--model", args.model, *shape, "--target", "cpu-8", "--quant", mode,
-                           "--out", root / "artifacts")  # fmt: skip
-        builds = sorted(p for p in (root / "artifacts").iterdir() if not p.name.startswith("."))
-        plain, int8 = (next(b for b in builds if ("_w8a8" in b.name) == q) for q in (False, True))
+        artifacts, built = args.artifacts or root / "artifacts", {}
+        for mode in ("none", "w8a8-int8"):  # each build's folder, as `aot build` reports it
+            (report,) = fixtures.build("--model", args.model, *shape, "--target", "cpu-8",
+                                       "--quant", mode, "--out", artifacts)  # fmt: skip
+            built[mode] = Path(report["folder"])
+        plain, int8 = built["none"], built["w8a8-int8"]
         config = ModelConfig.from_folder(full)
         variants = {"A": (plain, full), "B": (int8, full), "C": (int8, stored)}
         seconds: dict[str, list[float]] = {v: [] for v in variants}

@@ -13,9 +13,10 @@ settings (the steps run, each at its step lower bound: FLOPs at the chip's peak 
     python bench/step_cache.py --part measured --out bench/results/step_cache.json
     python bench/step_cache.py --part deviceless --out bench/results/step_cache.json
 
-`--model`, `--res`, `--frames` and `--steps` replace a part's preset, shape and steps, and
-`--weights` gives the measured part weights already written (default: random ones);
-tests/test_bench.py runs both parts on the tiny model so. The deviceless part's skipped steps
+`--model`, `--res`, `--frames` and `--steps` replace a part's preset, shape and steps,
+`--weights` gives the measured part weights already written (default: random ones) and
+`--artifacts` a folder to build its build into, where an up-to-date build is not compiled again
+(default: a scratch folder); tests/test_bench.py runs both parts on the tiny model so. The deviceless part's skipped steps
 stay those of the shipped Wan 2.1 14B ratios.
 """
 
@@ -47,8 +48,16 @@ def _build(model: str, shape: list[str], target: str, out: Path) -> Path:
     return Path(built["folder"])
 
 
-def measured(model: str, shape: list[str], repeats: int, steps: int, weights: Path | None) -> dict:
-    """Uncached vs MagCache denoise seconds (the small preset), alternating in one process."""
+def measured(
+    model: str,
+    shape: list[str],
+    repeats: int,
+    steps: int,
+    weights: Path | None,
+    artifacts: Path | None = None,
+) -> dict:
+    """Uncached vs MagCache denoise seconds (the small preset), alternating in one process;
+    the build made into `artifacts` (default: the scratch folder)."""
     from aot import targets
 
     targets.prepare_environment(targets.parse_target("cpu-8"))
@@ -59,7 +68,7 @@ def measured(model: str, shape: list[str], repeats: int, steps: int, weights: Pa
 
     with tempfile.TemporaryDirectory() as tmp:
         weights = fixtures.random_weights(model, Path(tmp) / "weights", weights)
-        folder = _build(model, shape, "cpu-8", Path(tmp) / "artifacts")
+        folder = _build(model, shape, "cpu-8", artifacts or Path(tmp) / "artifacts")
         config = ModelConfig.from_folder(weights)
         pipe = Pipeline.from_build(folder, read_manifest(folder), weights, config)
 
@@ -133,6 +142,9 @@ def main() -> None:
     parser.add_argument("--frames", type=int, help="(default: the part's)")
     parser.add_argument("--steps", type=int, help="(default: the part's)")
     parser.add_argument("--weights", type=Path, help="measured: weights of the preset")
+    parser.add_argument(
+        "--artifacts", type=Path, help="measured: the folder to build into (default: a scratch one)"
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     defaults = DEFAULTS[args.part]
@@ -144,7 +156,7 @@ def main() -> None:
     )
     shape = ["--res", res, "--frames", str(frames), "--batch", "1"]
     if args.part == "measured":
-        row = measured(model, shape, args.repeats, steps, args.weights)
+        row = measured(model, shape, args.repeats, steps, args.weights, args.artifacts)
     else:
         row = deviceless(model, shape, steps)
     command = shlex.join(["python", "bench/step_cache.py", *sys.argv[1:]])

@@ -65,6 +65,18 @@ def serve_builds(shared_dir, small_builds) -> list[Path]:
 
 
 @pytest.fixture(scope="module")
+def min_build(tmp_path_factory) -> Path:
+    """`aot build` of the tiny model at MIN, batch 1, for cpu-8, compiled once for the module:
+    the scripts that build it (cold start, quant, step cache) are given a copy with its store
+    (`with_its_store`), where their `aot build` finds it up to date and reuses its programs."""
+    out = tmp_path_factory.mktemp("min-build")
+    run_cli("aot", "build", "--model", "tiny", *MIN, "--batch", "1", "--target", "cpu-8",
+            "--out", str(out))  # fmt: skip
+    (folder,) = [p for p in out.iterdir() if not p.name.startswith(".")]
+    return folder
+
+
+@pytest.fixture(scope="module")
 def weights_work(tmp_path_factory) -> tuple[Path, Path]:
     """bench/weights_load.py once, from a fresh --work folder (its results file beside it):
     it writes its own sources there, which bench/lora_merge.py then loads (the scripts share
@@ -143,11 +155,14 @@ def test_build_wall(tmp_path):
     assert row["wall_ratio_to_plain"]["plain"] == 1.0
 
 
-def test_cold_start(tmp_path, tiny_weights):
-    """A (runtime run), B (plain jax.jit: bench/jit_run.py) and C (B with a warm cache)."""
+def test_cold_start(tmp_path, tiny_weights, min_build):
+    """A (runtime run), B (plain jax.jit: bench/jit_run.py) and C (B with a warm cache); A's
+    build is the module's (up to date: not compiled again)."""
+    with_its_store(min_build, tmp_path / "artifacts")
     out = tmp_path / "cold_start.json"
     bench("cold_start.py", "--model", "tiny", *MIN, "--steps", "1", "--repeats", "1",
-          "--weights", tiny_weights, "--out", out)  # fmt: skip
+          "--weights", tiny_weights, "--artifacts", tmp_path / "artifacts",
+          "--out", out)  # fmt: skip
     result = json.loads(out.read_text())
     assert set(result["median"]) == {"A_runtime", "B_jit", "C_jit_cache"}
     assert all(run["first_step"] > 0 for run in result["median"].values())
@@ -157,11 +172,13 @@ def test_cold_start(tmp_path, tiny_weights):
     assert result["spread"]["A_runtime"]["first_step"]["runs"] == 1
 
 
-def test_cold_start_trees(tmp_path, tiny_weights):
-    """This tree as both --before and --after (built once)."""
+def test_cold_start_trees(tmp_path, tiny_weights, min_build):
+    """This tree as both --before and --after (built once: the module's build, up to date)."""
+    with_its_store(min_build, tmp_path / "artifacts" / "before")
     out = tmp_path / "cold_start_trees.json"
     bench("cold_start_trees.py", "--before", ROOT, "--after", ROOT, "--repeats", "1",
-          "--steps", "1", *MIN, "--weights", tiny_weights, "--save", out)  # fmt: skip
+          "--steps", "1", *MIN, "--weights", tiny_weights, "--artifacts", tmp_path / "artifacts",
+          "--save", out)  # fmt: skip
     result = json.loads(out.read_text())
     phases = {"first_step", "deserialize", "total"}
     assert set(result["seconds"]) == {"before", "after"} and len(result["host_load"]) == 1
@@ -254,19 +271,26 @@ def test_radial_attention(tmp_path, tpu):
     assert int8["radial_step_s"] < plain["radial_step_s"] and int8["run_s"] < plain["run_s"]
 
 
-def test_quant(tmp_path, tiny_weights):
+def test_quant(tmp_path, tiny_weights, min_build):
+    """The full-precision build is the module's (up to date); the w8a8-int8 build compiles
+    only what its 8-bit Linear layers change."""
+    with_its_store(min_build, tmp_path / "artifacts")
     out = tmp_path / "quant.json"
     bench("quant.py", "--model", "tiny", *MIN, "--rounds", "1", "--weights", tiny_weights,
-          "--out", out)  # fmt: skip
+          "--artifacts", tmp_path / "artifacts", "--out", out)  # fmt: skip
     (row,) = rows(out)
     assert set(row["median"]) == {"A", "B", "C"}
     assert 0 < row["checkpoint_bytes"]["int8"] < row["checkpoint_bytes"]["full"]
 
 
-def test_step_cache_measured(tmp_path, tiny_weights):
+def test_step_cache_measured(tmp_path, tiny_weights, min_build):
+    """The --step-cache build beside the module's plain one: it compiles only the two step
+    programs, and reuses the others."""
+    with_its_store(min_build, tmp_path / "artifacts")
     out = tmp_path / "step_cache.json"
     bench("step_cache.py", "--part", "measured", "--model", "tiny", *MIN, "--steps", "4",
-          "--repeats", "1", "--weights", tiny_weights, "--out", out)  # fmt: skip
+          "--repeats", "1", "--weights", tiny_weights, "--artifacts", tmp_path / "artifacts",
+          "--out", out)  # fmt: skip
     (row,) = rows(out)
     assert row["model"] == "tiny" and len(row["calibrated_ratios"]) == 4
     assert len(row["denoise_seconds_uncached"]) == len(row["denoise_seconds_magcache"]) == 1
