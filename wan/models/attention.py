@@ -606,9 +606,8 @@ def tpu_blocks(impl: str) -> TpuBlocks:
 def call_blocks(impl: str, radial_block: int | None) -> TpuBlocks:
     """The blocks the TPU kernel `impl` runs a call at: its own, within the Radial mask's block
     when it attends through one of `radial_block`-token blocks (`TpuBlocks.within`; flash's
-    query blocks within two: on v5e
-    at 832x480x81 a call at 2048/1024/256 took 44.7 ms against 46.8 at 1024/1024/256,
-    bench/chip_attention.py)."""
+    query blocks within two: on v5e at 832x480x81 a call at 2048/1024/256 took 44.7 ms against
+    46.8 at 1024/1024/256, bench/chip_attention.py)."""
     blocks = tpu_blocks(impl)
     if radial_block is None:
         return blocks
