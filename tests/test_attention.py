@@ -255,6 +255,18 @@ def test_flash_blocks_fit_each_generations_vmem(generation, monkeypatch):
         kernel.lower(q, kv, kv).compile()
 
 
+def _compile_sparse_flash(device, blocks: TpuBlocks, spec: RadialSpec) -> None:
+    """Compile flash's Radial self-attention over `spec`'s tokens (2 heads of 128, bf16) for
+    the deviceless TPU `device` (Mosaic's refusal, a VMEM overflow, raises)."""
+    on_chip = jax.sharding.SingleDeviceSharding(device)
+    q = jax.ShapeDtypeStruct((1, spec.tokens, 2, 128), jnp.bfloat16, sharding=on_chip)
+    kernel = jax.jit(
+        lambda q, k, v: flash_attention(q, k, v, blocks=blocks, interpret=False, sparse=spec)
+    )
+    with jax.default_matmul_precision("default"):  # as built: conftest asks for "highest"
+        kernel.lower(q, q, q).compile()
+
+
 @pytest.mark.parametrize("generation", ["v6e", "tpu7x"])
 def test_sparse_flash_blocks_fit_each_generations_vmem(generation, monkeypatch):
     """A sparse build's Radial call (its generation's blocks within the default Radial block,
@@ -271,13 +283,7 @@ def test_sparse_flash_blocks_fit_each_generations_vmem(generation, monkeypatch):
     assert blocks.q == 2 * SPARSE_TPU_BLOCK and blocks.kv == SPARSE_TPU_BLOCK
     plan = tpu_flash.visits(spec, spec.tokens, 16, 32, blocks.q, blocks.kv)
     assert (plan.kinds // tpu_flash.ROWS != tpu_flash.ALL_ROWS).any()  # half visits
-    on_chip = jax.sharding.SingleDeviceSharding(device)
-    q = jax.ShapeDtypeStruct((1, spec.tokens, 2, 128), jnp.bfloat16, sharding=on_chip)
-    kernel = jax.jit(
-        lambda q, k, v: flash_attention(q, k, v, blocks=blocks, interpret=False, sparse=spec)
-    )
-    with jax.default_matmul_precision("default"):
-        kernel.lower(q, q, q).compile()
+    _compile_sparse_flash(device, blocks, spec)
 
 
 MESH = sharding.MeshShape(data=2, context=4)
@@ -400,13 +406,7 @@ def test_sparse_flash_compiles_for_a_deviceless_tpu(blocks, spec, monkeypatch):
     from aot import targets
 
     device = deviceless_tpu_devices(monkeypatch, targets.parse_target("tpu-v6e-8"))[0]
-    on_chip = jax.sharding.SingleDeviceSharding(device)
-    q = jax.ShapeDtypeStruct((1, spec.tokens, 2, 128), jnp.bfloat16, sharding=on_chip)
-    kernel = jax.jit(
-        lambda q, k, v: flash_attention(q, k, v, blocks=blocks, interpret=False, sparse=spec)
-    )
-    with jax.default_matmul_precision("default"):
-        kernel.lower(q, q, q).compile()
+    _compile_sparse_flash(device, blocks, spec)
 
 
 def test_sparse_triton_lowers_for_cuda():
