@@ -16,8 +16,8 @@ settings (the steps run, each at its step lower bound: FLOPs at the chip's peak 
 `--model`, `--res`, `--frames` and `--steps` replace a part's preset, shape and steps,
 `--weights` gives the measured part weights already written (default: random ones) and
 `--artifacts` a folder to build its build into, where an up-to-date build is not compiled again
-(default: a scratch folder); tests/test_bench.py runs both parts on the tiny model so. The deviceless part's skipped steps
-stay those of the shipped Wan 2.1 14B ratios.
+(default: a scratch folder); tests/test_bench.py runs both parts on the tiny model so. The
+deviceless part's skipped steps stay those of the shipped Wan 2.1 14B ratios.
 """
 
 from __future__ import annotations
