@@ -6,7 +6,7 @@ traced call's device ops are summed by kind (bench/chip_profile.py's kinds), wit
 ops of each kind named.
 
     python bench/chip_decode_forms.py --model wan2.1-t2v-1.3b --res 832x480 --frames 81 \
-        --forms written cache_from_input pallas_norm --runs 3 --out DIR
+        --forms written fp32_apply_norm pallas_norm --runs 3 --out DIR
 
 An exploration, not a build: it compiles here (a runtime never does). What it found on the v5e
 is in docs/benchmarks.md ("The VAE decode"). `--markdown DIR/decode_forms.json` prints the table.
@@ -52,11 +52,27 @@ def cache_from_input(conv, x, cache, first=None):
 
 
 def rsqrt_norm(self, x):
-    """The norm as one multiply by rsqrt of the fp32 sum of squares, the gain folded in."""
+    """As fp32_apply_norm, one multiply by rsqrt of the sum of squares, the gain folded in."""
     x32 = x.astype(jnp.float32)
     squares = jnp.sum(x32 * x32, axis=-1, keepdims=True)
     gain = self.gamma[...].astype(jnp.float32) * self.scale
     return (x32 * jax.lax.rsqrt(jnp.maximum(squares, vae.RMS_EPS**2)) * gain).astype(self.dtype)
+
+
+def fp32_apply_norm(self, x):
+    """The norm as written until sitting 10: x upcast, divided by its norm in fp32, then cast."""
+    x32 = x.astype(jnp.float32)
+    norm = jnp.sqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True))
+    normalized = (x32 / jnp.maximum(norm, vae.RMS_EPS)).astype(self.dtype)
+    return normalized * self.scale * self.gamma[...].astype(self.dtype)
+
+
+def bf16_squares_norm(self, x):
+    """As written, the squares in x's dtype summed in fp32 (no fp32 copy of x at all)."""
+    squares = jnp.sum(x * x, axis=-1, keepdims=True, dtype=jnp.float32)
+    inverse = jax.lax.rsqrt(jnp.maximum(squares, vae.RMS_EPS**2))
+    gain = (self.gamma[...].astype(jnp.float32) * self.scale).astype(x.dtype)
+    return x * inverse.astype(x.dtype) * gain
 
 
 def _norm_kernel(x_ref, gain_ref, out_ref):
@@ -90,6 +106,8 @@ FORMS: dict[str, dict[tuple[object, str], Callable]] = {
     "written": {},
     "cache_from_input": {(vae, "causal"): cache_from_input},
     "rsqrt_norm": {(vae.RMSNorm, "__call__"): rsqrt_norm},
+    "fp32_apply_norm": {(vae.RMSNorm, "__call__"): fp32_apply_norm},
+    "bf16_squares_norm": {(vae.RMSNorm, "__call__"): bf16_squares_norm},
     "pallas_norm": {(vae.RMSNorm, "__call__"): pallas_norm},
 }
 
