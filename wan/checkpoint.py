@@ -20,7 +20,6 @@ from typing import Any
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import safetensors.numpy
 
 from wan import kinds, quant, weights
@@ -319,6 +318,8 @@ def _merge_placed(array: jax.Array, delta: ParamDelta) -> jax.Array:
 def _orbax_shapes(path: Path, component: str) -> dict[weights.Path_, tuple[int, ...]]:
     """The shapes of an orbax checkpoint (format 1) in `path`: a folder with neither it nor
     params.safetensors is a WeightError."""
+    import orbax.checkpoint as ocp  # only format 1 needs it: not every process (0.3 s)
+
     try:
         with ocp.StandardCheckpointer() as ckptr:
             meta = ckptr.metadata(path.absolute()).item_metadata
@@ -334,6 +335,8 @@ def _orbax_shapes(path: Path, component: str) -> dict[weights.Path_, tuple[int, 
 def _orbax_restore(path: Path, abstract: Tree) -> Tree:
     """The parameters of `abstract` from an orbax checkpoint (format 1), restored straight into
     its shardings; others stored there are left (a VAE written with its encoder's weights)."""
+    import orbax.checkpoint as ocp  # as in _orbax_shapes
+
     args = ocp.args.PyTreeRestore(
         item=abstract,
         restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
