@@ -37,6 +37,13 @@ def continuous_build(shared_dir) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def batch_one(small_builds, tiny_weights) -> Pipeline:
+    """test_server's batch-1 build of the small shape, loaded once: the reference the tests
+    compare the continuous build's videos with."""
+    return Pipeline.load(small_builds, tiny_weights, Request(VideoShape(64, 96, 5, 1)))
+
+
 def _close(got: np.ndarray, expected: np.ndarray) -> None:
     """Equal within 1/255 (the uint8 frames of a batch-2 and a batch-1 program), and real."""
     assert got.shape == expected.shape
@@ -61,13 +68,12 @@ def _run(slots: SlotBatch, joins: dict[int, list[tuple[str, Video, Settings]]]) 
     return finished, taken
 
 
-def test_videos_joining_at_any_step_equal_batch_one(continuous_build, small_builds, tiny_weights):
+def test_videos_joining_at_any_step_equal_batch_one(continuous_build, batch_one, tiny_weights):
     """Joins at step 0, mid-run, and into a slot another video just left; mixed step counts,
     guidance, samplers and shifts in one batch: each video equals its batch-1 generation."""
     config = ModelConfig.from_folder(tiny_weights)
     shape = VideoShape(64, 96, 5, 2)
     continuous = Pipeline.load(continuous_build, tiny_weights, Request(shape, serving=True))
-    batch_one = Pipeline.load(small_builds, tiny_weights, Request(VideoShape(64, 96, 5, 1)))
     assert continuous.key.option("continuous") and config.num_experts == 1
     videos = {
         "a": (Video("a red cat", "blurry", 3), Settings(steps=4, guidance=5.0)),
@@ -124,7 +130,7 @@ def test_two_experts_step_their_own_slots(tmp_path):
 
 def test_serve_joins_mid_run_and_a_kill_9_loses_nothing(
     continuous_build,
-    small_builds,
+    batch_one,
     tiny_weights,
     tmp_path,
 ):
@@ -158,7 +164,6 @@ def test_serve_joins_mid_run_and_a_kill_9_loses_nothing(
             for i in (long_id, short_id)
         }  # fmt: skip
         assert server.metrics()["wan_compile_count"] == 0
-    batch_one = Pipeline.load(small_builds, tiny_weights, Request(VideoShape(64, 96, 5, 1)))
     for video_id, body in ((long_id, long), (short_id, short)):
         expected, _ = batch_one.generate(
             body["prompt"], body["negative_prompt"], seed=body["seed"], steps=body["steps"],

@@ -28,8 +28,9 @@ WIDTH, HEIGHT, FRAMES = 48, 32, 9
 SIZE, SECONDS = f"{WIDTH}x{HEIGHT}", "0.5"  # 9 frames at the tiny model's 16 fps: 8 / 16 s
 SHAPE = ["--res", SIZE, "--frames", str(FRAMES), "--batch", "1"]
 PROMPT = "a red cat running in the rain"
-# Steps enough for the video to be seen in progress before its kill (about 5 ms each here).
-STEPS, SEED = 300, 3
+# Steps enough for the video to be seen in progress before its kill (about 5 ms each here, the
+# progress polled every 50 ms: 150 steps are over 10 polls), each video of the test runs them.
+STEPS, SEED = 150, 3
 
 
 @pytest.fixture(scope="module")

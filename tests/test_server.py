@@ -213,18 +213,19 @@ def test_concurrent_requests_share_batches_and_equal_runtime_run(
 
 def test_full_queue_cancel_and_sigterm_drain(small_builds, tiny_weights, tmp_path):
     """A full queue is 429; a queued video is cancelled; SIGTERM answers 503 while the batch
-    in flight finishes, and the server exits 0."""
+    in flight finishes, and the server exits 0. The batch's 200 steps (seconds here) outlast
+    the half second from its start to the POST after SIGTERM."""
     out = tmp_path / "out"
     with serving(
         small_builds, tiny_weights, out, "--max-queue", "2", "--batch-window", "60"
     ) as server:
-        first = server.post(request(0, steps=400)).json()  # waits for a second (60 s window)
+        first = server.post(request(0, steps=200)).json()  # waits for a second (60 s window)
         other = server.post(request(1, steps=4)).json()  # another group
         assert server.post(request(2)).status_code == 429
         assert server.post(request(2)).json()["error"]["code"] == "queue_full"
         assert server.client.delete(f"/v1/videos/{other['id']}").json()["deleted"] is True
         assert server.client.get(f"/v1/videos/{other['id']}").status_code == 404
-        second = server.post(request(3, steps=400)).json()  # fills the batch: it runs
+        second = server.post(request(3, steps=200)).json()  # fills the batch: it runs
         assert second["status"] == "queued"
         server.wait([first["id"], second["id"]], ("in_progress",))
         assert server.client.delete(f"/v1/videos/{first['id']}").status_code == 409
@@ -257,7 +258,8 @@ def test_a_drain_past_its_timeout_leaves_the_batch_queued(small_builds, tiny_wei
 
 def test_kill_9_mid_batch_then_restart(small_builds, tiny_weights, tmp_path):
     """kill -9 while the second batch runs: a restart serves the completed videos and completes
-    the others; no partial MP4 is ever visible."""
+    the others; no partial MP4 is ever visible. The first batch is short (its own group of 3
+    steps, run first as the oldest): only the second one must last long enough to be killed."""
     out = tmp_path / "out"
     seen, bad, stop = set(), [], threading.Event()
 
@@ -280,7 +282,8 @@ def test_kill_9_mid_batch_then_restart(small_builds, tiny_weights, tmp_path):
     watcher.start()
     try:
         with serving(small_builds, tiny_weights, out, "--batch-window", "1") as server:
-            ids = [server.post(request(i, steps=400)).json()["id"] for i in range(4)]
+            steps = [3, 3, 200, 200]  # two batches: a short one, then one to kill
+            ids = [server.post(request(i, steps=n)).json()["id"] for i, n in enumerate(steps)]
             deadline = time.monotonic() + 240
             while True:
                 videos = [server.client.get(f"/v1/videos/{i}").json() for i in ids]
