@@ -21,6 +21,11 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+# One torch thread a worker: pytest -n 2 on 2 cores, and torch's spare thread busy-waits (a tiny
+# diffusers reference took 10x the CPU with two). Only its summation order may change, far
+# inside the tolerances the references are compared at.
+torch.set_num_threads(1)
 from diffusers import (  # noqa: E402
     AutoencoderKLWan,
     UniPCMultistepScheduler,
