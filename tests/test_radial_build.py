@@ -72,6 +72,26 @@ def run(
     return np.load(frames).astype(np.float64), json.loads(report_path.read_text())
 
 
+# The step count of the runs the tests compare across builds: 2 dense steps, then 4 through
+# the mask, and MagCache's skips after steps 2 and 4 (each run made once, `runs`).
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def runs(builds, tiny_weights, tmp_path_factory):
+    """`run` of a build at a step count, each made once in the module: the dense and the radial
+    builds' runs are the references of more than one test."""
+    made: dict[tuple, tuple[np.ndarray, dict]] = {}
+
+    def frames_and_report(name: str, steps: int = STEPS) -> tuple[np.ndarray, dict]:
+        if (name, steps) not in made:
+            scratch = tmp_path_factory.mktemp("run")
+            made[name, steps] = run(builds, tiny_weights, scratch, name, steps)
+        return made[name, steps]
+
+    return frames_and_report
+
+
 def test_none_builds_todays_programs_and_radial_adds_its_step(builds):
     dense = read_manifest(builds["dense"])
     radial = read_manifest(builds["two_dense_steps"])
@@ -92,33 +112,35 @@ def test_none_builds_todays_programs_and_radial_adds_its_step(builds):
     assert step.self_attention_flops_dense == dense.programs["denoise_step"].self_attention_flops
 
 
-def test_the_dense_steps_run_first_then_the_mask(builds, tiny_weights, tmp_path):
-    dense2, dense_report = run(builds, tiny_weights, tmp_path, "dense", 2)
-    radial2, radial_report = run(builds, tiny_weights, tmp_path, "two_dense_steps", 2)
+def test_the_dense_steps_run_first_then_the_mask(runs):
+    dense2, dense_report = runs("dense", 2)
+    radial2, radial_report = runs("two_dense_steps", 2)
     # Within its dense steps a radial build runs the dense build's executable: bit for bit.
     np.testing.assert_array_equal(radial2, dense2)
     assert radial_report["sparse_attention"] == {
         "settings": "radial:0.2:2:1:8", "dense_steps": [0, 1]
     }  # fmt: skip
     assert dense_report["sparse_attention"] is None
-    dense4, _ = run(builds, tiny_weights, tmp_path, "dense", 4)
-    radial4, report4 = run(builds, tiny_weights, tmp_path, "two_dense_steps", 4)
-    assert report4["sparse_attention"]["dense_steps"] == [0, 1]
-    assert report4["compile_count"] == 0
-    assert np.abs(radial4 - dense4).mean() > 0.2  # steps 2 and 3 attended through the mask
+    dense_all, _ = runs("dense")
+    radial_all, report_all = runs("two_dense_steps")
+    assert report_all["sparse_attention"]["dense_steps"] == [0, 1]
+    assert report_all["compile_count"] == 0
+    assert np.abs(radial_all - dense_all).mean() > 0.2  # steps 2 to 5 attended through the mask
 
 
-def test_dense_layers_skip_the_mask(builds, tiny_weights, tmp_path):
-    dense, _ = run(builds, tiny_weights, tmp_path, "dense", 3)
-    all_dense, _ = run(builds, tiny_weights, tmp_path, "all_layers_dense", 3)
-    no_dense, _ = run(builds, tiny_weights, tmp_path, "no_dense_layer", 3)
+def test_dense_layers_skip_the_mask(runs):
+    dense, _ = runs("dense")
+    all_dense, _ = runs("all_layers_dense")
+    no_dense, _ = runs("no_dense_layer")
     # Every layer dense: radial_step is the dense step (another loop: rounding apart).
     assert np.abs(all_dense - dense).max() <= 1.0
     # (0 apart on this host; the mask in every layer moves the frames by about 1 level in 255)
     assert np.abs(no_dense - dense).mean() > max(10 * np.abs(all_dense - dense).mean(), 0.2)
 
 
-def test_step_caching_runs_its_sparse_step_after_the_dense_steps(builds, tiny_weights, tmp_path):
+def test_step_caching_runs_its_sparse_step_after_the_dense_steps(
+    builds, runs, tiny_weights, tmp_path
+):
     """--step-cache with radial: cache_step for the dense steps, radial_cache_step (radial_step
     that keeps its residuals) after them, MagCache's skips anywhere."""
     programs = read_manifest(builds[CACHED]).programs
@@ -126,16 +148,16 @@ def test_step_caching_runs_its_sparse_step_after_the_dense_steps(builds, tiny_we
         "text_encode", "kv_cache", "cache_step", "radial_cache_step", "cached_step",
         "latents_handoff", "vae_decode",
     ]  # fmt: skip
-    radial, _ = run(builds, tiny_weights, tmp_path / "radial", "two_dense_steps", 6)
+    radial, _ = runs("two_dense_steps")
     # Every block computed: the radial build's frames, bit for bit.
-    uncached, report = run(builds, tiny_weights, tmp_path / "uncached", CACHED, 6)
+    uncached, report = runs(CACHED)
     np.testing.assert_array_equal(uncached, radial)
     assert report["sparse_attention"]["dense_steps"] == [0, 1]
     ratios = tmp_path / "ratios.json"
-    ratios.write_text(json.dumps([1.0] * 6))
+    ratios.write_text(json.dumps([1.0] * STEPS))
     magcache = ["--cache", "magcache", "--mag-ratios", str(ratios), "--cache-max-skip", "1",
                 "--cache-retention", "0.34"]  # fmt: skip
-    cached, report = run(builds, tiny_weights, tmp_path / "magcache", CACHED, 6, *magcache)
+    cached, report = run(builds, tiny_weights, tmp_path, CACHED, STEPS, *magcache)
     # Steps 0 and 1 kept, then a skip after each computed step: step 3's residual is sparse.
     assert report["cache"]["skipped_steps"] == [2, 4]
     assert report["cache"]["block_steps_run"] == 4 * LAYERS

@@ -28,6 +28,7 @@ import pytest
 from conftest import compile_program, deviceless_tpu_devices
 
 from aot import hlo, targets
+from aot.building.lower import lower_program
 from aot.hlo import vae_gathers
 from wan import axes, interface, programs, schedulers, sharding
 from wan.component_configs import VAEConfig
@@ -255,14 +256,16 @@ def portrait_violations(module: hlo.Module, everywhere: bool = True) -> list[str
     return problems
 
 
-def compile_portrait(devices, layout: sharding.VaeLayout) -> hlo.Module:
+def compile_portrait(
+    devices, layout: sharding.VaeLayout, compiler_options: dict | None = None
+) -> hlo.Module:
     # A fresh program each time: jit caches traces per function, and the rules are read while
     # tracing.
     program = programs.vae_decode_program(TINY, PORTRAIT, programs.ProgramOptions())
-    compiled = compile_program(
+    lowered = lower_program(
         program, vae_mesh(devices, PORTRAIT_MESH), layout.rules(), layout.uneven
     )
-    return hlo.parse(compiled.as_text())
+    return hlo.parse(lowered.compile(compiler_options).as_text())
 
 
 def portrait_layout() -> sharding.VaeLayout:
@@ -279,9 +282,17 @@ def test_portrait_decode_has_no_all_to_all_and_no_padding_cpu():
 
 
 def test_portrait_decode_has_no_all_to_all_and_no_padding_tpu(tpu_devices):
+    """Compiled as `aot build --vae-vmem 4` compiles the decode (FAST_COMPILE_VAE_VMEM_MIB): the
+    scoped VMEM sizes libtpu's conv tiles, after the partitioner has laid the arrays out and
+    placed the collectives this test reads; at the compiler's default the compile takes twice
+    as long for the same layouts."""
     # Layouts do not depend on precision; the tests' "highest" triples the TPU compile time.
     with jax.default_matmul_precision("default"):
-        module = compile_portrait(tpu_devices, portrait_layout())
+        module = compile_portrait(
+            tpu_devices,
+            portrait_layout(),
+            {"xla_tpu_scoped_vmem_limit_kib": 1024 * targets.FAST_COMPILE_VAE_VMEM_MIB},
+        )
     assert portrait_violations(module, everywhere=False) == []
 
 
@@ -584,19 +595,30 @@ def test_the_image_encode_has_the_decodes_collectives_in_both_orientations():
 
 
 def test_720p_denoise_step_runs_flash_on_tpu(tpu_devices):
-    """`--attention auto` for tpu-v6e-8 at a 720p-length sequence (75,600 tokens): the
+    """`--attention auto` for tpu-v6e-8 at a 720p-length sequence (75,600 tokens) plans the
+    Mosaic kernel at the generation's blocks. Compiled at 3 of its 21 latent frames (10,800
+    tokens, over BLOCKWISE_MIN_TOKENS: auto plans the same kernel, blocks and mesh): the
     self-attention is the Mosaic kernel, and no blockwise loop is left (the layer scan is the
-    only while loop)."""
-    from aot.building.plan import plan_build
+    only while loop). The program differs only in its lengths, and XLA's TPU compile time
+    grows with them: three times as long at 75,600 tokens."""
+    from aot.building.plan import BLOCKWISE_MIN_TOKENS, plan_build
 
-    shape = VideoShape(width=1280, height=720, frames=81, batch=1)
     target = targets.parse_target("tpu-v6e-8")
+    shape = VideoShape(width=1280, height=720, frames=81, batch=1)
     plan = plan_build("tiny", TINY, shape, target, len(tpu_devices))
     assert shape.tokens(TINY) == 75600
     assert plan.attention == "flash:3072:2048:512"
     assert plan.key.context_parallel == "gather"  # 2 heads do not divide over 4 shards
+    compiled_shape = dataclasses.replace(shape, frames=9)
+    compiled_plan = plan_build("tiny", TINY, compiled_shape, target, len(tpu_devices))
+    assert compiled_shape.tokens(TINY) == 10800 > BLOCKWISE_MIN_TOKENS
+    assert (compiled_plan.attention, compiled_plan.mesh, compiled_plan.key.context_parallel) == (
+        plan.attention, plan.mesh, plan.key.context_parallel
+    )  # fmt: skip
     mesh = transformer_mesh(tpu_devices, plan.mesh)
-    program = programs.denoise_step_program(TINY, shape, programs.ProgramOptions(plan.attention))
+    program = programs.denoise_step_program(
+        TINY, compiled_shape, programs.ProgramOptions(plan.attention)
+    )
     with jax.default_matmul_precision("default"):
         text = compile_program(program, mesh, RULES).as_text()
     assert "tpu_custom_call" in text
