@@ -118,14 +118,16 @@ def _matrix_options(command: Callable) -> Callable:
 )
 def build_cmd(out, force, strict, policy_path, as_json, jobs, sign_key, **matrix) -> None:
     """Compile the program matrix (--res x --frames x --batch) for one target."""
+    from aot.building.request import check_out
+
+    check_out(out)
+    plans = _plans(**matrix)  # a mistyped request is refused before jax is imported
     from aot.building import build as builder
     from aot.building import store
     from aot.building.jobs import check_jobs, compile_distinct, default_jobs
     from aot.reports import check, report
     from runtime.trust import signing
 
-    builder.check_out(out)
-    plans = _plans(**matrix)
     try:
         policy = check.load_policy(policy_path)
         signer = signing.load_signing_key(sign_key) if sign_key is not None else None
@@ -178,7 +180,7 @@ def build_cmd(out, force, strict, policy_path, as_json, jobs, sign_key, **matrix
 
 def _plans(model, resolutions, frames_list, batches, target, no_cfg, **options) -> list:
     """The BuildPlans of a matrix, in --res, --frames, --batch order; bad input is a CliError."""
-    from aot.building import plan as planner
+    from aot.building import request
     from aot.building.local_job import local_job
     from runtime.builds.processes import JobError
     from wan.configs import VideoShape
@@ -186,7 +188,7 @@ def _plans(model, resolutions, frames_list, batches, target, no_cfg, **options) 
 
     try:
         name = Path(model).name if Path(model).is_dir() else model
-        planner.check_model_name(name)
+        request.check_model_name(name)
         config = resolve_model(model)
         tgt = targets.parse_target(target)
         shapes = [
@@ -195,9 +197,11 @@ def _plans(model, resolutions, frames_list, batches, target, no_cfg, **options) 
             for frames in frames_list
             for batch in batches
         ]
-        # Checked before any device starts: a mistyped size never reaches jax.
+        # Checked before jax is imported and any device starts: a mistyped size never reaches it.
         for shape in shapes:
-            planner.check_shape(config, shape)
+            request.check_shape(config, shape)
+        from aot.building import plan as planner
+
         requested = planner.resolve_options(options)
         # cpu-PxN: this process joins a local multi-process job until the command is done.
         click.get_current_context().with_resource(local_job(tgt))
@@ -206,7 +210,7 @@ def _plans(model, resolutions, frames_list, batches, target, no_cfg, **options) 
             planner.plan_build(name, config, shape, tgt, num_devices, **requested)
             for shape in shapes
         ]
-    except (ValueError, OSError, targets.TargetError, JobError, planner.BuildError) as e:
+    except (ValueError, OSError, targets.TargetError, JobError, request.BuildError) as e:
         raise CliError(str(e)) from None
 
 

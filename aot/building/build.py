@@ -17,6 +17,7 @@ from aot.building import sources, store
 from aot.building.entries import program_entry
 from aot.building.lower import LoweredProgram, compile_lowered, lower_plan
 from aot.building.plan import BuildError, BuildPlan, ulysses_all_to_alls
+from aot.building.request import check_out
 from aot.reports import check
 from aot.targets import Target, devices, peak_flops
 from runtime.builds.artifact import (
@@ -194,15 +195,6 @@ def _placement(
     }
     budget = ledger.policy.memory_rule(plan.key.target).budget(plan.target.hbm_bytes)
     return residency.plan(plan.key.programs, program_memory(entries), weights, budget), weights
-
-
-def check_out(out_root: Path) -> None:
-    """`--out` is a folder, or a path where one can be made (no file on or above it)."""
-    for path in (out_root, *out_root.parents):
-        if path.exists():
-            if not path.is_dir():
-                raise BuildError(f"--out {out_root}: {path} is not a folder: choose another --out")
-            return
 
 
 def check_replaceable(folder: Path) -> None:

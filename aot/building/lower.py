@@ -49,26 +49,30 @@ def lower_plan(
         frames_dtype=frames_dtype,
         build=dict(plan.key.options),
     )
-    progs = {
-        p.name: p
-        for p in wan_programs.programs(plan.config, plan.shape, options, plan.key.programs)
-    }
+    names = tuple(plan.key.programs)
     replicated = host_layout(devs)[0] > 1  # a multi-process job: host outputs whole everywhere
+
+    # Each program made when first needed: a --jobs worker lowering one program makes just it
+    # and its producers, not every module of the plan.
+    @functools.cache
+    def made(name: str) -> wan_programs.Program:
+        (program,) = wan_programs.programs(plan.config, plan.shape, options, [name])
+        return program
 
     @functools.cache
     def leaves(name: str) -> dict[str, Any]:
-        program = progs[name]
+        program = made(name)
         rules, _ = layout.rules(program.mesh)
         return output_shardings(
             program, meshes[program.mesh], rules, replicated and program.host_outputs
         )
 
-    for program in (p for p in progs.values() if only is None or p.name in only):
+    for program in (made(n) for n in names if only is None or n in only):
         analyses.check(program)
         mesh = meshes[program.mesh]
         placed = {}
         for name, source in program.receives.items():
-            producer, output = interface.producer(source, tuple(progs))
+            producer, output = interface.producer(source, names)
             placed[name] = leaves(producer)[output]
         lowered = lower_program(
             program,

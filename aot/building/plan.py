@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 
+from aot.building.request import BuildError, check_model_name, check_shape
 from aot.targets import ATTENTION_BLOCKS, Target, devices
 from runtime.builds.artifact import BuildKey, plain_values
 from runtime.builds.build_options import OPTIONS
@@ -19,7 +20,6 @@ from runtime.trust.json_checks import ArtifactError
 from wan import programs as wan_programs
 from wan import quant, sharding, sparse_attention
 from wan.configs import ModelConfig, VideoShape
-from wan.errors import InputError
 from wan.interface import IMAGE_PROGRAMS, PIPELINES
 from wan.models import attention as attention_lib
 from wan.models.radial_mask import RadialSpec
@@ -41,17 +41,6 @@ SLOWER_ON_CHIP = {
     ),
 }
 BLOCKWISE_MIN_TOKENS = 8192  # above this, naive attention's temporaries dominate memory
-# Bounds of a request, far above any WAN use (720p, 81 frames: 75,600 tokens a video), so that
-# a mistyped size is a one-line error before anything is traced or allocated.
-MAX_SIDE = 8192  # pixels
-MAX_FRAMES = 1025
-MAX_BATCH = 1024
-MAX_STEP_TOKENS = 1 << 24  # video tokens of one denoise step, over its whole (CFG) batch
-MAX_MODEL_NAME = 100  # characters: the model's name starts each build folder's name
-
-
-class BuildError(InputError):
-    """A build request that cannot be satisfied; the message says what to change."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,51 +261,6 @@ def _image_programs(pipeline: str) -> set[str]:
     """The programs of a pipeline variant that take the image: a variant runs on a model when
     these are the ones of a variant the model runs (other programs, e.g. a toy one, aside)."""
     return set(PIPELINES[pipeline]) & set(IMAGE_PROGRAMS)
-
-
-def check_model_name(name: str) -> None:
-    """A model name that can start a visible folder's name: not hidden (a leading '.', which
-    `aot list`, `runtime run` and `aot gc` pass over), not an option (a leading '-'), no
-    separator or control character."""
-    bad = (
-        not name
-        or name[0] in ".-"
-        or len(name) > MAX_MODEL_NAME
-        or any(c in "/\\" or not c.isprintable() for c in name)
-    )
-    if bad:
-        raise BuildError(
-            f"--model {name!r}: a model's name starts the names of its build folders, so it must "
-            "not start with '.' (hidden from `aot list` and `runtime run`) or '-', nor hold a "
-            f"separator or control character, and must be at most {MAX_MODEL_NAME} characters: "
-            "rename the model's folder"
-        )
-
-
-def check_shape(config: ModelConfig, shape: VideoShape) -> None:
-    """A video shape the model can make, within the bounds of what a build can serve."""
-    if not (0 < shape.width <= MAX_SIDE and 0 < shape.height <= MAX_SIDE):
-        raise BuildError(
-            f"resolution {shape.width}x{shape.height}: width and height must be 1-{MAX_SIDE} pixels"
-        )
-    if not 0 < shape.frames <= MAX_FRAMES:
-        raise BuildError(f"--frames {shape.frames}: frames must be 1-{MAX_FRAMES}")
-    if not 0 < shape.batch <= MAX_BATCH:
-        raise BuildError(f"--batch {shape.batch}: batch must be 1-{MAX_BATCH}")
-    factor = config.vae.spatial_factor * config.transformer.patch_size[1]
-    if shape.width % factor or shape.height % factor:
-        raise BuildError(
-            f"resolution {shape.width}x{shape.height}: width and height must be positive multiples of {factor}"
-        )
-    tf = config.vae.temporal_factor
-    if (shape.frames - 1) % tf:
-        raise BuildError(f"--frames {shape.frames}: frames must be {tf}k+1 (e.g. 9, 17, 81)")
-    if (tokens := shape.tokens(config) * shape.step_batch) > MAX_STEP_TOKENS:
-        raise BuildError(
-            f"{shape.width}x{shape.height}, {shape.frames} frames, step batch {shape.step_batch}: "
-            f"{tokens} video tokens per denoise step, over the bound of {MAX_STEP_TOKENS}: "
-            "use a smaller --res, --frames or --batch"
-        )
 
 
 def choose_attention(requested: str | None, target: Target, tokens: int) -> str:
