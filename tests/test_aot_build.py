@@ -11,7 +11,6 @@ import shlex
 import shutil
 import signal
 import subprocess
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -28,7 +27,7 @@ from conftest import (
 from aot import hlo
 from aot.building import store
 from aot.building.entries import replicated_param_bytes
-from aot.building.lower import compile_in_process, lower_plan
+from aot.building.lower import lower_plan
 from aot.building.plan import BuildError, compiler_options, plan_build
 from aot.hlo import cost as hlo_cost
 from aot.targets import FAST_COMPILE_VAE_VMEM_MIB, parse_target
@@ -39,6 +38,7 @@ from runtime.builds.artifact import (
     sha256_file,
     verify_files,
 )
+from runtime.builds.loader import open_build
 from wan import interface, programs, sharding
 from wan.configs import VideoShape
 from wan.presets import PRESETS
@@ -55,13 +55,29 @@ def _statuses(stdout: str) -> dict[str, list[str]]:
     return {name: sorted(s) for name, s in out.items()}
 
 
-def test_matrix_builds_then_skips(tmp_path):
-    """A 2 x 2 matrix compiles each distinct program once (text_encode and kv_cache depend on
-    the batch only) and a second run compiles nothing; a two-expert model of the same shapes
-    into the same folder reuses every program (its experts share the tiny architecture)."""
-    matrix = ["--res", "64x128", "--res", "128x64", "--frames", "9", "--batch", "1",
-              "--batch", "2", "--target", "cpu-8", "--out", str(tmp_path)]  # fmt: skip
-    first = run_cli("aot", "build", "--model", "tiny", *matrix)
+def _progress_statuses(stderr: str) -> dict[str, list[int]]:
+    """Program name -> [its compiles ("done in"), builds that report it compiled by a worker,
+    builds that report it reused], from `aot build --jobs`'s progress lines on stderr."""
+    return {
+        name: [
+            stderr.count(f" {name} {how}") for how in ("done in", "compiled by a worker", "reused")
+        ]
+        for name in PROGRAMS
+    }
+
+
+def test_matrix_compiles_each_program_once_in_workers_then_skips(tmp_path):
+    """A 2 x 2 matrix with --jobs 2: its 16 distinct programs (text_encode and kv_cache depend
+    on the batch only) compiled once each, by two worker processes, each reported compiled by
+    one build and reused by the others; a second run compiles nothing; --force recompiles each
+    program once per call, not once per build that has it; a two-expert model of the same
+    shapes into the same folder reuses every program (its experts share the tiny architecture).
+    One matrix for all of it (the workers' first compile is the cold one, --force the one
+    after); --force on its batch-1 half, whose two builds share text_encode and kv_cache."""
+    shapes = ["--res", "64x128", "--res", "128x64", "--frames", "9", "--batch", "1"]
+    target = ["--target", "cpu-8", "--out", str(tmp_path)]
+    matrix = [*shapes, "--batch", "2", *target]
+    first = run_cli("aot", "build", "--model", "tiny", *matrix, "--jobs", "2")
     builds = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("."))
     assert len(builds) == 4, builds
     assert {b.split("_")[1] for b in builds} == {"64x128", "128x64"}
@@ -71,8 +87,11 @@ def test_matrix_builds_then_skips(tmp_path):
         f"[{len(PROGRAMS)}/{len(PROGRAMS)}]" in first.stderr
         and "vae_decode done in" in first.stderr
     )
-    assert first.stderr.count("text_encode done in") == 2
-    assert first.stderr.count("text_encode reused") == 2
+    shared = {"text_encode": [2, 2, 2], "kv_cache": [2, 2, 2]}  # one per batch, both resolutions
+    assert _progress_statuses(first.stderr) == {name: [4, 4, 0] for name in PROGRAMS} | shared
+    assert len(list((tmp_path / ".programs").glob("[!.]*"))) == 16
+    for build in builds:
+        verify_files(tmp_path / build, read_manifest(tmp_path / build))
     second = run_cli("aot", "build", "--model", "tiny", *matrix)
     assert "nothing to compile: all 4 builds are up to date" in second.stdout
     assert "compiling" not in second.stderr
@@ -83,6 +102,14 @@ def test_matrix_builds_then_skips(tmp_path):
     manifests = [read_manifest(tmp_path / b) for b in builds]
     encoders = {m.programs["text_encode"].executable.sha256 for m in manifests}
     assert len(encoders) == 2
+    forced = run_cli("aot", "build", "--model", "tiny", *shapes, *target, "--force", "--json")
+    assert _statuses(forced.stdout) == {
+        "text_encode": ["compiled", "reused"],
+        "kv_cache": ["compiled", "reused"],
+        "denoise_step": ["compiled", "compiled"],
+        "latents_handoff": ["compiled", "compiled"],
+        "vae_decode": ["compiled", "compiled"],
+    }
     two_experts = tmp_path / "pipeline-a"
     save_tiny_diffusers_pipeline(two_experts, two_experts=True)
     other = run_cli("aot", "build", "--model", str(two_experts), *matrix, "--json")
@@ -90,28 +117,6 @@ def test_matrix_builds_then_skips(tmp_path):
     for build in json.loads(other.stdout):
         assert set(read_manifest(build["folder"]).programs) == set(PROGRAMS)
     assert "removed 0 unreferenced" in run_cli("aot", "gc", str(tmp_path)).stdout
-
-
-def test_jobs_compile_each_program_once_in_workers(tmp_path):
-    """--jobs 2: the matrix's 8 distinct programs compiled by two worker processes, each
-    reported compiled by one build; then --force recompiles each once per call, not once per
-    build that has it."""
-    matrix = ["--model", "tiny", "--res", "64x128", "--res", "128x64", "--frames", "9",
-              "--batch", "1", "--target", "cpu-8", "--out", str(tmp_path), "--json"]  # fmt: skip
-    once = {
-        "text_encode": ["compiled", "reused"],
-        "kv_cache": ["compiled", "reused"],
-        "denoise_step": ["compiled", "compiled"],
-        "latents_handoff": ["compiled", "compiled"],
-        "vae_decode": ["compiled", "compiled"],
-    }
-    parallel = run_cli("aot", "build", *matrix, "--jobs", "2")
-    assert _statuses(parallel.stdout) == once
-    assert len(list((tmp_path / ".programs").glob("[!.]*"))) == 8
-    assert _statuses(run_cli("aot", "build", *matrix, "--force").stdout) == once
-    for build in json.loads(parallel.stdout):
-        folder = Path(build["folder"])
-        verify_files(folder, read_manifest(folder))
 
 
 def test_default_jobs_follow_cores_and_memory(monkeypatch):
@@ -244,21 +249,24 @@ def test_bad_requests_are_one_line_errors(tmp_path, args, message):
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
-@pytest.mark.parametrize("jobs", ["1", "2"])  # compiled here, or by a worker process
-def test_a_program_the_target_cannot_fit_is_a_one_line_error(tmp_path, jobs):
+def test_a_program_the_target_cannot_fit_is_a_one_line_error(tmp_path):
     """Splash blocks over v5e's 16 MiB of scoped VMEM: XLA's refusal is one line that names
-    the program, what overflowed and what to change; no build folder appears."""
+    the program, what overflowed and what to change; no build folder appears. Compiled here
+    (--jobs 1), then by a worker process (--jobs 2) into the same folder: its store keeps the
+    programs the first compiled before the step (text_encode, kv_cache), so the workers compile
+    only the step and what follows it."""
     # 13 frames (4 latent: 9216 tokens) overflow it (21 MiB); 9 frames would not. Fewer frames
     # than 17 make the workers' VAE decode, compiled beside the failing step, cheaper.
-    result = run_cli("aot", "build", "--model", "tiny", "--res", "768x768", "--frames", "13",
-                     "--batch", "1", "--target", "tpu-v5e-8", "--attention",
-                     "splash:3072:2048:1024", "--out", str(tmp_path), "--json", "--jobs", jobs,
-                     check=False)  # fmt: skip
-    assert result.returncode == 2, result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
-    assert "denoise_step does not compile for this target" in result.stderr
-    assert "Scoped allocation with size" in result.stderr and "--attention" in result.stderr
-    assert not [p for p in tmp_path.iterdir() if not p.name.startswith(".")]
+    for jobs in ("1", "2"):
+        result = run_cli("aot", "build", "--model", "tiny", "--res", "768x768", "--frames", "13",
+                         "--batch", "1", "--target", "tpu-v5e-8", "--attention",
+                         "splash:3072:2048:1024", "--out", str(tmp_path), "--json", "--jobs", jobs,
+                         check=False)  # fmt: skip
+        assert result.returncode == 2, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert "denoise_step does not compile for this target" in result.stderr
+        assert "Scoped allocation with size" in result.stderr and "--attention" in result.stderr
+        assert not [p for p in tmp_path.iterdir() if not p.name.startswith(".")]
 
 
 def test_compile_failures_read_as_one_line():
@@ -423,11 +431,11 @@ def test_replicated_weights_are_reported(tiny_build):
 
 @pytest.fixture(scope="module")
 def xla_memory(tiny_build) -> dict:
-    """XLA's own memory analysis of the tiny build's programs, compiled again in this process."""
-    key = read_manifest(tiny_build).key
-    plan = plan_build("tiny", PRESETS["tiny"], VideoShape(64, 128, 9, 1), parse_target("cpu-8"), 8)
-    assert plan.key == key
-    return {name: c.memory_analysis() for name, c in compile_in_process(plan).items()}
+    """XLA's own memory analysis of the tiny build's programs: of its executables themselves,
+    loaded in this process as the runtime loads them (the very programs the manifest describes,
+    not compiled again)."""
+    opened = open_build(tiny_build, read_manifest(tiny_build), jax.devices())
+    return {name: c.memory_analysis() for name, c in opened.load().items()}
 
 
 def test_peak_bounds_xlas_own_peak(tiny_build, xla_memory):
