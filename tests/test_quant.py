@@ -17,7 +17,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 from test_pipeline import FRAMES, HEIGHT, NEGATIVE, PROMPTS, STEPS, WIDTH
 
-from aot.building.lower import compile_in_process
+from aot.building.lower import compile_plan
 from aot.building.plan import plan_build
 from aot.targets import parse_target
 from runtime.generation.pipeline import Pipeline
@@ -220,12 +220,15 @@ def test_a_target_without_the_8bit_unit_is_refused(tmp_path, target, mode, unit)
 def test_the_tpu_step_runs_its_linear_layers_on_8bit_operands(tmp_path):
     """A deviceless tpu-v6e-8 w8a8-int8 build: the denoise step's and kv_cache's optimized HLO
     hold dots on s8 x s8 operands, counted apart in the manifest, and the step lower bound takes
-    them at the chip's 8-bit rate (twice bf16's on v6e)."""
+    them at the chip's 8-bit rate (twice bf16's on v6e). At 32x64, not TINY_SHAPE's 64x128: the
+    Linear layers are the same, and the decode, which this test does not read, compiles in
+    half the time."""
     from runtime.builds.artifact import read_manifest
 
     # --vae-vmem 4: the decode, which this test does not read, in its fast compile (13 s less).
-    run_cli("aot", "build", "--model", "tiny", *TINY_SHAPE, "--target", "tpu-v6e-8",
-            "--quant", "w8a8-int8", "--vae-vmem", "4", "--out", str(tmp_path))  # fmt: skip
+    run_cli("aot", "build", "--model", "tiny", "--res", "32x64", "--frames", "9", "--batch", "1",
+            "--target", "tpu-v6e-8", "--quant", "w8a8-int8", "--vae-vmem", "4",
+            "--out", str(tmp_path))  # fmt: skip
     (folder,) = [p for p in tmp_path.iterdir() if not p.name.startswith(".")]
     manifest = read_manifest(folder)
     step, kv = manifest.programs["denoise_step"], manifest.programs["kv_cache"]
@@ -264,8 +267,53 @@ def _scheme_linear(layer: torch.nn.Linear, s: quant.Scheme, per_token: bool) -> 
     layer.forward = forward
 
 
+# The programs --quant leaves alone: a quant build's store entries for them are the full
+# build's (quant_builds reuses them); compiled once for both modes of the end-to-end test.
+UNQUANTIZED_PROGRAMS = ("text_encode", "latents_handoff", "vae_decode")
+QUANTIZED_PROGRAMS = ("kv_cache", "denoise_step")
+
+
+def _scheme_plan(folder, mode: str):
+    config = ModelConfig.from_diffusers(folder, dtype="float32")
+    shape = VideoShape(width=WIDTH, height=HEIGHT, frames=FRAMES, batch=len(PROMPTS))
+    return config, plan_build("tiny-diffusers", config, shape, parse_target("cpu-8"), 8, quant=mode)
+
+
+def _diffusers_frames(folder, noise: np.ndarray, scheme: quant.Scheme | None, per_token: bool):
+    """diffusers' WanPipeline of `folder` on `noise`; with `scheme`, its blocks' Linear layers
+    compute it in float64 (`per_token`: as quant's docstring says; else one activation scale
+    per tensor)."""
+    pipe = WanPipeline.from_pretrained(folder, torch_dtype=torch.float32)
+    if scheme is not None:
+        for name, layer in pipe.transformer.blocks.named_modules():
+            if isinstance(layer, torch.nn.Linear) and name.split(".")[1] in QUANTIZED:
+                _scheme_linear(layer, scheme, per_token)
+    return pipe(prompt=PROMPTS, negative_prompt=NEGATIVE, height=HEIGHT, width=WIDTH,
+                num_frames=FRAMES, num_inference_steps=STEPS, guidance_scale=5.0,
+                latents=torch.from_numpy(noise), output_type="np").frames  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def scheme_pipeline(tmp_path_factory):
+    """What both modes of the end-to-end test share: the tiny diffusers pipeline, its noise,
+    its full-precision frames, and the executables --quant leaves alone (compiled once)."""
+    folder = tmp_path_factory.mktemp("pipe")
+    save_tiny_diffusers_pipeline(folder)
+    noise = np.random.default_rng(0).standard_normal(
+        (len(PROMPTS), 16, (FRAMES - 1) // 4 + 1, HEIGHT // 8, WIDTH // 8), dtype=np.float32
+    )
+    _, plan = _scheme_plan(folder, "none")
+    unquantized = {
+        program.name: compiled
+        for program, compiled, *_ in compile_plan(
+            plan, frames_dtype="float32", only=UNQUANTIZED_PROGRAMS
+        )
+    }
+    return folder, noise, _diffusers_frames(folder, noise, None, True), unquantized
+
+
 @pytest.mark.parametrize("mode", ["w8a8-int8", "w8a8-fp8"])
-def test_a_w8a8_pipeline_is_its_scheme_end_to_end(tmp_path, mode):
+def test_a_w8a8_pipeline_is_its_scheme_end_to_end(scheme_pipeline, mode):
     """A whole w8a8 pipeline (4 steps with CFG, decoded) against diffusers' WanPipeline whose
     blocks' Linear layers compute the scheme in float64: closer to it than to full precision,
     and a pipeline with one activation scale per tensor (the plausible mistake) is many times
@@ -273,31 +321,24 @@ def test_a_w8a8_pipeline_is_its_scheme_end_to_end(tmp_path, mode):
     0.0014 from the scheme, 0.0011 and 0.0084 from full precision, 0.0127 and 0.0109 from
     per-tensor scales; a 1e-5 relative change of every 8-bit layer's input moves the
     reference itself by 0.0005: a rounding tie flipped spreads.)"""
-    folder = tmp_path / "pipe"
-    save_tiny_diffusers_pipeline(folder)
+    folder, noise, full, unquantized = scheme_pipeline
     s = quant.SCHEMES[mode]
-    noise = np.random.default_rng(0).standard_normal(
-        (len(PROMPTS), 16, (FRAMES - 1) // 4 + 1, HEIGHT // 8, WIDTH // 8), dtype=np.float32
-    )
-
-    def reference(per_token: bool | None) -> np.ndarray:
-        pipe = WanPipeline.from_pretrained(folder, torch_dtype=torch.float32)
-        if per_token is not None:
-            for name, layer in pipe.transformer.blocks.named_modules():
-                if isinstance(layer, torch.nn.Linear) and name.split(".")[1] in QUANTIZED:
-                    _scheme_linear(layer, s, per_token)
-        return pipe(prompt=PROMPTS, negative_prompt=NEGATIVE, height=HEIGHT, width=WIDTH,
-                    num_frames=FRAMES, num_inference_steps=STEPS, guidance_scale=5.0,
-                    latents=torch.from_numpy(noise), output_type="np").frames  # fmt: skip
-
-    config = ModelConfig.from_diffusers(folder, dtype="float32")
-    shape = VideoShape(width=WIDTH, height=HEIGHT, frames=FRAMES, batch=len(PROMPTS))
-    plan = plan_build("tiny-diffusers", config, shape, parse_target("cpu-8"), 8, quant=mode)
-    executables = compile_in_process(plan, frames_dtype="float32")
+    config, plan = _scheme_plan(folder, mode)
+    assert set(unquantized) | set(QUANTIZED_PROGRAMS) == set(plan.key.programs)
+    executables = {
+        **unquantized,
+        **{
+            program.name: compiled
+            for program, compiled, *_ in compile_plan(
+                plan, frames_dtype="float32", only=QUANTIZED_PROGRAMS
+            )
+        },
+    }
     pipe = Pipeline.assemble(executables, folder, plan.key, "in-process", config)
     ours, _ = pipe.generate(PROMPTS, NEGATIVE, steps=STEPS, guidance=5.0, init_noise=noise)
 
-    scheme, mistake, full = reference(True), reference(False), reference(None)
+    scheme = _diffusers_frames(folder, noise, s, per_token=True)
+    mistake = _diffusers_frames(folder, noise, s, per_token=False)
     off = {name: float(np.abs(ours - frames).mean())
            for name, frames in (("scheme", scheme), ("mistake", mistake), ("full", full))}  # fmt: skip
     print(mode, off)
