@@ -257,21 +257,21 @@ def _entry_of(artifacts: Path, program: str) -> Path:
         {
             "text_encode": "sha256",
             "kv_cache": "truncated",
-            "denoise_step": "malformed entry.json",
-            "vae_decode": "entry.json naming ../x",
+            "latents_handoff": "malformed entry.json",
+            "denoise_step": "entry.json naming ../x",
         },
         {
             "text_encode": "symlink",
             "kv_cache": "entry.json a list",
-            "denoise_step": "a pickle, entry.json recomputed",
+            "latents_handoff": "a pickle, entry.json recomputed",
         },
     ],
 )
 def test_a_damaged_store_entry_is_compiled_again(artifacts, damage):
     """Each damaged entry is compiled again and replaced, never reported reused; the sound ones
-    are reused."""
+    are reused. (The damages are the programs' quickest to compile: which program holds one is
+    not what is tested; the template's build is up to date: the sound ones are reused.)"""
     build = the_build(artifacts)
-    assert aot("build", *TINY, "--out", str(artifacts)).returncode == 0  # up to date (wan/ same)
     entries = {program: _entry_of(artifacts, program) for program in damage}
     for program, how in damage.items():
         _damage(entries[program], how)
@@ -293,7 +293,6 @@ def test_a_damaged_store_entry_is_compiled_again(artifacts, damage):
 
 def test_a_store_entry_holding_a_users_file_is_not_replaced(artifacts):
     build = the_build(artifacts)
-    assert aot("build", *TINY, "--out", str(artifacts), "--json").returncode == 0
     entry = _entry_of(artifacts, "kv_cache")
     _replace(entry / "kv_cache.exec", b"damaged")
     (entry / "notes.txt").write_text("mine")
