@@ -5,8 +5,9 @@ MagCache's ratios are first calibrated by our own calibrate mode on this model; 
 and MagCache runs (default settings) alternate in one process, and the denoise phase of each is
 timed side by side, with the steps MagCache skipped.
 
-Deviceless (`--part deviceless`): the Wan 2.1 14B at 1280x720, 81 frames, batch 1, built with
-`--step-cache` for tpu-v6e-8 on this host: the full and the cached step's FLOPs per device, and
+Deviceless (`--part deviceless`): the Wan 2.1 14B at 1280x720, 81 frames, batch 1, the two step
+programs of its `--step-cache` build compiled for tpu-v6e-8 on this host (the build's others
+left out): the full and the cached step's FLOPs per device, and
 the transformer work per video over 50 steps with the shipped Wan 2.1 14B ratios at the default
 settings (the steps run, each at its step lower bound: FLOPs at the chip's peak bf16 rate).
 
@@ -35,6 +36,7 @@ import record  # noqa: E402  (bench/record.py, beside this script)
 
 BIN = Path(sys.executable).parent
 PROMPT = "a red cat running in the rain"
+STEP_PROGRAMS = ("cache_step", "cached_step")  # the full step and the cached one
 # Each part's preset, resolution, frames and steps (what docs/benchmarks.md quotes).
 DEFAULTS = {
     "measured": ("small", "320x192", 17, 20),
@@ -100,25 +102,48 @@ def measured(
     }  # fmt: skip
 
 
-def deviceless(model: str, shape: list[str], steps: int) -> dict:
-    """Full vs cached step FLOPs of a tpu-v6e-8 build (the 14B at 720p), and MagCache's
-    transformer work per video with the shipped Wan 2.1 14B ratios."""
-    from runtime.builds.artifact import read_manifest
-    from runtime.generation.step_cache import MagCache, MagCacheSettings, shipped_mag_ratios
+def deviceless(model: str, res: str, frames: int, steps: int) -> dict:
+    """Full vs cached step FLOPs of a tpu-v6e-8 `--step-cache` build (the 14B at 720p), and
+    MagCache's transformer work per video with the shipped Wan 2.1 14B ratios. Only the two
+    step programs are compiled, planned and counted as `aot build --step-cache` does
+    (aot.building.entries): the build's others, its VAE decode the longest compile, decide no
+    figure here."""
+    from aot import targets
 
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = _build(model, shape, "tpu-v6e-8", Path(tmp))
-        manifest = read_manifest(folder)
-    full, cached = (manifest.programs[n] for n in ("cache_step", "cached_step"))
-    full_flops, cached_flops = (p.flops + p.kernel_flops for p in (full, cached))
+    target = targets.parse_target("tpu-v6e-8")
+    targets.prepare_environment(target)
+    from aot import hlo
+    from aot.building import analyses
+    from aot.building import plan as planner
+    from aot.building.entries import memory_stats
+    from aot.building.lower import compile_plan
+    from aot.hlo import cost as hlo_cost
+    from runtime.builds.build_options import OPTIONS
+    from runtime.generation.step_cache import MagCache, MagCacheSettings, shipped_mag_ratios
+    from wan.configs import VideoShape
+    from wan.presets import resolve_model
+
+    devices = targets.devices(target)
+    width, height = (int(side) for side in res.split("x"))
+    options = planner.resolve_options({**{o.name: o.default for o in OPTIONS.values()},
+                                       "step_cache": True})  # fmt: skip
+    plan = planner.plan_build(model, resolve_model(model), VideoShape(width, height, frames, 1),
+                              target, len(devices), **options)  # fmt: skip
+    flops, peak_bytes = {}, {}
+    for program, compiled, *_ in compile_plan(plan, only=STEP_PROGRAMS):
+        module = hlo.parse(compiled.as_text())
+        kernel = analyses.recorded(plan, program, module).get("kernel_flops", 0.0)
+        flops[program.name] = hlo_cost.flops(module) + kernel
+        peak_bytes[program.name] = memory_stats(compiled)["peak"]
+    full_flops, cached_flops = (flops[n] for n in STEP_PROGRAMS)
     ratios = shipped_mag_ratios("wan2.1-t2v-14b", ["transformer"])
     cache = MagCache(MagCacheSettings(), ratios["transformer"], steps)
     skipped = [i for i in range(steps) if cache.skip_next()]
-    peak = manifest.peak_flops
+    peak = targets.peak_flops(target, devices[0].device_kind)
     uncached_seconds = steps * full_flops / peak
     cached_seconds = ((steps - len(skipped)) * full_flops + len(skipped) * cached_flops) / peak
     return {
-        "model": model, "shape": " ".join(shape), "target": "tpu-v6e-8",
+        "model": model, "shape": f"--res {res} --frames {frames} --batch 1", "target": target.name,
         "steps": steps, "full_step_tflop_per_device": round(full_flops / 1e12, 3),
         "cached_step_tflop_per_device": round(cached_flops / 1e12, 4),
         "peak_tflops_per_device": round(peak / 1e12, 1),
@@ -127,8 +152,7 @@ def deviceless(model: str, shape: list[str], steps: int) -> dict:
         "transformer_seconds_lower_bound_magcache": round(cached_seconds, 2),
         "work_ratio": round(uncached_seconds / cached_seconds, 3),
         "peak_memory_per_device_gib": {
-            n: round(manifest.programs[n].memory["peak"] / 2**30, 2)
-            for n in ("cache_step", "cached_step")
+            n: round(peak_bytes[n] / 2**30, 2) for n in STEP_PROGRAMS
         },
     }  # fmt: skip
 
@@ -158,7 +182,7 @@ def main() -> None:
     if args.part == "measured":
         row = measured(model, shape, args.repeats, steps, args.weights, args.artifacts)
     else:
-        row = deviceless(model, shape, steps)
+        row = deviceless(model, res, frames, steps)
     command = shlex.join(["python", "bench/step_cache.py", *sys.argv[1:]])
     record.save(args.out, {"command": command, **row})
     print(row)
