@@ -428,6 +428,21 @@ def test_chip_decode(tmp_path, tiny_build, tiny_weights):
     assert "| plain | default | " in table
 
 
+def test_chip_decode_forms(tmp_path):
+    """The decode written as the model writes it, as it was written before sitting 10, and with
+    the Pallas norm (interpret mode here): each compiled and timed, the frames alike (a CPU trace
+    has no device plane to sum), the table from the file."""
+    bench("chip_decode_forms.py", "--model", "tiny", *MIN, "--runs", "1",
+          "--forms", "written", "fp32_apply_norm", "pallas_norm", "--out", tmp_path)  # fmt: skip
+    found = json.loads((tmp_path / "decode_forms.json").read_text())["rows"]
+    assert [r["form"] for r in found] == ["written", "fp32_apply_norm", "pallas_norm"]
+    assert all(r["decode_s"]["runs"] == 1 and r["compile_s"] > 0 for r in found)
+    means = [r["frames_mean"] for r in found]
+    assert max(means) - min(means) < 0.5 and means[0] > 0  # frames in 0-255
+    table = bench("chip_decode_forms.py", "--markdown", tmp_path / "decode_forms.json").stdout
+    assert "| pallas_norm | " in table
+
+
 def test_mp4_write(tmp_path):
     """The write phase by what the frames hold: noise costs the encoder more bytes than a
     moving gradient, both written and timed."""
