@@ -9,6 +9,7 @@ interruption (SIGINT, SIGTERM) leaves neither a partial output nor a temporary f
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import math
 import os
@@ -91,11 +92,26 @@ def check_writable(path: Path, option: str) -> None:
         parent = parent.parent
     if not parent.is_dir():
         raise OutputError(f"{option} {path}: {parent} is a file, not a folder")
-    probe = _temporary_path(parent, ".write-probe")
     try:
-        _create_empty(probe)
+        _probe(parent)
     except OSError as e:
         raise OutputError(f"{option} {path}: {parent} is not writable ({e.strerror})") from None
+
+
+def _probe(folder: Path) -> None:
+    """Make a file in `folder` and remove it: an unnamed one (O_TMPFILE) where the filesystem
+    can, which no signal or kill can leave behind (a SIGTERM landing between a named probe's
+    creation and its removal left it there); else a named one, removed at once."""
+    if (unnamed := getattr(os, "O_TMPFILE", None)) is not None:
+        try:
+            os.close(os.open(folder, unnamed | os.O_WRONLY, 0o600))
+            return
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                raise
+    probe = _temporary_path(folder, ".write-probe")
+    try:
+        _create_empty(probe)
     finally:
         probe.unlink(missing_ok=True)
 
