@@ -98,14 +98,8 @@ def main() -> None:
     if args.markdown:
         print(markdown(record.sitting_rows(args.markdown)))
         return
-    args.out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for spec in args.variant:
-        name, _, build = spec.partition("=")
-        rows.append(run_variant(args, name, build))
-        print(markdown(rows[-1:]).splitlines()[-1], flush=True)
-        record.save_sitting(args.out / "decode.json", rows)
-    print(markdown(rows))
+    rows = (run_variant(args, *spec.partition("=")[::2]) for spec in args.variant)
+    record.run_sitting(args.out / "decode.json", rows, markdown)
 
 
 if __name__ == "__main__":

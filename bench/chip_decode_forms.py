@@ -133,21 +133,15 @@ def traced_program(args: argparse.Namespace, form: str) -> programs.Program:
 
 def ops_by_kind(xspace: Path, top: int) -> tuple[dict[str, float], dict[str, list]]:
     """Device ms per kind of one traced call, and each kind's heaviest ops."""
-    data = jax.profiler.ProfileData.from_file(str(xspace))
-    planes = [p for p in data.planes if p.name.startswith("/device:TPU")]
-    ns: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
-    for line in planes[0].lines if planes else []:
-        for event in line.events if line.name == "XLA Ops" else []:
-            if not chip_profile.CONTAINERS.search(event.name):
-                ns[event.name][0] += event.duration_ns
-                ns[event.name][1] += 1
+    _, ops = chip_profile.device_ops(xspace)
     totals: dict[str, float] = collections.defaultdict(float)
     heaviest: dict[str, list] = collections.defaultdict(list)
-    for name, (total, count) in sorted(ns.items(), key=lambda kv: -kv[1][0]):
+    for name, op in sorted(ops.items(), key=lambda kv: -kv[1]["ns"]):
         kind = chip_profile.kind_of(name)
-        totals[kind] += total / 1e6
+        totals[kind] += op["ns"] / 1e6
         if len(heaviest[kind]) < top:
-            heaviest[kind].append({"ms": round(total / 1e6, 1), "count": count, "op": name[:240]})
+            entry = {"ms": round(op["ns"] / 1e6, 1), "count": op["count"], "op": name[:240]}
+            heaviest[kind].append(entry)
     return {k: round(v, 1) for k, v in totals.items()}, dict(heaviest)
 
 
@@ -211,14 +205,9 @@ def main() -> None:
     if args.markdown:
         print(markdown(record.sitting_rows(args.markdown)))
         return
-    args.out.mkdir(parents=True, exist_ok=True)
     params_host = random_params(PRESETS[args.model], "vae", 0)
-    rows = []
-    for form in args.forms:
-        rows.append(run_form(args, form, params_host))
-        print(markdown(rows[-1:]).splitlines()[-1], flush=True)
-        record.save_sitting(args.out / "decode_forms.json", rows)
-    print(markdown(rows))
+    rows = (run_form(args, form, params_host) for form in args.forms)
+    record.run_sitting(args.out / "decode_forms.json", rows, markdown)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
 import record  # bench/record.py, beside this script
@@ -54,15 +55,15 @@ def kind_of(name: str) -> str:
     return next((kind for kind, pattern in KINDS if pattern.search(name)), "other")
 
 
-def summarize(xspace: Path, steps: int) -> dict:
-    """Device op time per kind and the heaviest ops, per traced step."""
+def device_ops(xspace: Path) -> tuple[Any, dict[str, dict]]:
+    """The trace's device plane (None for a CPU run: its ops are host threads) and its XLA ops by
+    name, each with its summed ns, count and first event's stats (control flow left out)."""
     data = jax.profiler.ProfileData.from_file(str(xspace))
     planes = [p for p in data.planes if p.name.startswith("/device:")]
-    if not planes:  # a CPU run: its ops are host threads, not summed here
-        return {"plane": None, "planes": [p.name for p in data.planes]}
+    if not planes:
+        return None, {}
     plane = next((p for p in planes if "TPU" in p.name), planes[0])
     ops: dict[str, dict] = collections.defaultdict(lambda: {"ns": 0, "count": 0})
-    lines = [line.name for line in plane.lines]
     for line in plane.lines:
         if line.name != "XLA Ops":
             continue
@@ -73,6 +74,16 @@ def summarize(xspace: Path, steps: int) -> dict:
             op["ns"] += event.duration_ns
             op["count"] += 1
             op.setdefault("stats", _stats(event))
+    return plane, dict(ops)
+
+
+def summarize(xspace: Path, steps: int) -> dict:
+    """Device op time per kind and the heaviest ops, per traced step."""
+    plane, ops = device_ops(xspace)
+    if plane is None:
+        data = jax.profiler.ProfileData.from_file(str(xspace))
+        return {"plane": None, "planes": [p.name for p in data.planes]}
+    lines = [line.name for line in plane.lines]
     by_kind: dict[str, float] = collections.defaultdict(float)
     for name, op in ops.items():
         op["kind"] = kind_of(name)

@@ -10,7 +10,7 @@ import shlex
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 
@@ -54,6 +54,18 @@ def save_sitting(path: Path, rows: list[dict], **extra: object) -> None:
         "command": shlex.join(sys.argv), "date": time.strftime("%Y-%m-%d"), "commit": commit(),
         **extra, "rows": rows,
     }, indent=1))  # fmt: skip
+
+
+def run_sitting(path: Path, rows: Iterable[dict], markdown: Callable[[list[dict]], str]) -> None:
+    """A sitting's rows as they are made: each one's table line printed and the file rewritten
+    (`save_sitting`), then the whole table."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    done: list[dict] = []
+    for row in rows:
+        done.append(row)
+        print(markdown(done[-1:]).splitlines()[-1], flush=True)
+        save_sitting(path, done)
+    print(markdown(done))
 
 
 def sitting_rows(paths: Sequence[Path]) -> list[dict]:
