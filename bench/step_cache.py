@@ -105,19 +105,16 @@ def measured(
 def deviceless(model: str, res: str, frames: int, steps: int) -> dict:
     """Full vs cached step FLOPs of a tpu-v6e-8 `--step-cache` build (the 14B at 720p), and
     MagCache's transformer work per video with the shipped Wan 2.1 14B ratios. Only the two
-    step programs are compiled, planned and counted as `aot build --step-cache` does
-    (aot.building.entries): the build's others, its VAE decode the longest compile, decide no
-    figure here."""
+    step programs are planned, compiled and given their manifest entries as `aot build
+    --step-cache` does (aot.building.entries.program_entry): the build's others, its VAE decode
+    the longest compile, decide no figure here."""
     from aot import targets
 
     target = targets.parse_target("tpu-v6e-8")
     targets.prepare_environment(target)
-    from aot import hlo
-    from aot.building import analyses
     from aot.building import plan as planner
-    from aot.building.entries import memory_stats
-    from aot.building.lower import compile_plan
-    from aot.hlo import cost as hlo_cost
+    from aot.building.entries import program_entry
+    from aot.building.lower import compile_lowered, lower_plan
     from runtime.builds.build_options import OPTIONS
     from runtime.generation.step_cache import MagCache, MagCacheSettings, shipped_mag_ratios
     from wan.configs import VideoShape
@@ -130,11 +127,12 @@ def deviceless(model: str, res: str, frames: int, steps: int) -> dict:
     plan = planner.plan_build(model, resolve_model(model), VideoShape(width, height, frames, 1),
                               target, len(devices), **options)  # fmt: skip
     flops, peak_bytes = {}, {}
-    for program, compiled, *_ in compile_plan(plan, only=STEP_PROGRAMS):
-        module = hlo.parse(compiled.as_text())
-        kernel = analyses.recorded(plan, program, module).get("kernel_flops", 0.0)
-        flops[program.name] = hlo_cost.flops(module) + kernel
-        peak_bytes[program.name] = memory_stats(compiled)["peak"]
+    with tempfile.TemporaryDirectory() as folder:
+        for lowered in lower_plan(plan, only=STEP_PROGRAMS):  # their manifest entries, as built
+            compiled, seconds, rss = compile_lowered(lowered, lowered.program.name, None)
+            entry = program_entry(plan, Path(folder), lowered, compiled, seconds, rss)
+            flops[entry.name] = entry.flops + entry.kernel_flops
+            peak_bytes[entry.name] = entry.memory["peak"]
     full_flops, cached_flops = (flops[n] for n in STEP_PROGRAMS)
     ratios = shipped_mag_ratios("wan2.1-t2v-14b", ["transformer"])
     cache = MagCache(MagCacheSettings(), ratios["transformer"], steps)
