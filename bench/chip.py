@@ -126,7 +126,7 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = record.sitting_parser(__doc__)
     parser.add_argument("--artifacts", type=Path)
     parser.add_argument("--weights", type=Path)
     parser.add_argument("--res", default="832x480")
@@ -141,13 +141,8 @@ def main() -> None:
         metavar="NAME=BUILD [RUN OPTIONS]",
         help="a build folder of --artifacts and the `runtime run` options it runs with",
     )
-    parser.add_argument("--out", type=Path)
-    parser.add_argument(
-        "--markdown", type=Path, nargs="+", help="print the table of these chip.json files' rows"
-    )
     args = parser.parse_args()
-    if args.markdown:
-        print(markdown(record.sitting_rows(args.markdown)))
+    if record.printed_kept(args, markdown):
         return
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []

@@ -87,16 +87,13 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = record.sitting_parser(__doc__)
     parser.add_argument("--artifacts", type=Path)
     parser.add_argument("--weights", type=Path)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=BUILD")
-    parser.add_argument("--out", type=Path)
-    parser.add_argument("--markdown", type=Path, nargs="+", help="print these files' table")
     args = parser.parse_args()
-    if args.markdown:
-        print(markdown(record.sitting_rows(args.markdown)))
+    if record.printed_kept(args, markdown):
         return
     rows = (run_variant(args, *spec.partition("=")[::2]) for spec in args.variant)
     record.run_sitting(args.out / "decode.json", rows, markdown)

@@ -192,18 +192,15 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = record.sitting_parser(__doc__)
     parser.add_argument("--model", default="wan2.1-t2v-1.3b", choices=sorted(PRESETS))
     parser.add_argument("--res", default="832x480")
     parser.add_argument("--frames", type=int, default=81)
     parser.add_argument("--forms", nargs="+", default=list(FORMS), choices=list(FORMS))
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--top", type=int, default=6, help="heaviest ops kept per kind")
-    parser.add_argument("--out", type=Path)
-    parser.add_argument("--markdown", type=Path, nargs="+", help="print these files' table")
     args = parser.parse_args()
-    if args.markdown:
-        print(markdown(record.sitting_rows(args.markdown)))
+    if record.printed_kept(args, markdown):
         return
     params_host = random_params(PRESETS[args.model], "vae", 0)
     rows = (run_form(args, form, params_host) for form in args.forms)

@@ -3,6 +3,7 @@ a table can be filled in several sittings and every row names the command that r
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -71,6 +72,22 @@ def run_sitting(path: Path, rows: Iterable[dict], markdown: Callable[[list[dict]
 def sitting_rows(paths: Sequence[Path]) -> list[dict]:
     """The rows of several sittings' files, in order."""
     return [row for path in paths for row in json.loads(Path(path).read_text())["rows"]]
+
+
+def sitting_parser(doc: str) -> argparse.ArgumentParser:
+    """A device sitting script's command line, its own options to be added: --out DIR (where
+    its results file goes) and --markdown FILE... (print those kept files' table instead)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--markdown", type=Path, nargs="+", help="print these files' table")
+    return parser
+
+
+def printed_kept(args: argparse.Namespace, markdown: Callable[[list[dict]], str]) -> bool:
+    """Whether --markdown was given; if so, its files' table is printed (nothing runs)."""
+    if args.markdown:
+        print(markdown(sitting_rows(args.markdown)))
+    return bool(args.markdown)
 
 
 def commit() -> str | None:
